@@ -1,0 +1,258 @@
+"""Load a PEFT LoRA adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+Only safetensors are read: pickle-based weight files are refused, never opened.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from loraplex.engine.lora.errors import (
+    AdapterConfigError,
+    AdapterFormatError,
+    AdapterNotFoundError,
+    AdapterRankError,
+    AdapterShapeError,
+    AdapterTargetError,
+)
+from loraplex.engine.lora.peft_config import PeftLoRAConfig, parse_peft_config
+from loraplex.engine.model.config import LORA_MODULES, ModelConfig
+
+__all__ = ["LoRAWeights", "LoRAAdapter", "load_adapter", "base_module_name", "CONFIG_FILE"]
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_PARENT = {
+    m: "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn" for m in LORA_MODULES
+}
+_MODULE_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
+# Base modules that are linear but never LoRA targets here.
+_OTHER_MODULES = ("lm_head", "model.embed_tokens")
+
+
+@dataclass(frozen=True)
+class LoRAWeights:
+    a: torch.Tensor  # (r, in)
+    b: torch.Tensor  # (out, r), LoRA scale already folded in
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    path: str
+    config: PeftLoRAConfig
+    weights: dict[tuple[int, str], LoRAWeights]  # (layer index, module short name)
+
+    @property
+    def rank(self) -> int:
+        """Largest rank over all modules."""
+        return max((w.a.shape[0] for w in self.weights.values()), default=0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values())
+
+
+def base_module_name(layer: int, module: str) -> str:
+    """Full PEFT-style name of a base LoRA module, e.g. ``model.layers.0.self_attn.q_proj``."""
+    return f"model.layers.{layer}.{_PARENT[module]}.{module}"
+
+
+def _resolve_module(name: str, num_layers: int) -> tuple[int, str]:
+    m = _MODULE_RE.fullmatch(name)
+    if m is None or m.group(3) not in LORA_MODULES or _PARENT[m.group(3)] != m.group(2):
+        raise AdapterTargetError(
+            f"adapter weights target module {name!r}, which is not a LoRA module of the base "
+            f"(supported: {', '.join(LORA_MODULES)})",
+            field=name,
+        )
+    layer = int(m.group(1))
+    if layer >= num_layers:
+        raise AdapterTargetError(
+            f"adapter weights target {name!r}: layer {layer} >= num_layers {num_layers}", field=name
+        )
+    return layer, m.group(3)
+
+
+def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
+    """``base_model.model.<module>.lora_A[.<adapter>].weight`` -> (layer, module, "A" or "B")."""
+    parts = key.removeprefix("base_model.model.").split(".")
+    i = next((j for j, p in enumerate(parts) if p.startswith("lora_")), None)
+    if i is None:  # a full weight, e.g. modules_to_save's lm_head.weight
+        module = ".".join(parts[:-1] if parts[-1] in ("weight", "bias") else parts)
+    else:
+        module = ".".join(parts[:i])
+    layer, short = _resolve_module(module, num_layers)
+    rest = parts[i + 1 :] if i is not None else []
+    if (
+        i is None
+        or parts[i] not in ("lora_A", "lora_B")
+        or rest[-1:] != ["weight"]
+        or len(rest) > 2
+    ):
+        raise AdapterFormatError(
+            f"{WEIGHTS_FILE}: tensor {key!r} is not a LoRA A/B weight (only plain LoRA is supported)",
+            field=key,
+        )
+    return layer, short, parts[i][-1]
+
+
+def _check_targets(config: PeftLoRAConfig, mc: ModelConfig) -> None:
+    names = [base_module_name(i, m) for i in range(mc.num_layers) for m in LORA_MODULES]
+    tm = config.target_modules
+    if isinstance(tm, str):
+        bad = [n for n in _OTHER_MODULES if config.targets(n)]
+        if bad or not any(config.targets(n) for n in names):
+            raise AdapterTargetError(
+                f"adapter_config.json: target_modules regex {tm!r} "
+                + (f"matches {bad[0]!r}" if bad else "matches no LoRA module of the base"),
+                field="target_modules",
+            )
+    else:
+        for t in tm:
+            if not any(n == t or n.endswith("." + t) for n in names):
+                raise AdapterTargetError(
+                    f"adapter_config.json: target_modules names {t!r}, which the base has no "
+                    f"LoRA module for (supported: {', '.join(LORA_MODULES)})",
+                    field="target_modules",
+                )
+    for idx in config.layers_to_transform or ():
+        if idx >= mc.num_layers:
+            raise AdapterTargetError(
+                f"adapter_config.json: layers_to_transform has {idx} >= num_layers {mc.num_layers}",
+                field="layers_to_transform",
+            )
+
+
+def _read_config(folder: Path) -> PeftLoRAConfig:
+    p = folder / CONFIG_FILE
+    if not p.is_file():
+        raise AdapterConfigError(f"no {CONFIG_FILE} in {folder}", field=CONFIG_FILE)
+    try:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterConfigError(
+            f"{CONFIG_FILE} is not valid JSON: {e}", field=CONFIG_FILE
+        ) from None
+    return parse_peft_config(raw)
+
+
+def _weights_file(folder: Path) -> Path:
+    p = folder / WEIGHTS_FILE
+    if p.is_file():
+        return p
+    pickles = sorted(f.name for f in folder.iterdir() if f.name.endswith(_PICKLE_SUFFIXES))
+    if pickles:
+        raise AdapterFormatError(
+            f"{folder} has {', '.join(pickles)} but no {WEIGHTS_FILE}: safetensors is required "
+            "(pickle-based weight files are never loaded)",
+            field=WEIGHTS_FILE,
+        )
+    if not (folder / CONFIG_FILE).exists():
+        raise AdapterNotFoundError(
+            f"{folder} holds no adapter (no {CONFIG_FILE}, no {WEIGHTS_FILE})"
+        )
+    raise AdapterFormatError(f"no {WEIGHTS_FILE} in {folder}", field=WEIGHTS_FILE)
+
+
+def _index(
+    f: safe_open, config: PeftLoRAConfig, mc: ModelConfig
+) -> dict[tuple[int, str], dict[str, str]]:
+    """Map (layer, module) -> {"A": key, "B": key} from the header; no tensor data is read."""
+    found: dict[tuple[int, str], dict[str, str]] = {}
+    for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+        layer, module, ab = _parse_key(key, mc.num_layers)
+        full = base_module_name(layer, module)
+        if not config.targets(full):
+            raise AdapterTargetError(
+                f"{WEIGHTS_FILE}: tensor {key!r} is for {full!r}, which {CONFIG_FILE} does not target",
+                field=key,
+            )
+        pair = found.setdefault((layer, module), {})
+        if ab in pair:
+            raise AdapterFormatError(
+                f"{WEIGHTS_FILE}: two lora_{ab} tensors for {full!r}", field=key
+            )
+        pair[ab] = key
+    for (layer, module), pair in found.items():
+        if len(pair) != 2:
+            missing = "lora_B" if "A" in pair else "lora_A"
+            key = next(iter(pair.values()))
+            raise AdapterShapeError(
+                f"{WEIGHTS_FILE}: {base_module_name(layer, module)!r} has {key!r} but no {missing}",
+                field=key,
+            )
+    if not found:
+        raise AdapterFormatError(f"{WEIGHTS_FILE} holds no LoRA weights", field=WEIGHTS_FILE)
+    return found
+
+
+def _check_pair(
+    f: safe_open, pair: dict[str, str], r: int, in_out: tuple[int, int], max_rank: int
+) -> None:
+    """Check dtype, shapes (A: (r, in), B: (out, r)) and rank against the limit."""
+    d_in, d_out = in_out
+    for ab, want in (("A", [r, d_in]), ("B", [d_out, r])):
+        key = pair[ab]
+        sl = f.get_slice(key)
+        if sl.get_dtype() not in _DTYPES:
+            raise AdapterShapeError(
+                f"{WEIGHTS_FILE}: tensor {key!r} has dtype {sl.get_dtype()}; "
+                f"only {', '.join(_DTYPES)} are supported",
+                field=key,
+            )
+        got = list(sl.get_shape())
+        if got != want:
+            raise AdapterShapeError(
+                f"{WEIGHTS_FILE}: tensor {key!r} has shape {tuple(got)}, expected {tuple(want)}",
+                field=key,
+            )
+    if r > max_rank:
+        raise AdapterRankError(
+            f"adapter rank {r} (tensor {pair['A']!r}) is above max_lora_rank {max_rank}",
+            field=pair["A"],
+        )
+
+
+def load_adapter(
+    path: str | Path,
+    model_config: ModelConfig,
+    *,
+    max_lora_rank: int,
+    name: str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> LoRAAdapter:
+    """Read, check and load an adapter folder; tensors come back on CPU in ``dtype``."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise AdapterNotFoundError(f"adapter folder {str(path)!r} does not exist")
+    wfile = _weights_file(folder)
+    config = _read_config(folder)
+    _check_targets(config, model_config)
+    shapes = model_config.lora_module_shapes()
+    weights: dict[tuple[int, str], LoRAWeights] = {}
+    try:
+        with safe_open(str(wfile), framework="pt") as f:
+            found = _index(f, config, model_config)
+            order = sorted(found, key=lambda lm: (lm[0], LORA_MODULES.index(lm[1])))
+            for layer, module in order:  # check every header first, then read data
+                r = config.rank_for(base_module_name(layer, module))
+                _check_pair(f, found[(layer, module)], r, shapes[module], max_lora_rank)
+            for layer, module in order:
+                full, pair = base_module_name(layer, module), found[(layer, module)]
+                a = f.get_tensor(pair["A"])
+                b = f.get_tensor(pair["B"]).float() * config.scale_for(full)  # fold in f32
+                weights[(layer, module)] = LoRAWeights(
+                    a=a.to(dtype).contiguous(), b=b.to(dtype).contiguous()
+                )
+    except (SafetensorError, OSError) as e:
+        raise AdapterFormatError(f"{wfile} cannot be read: {e}", field=WEIGHTS_FILE) from None
+    return LoRAAdapter(name=name or folder.name, path=str(folder), config=config, weights=weights)

@@ -1,0 +1,85 @@
+"""Linear layers with slot-stacked LoRA buffers.
+
+A ``LoRALinear`` is one base projection, possibly fused from several original modules
+(qkv = q, k, v; gate_up = gate, up). Its LoRA state is one buffer pair for all slots:
+
+    lora_a: (S, L, R, in)        S slices, L slots, R = max_lora_rank (zero beyond each rank)
+    lora_b: (L, N_total, R)      slice s owns rows slice_offsets[s] : slice_offsets[s+1]
+
+forward(x) = x W^T (+ bias), then each token adds its slot's delta (scale folded into B).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.engine.lora.mapping import LoRAMapping
+from loraplex.engine.lora.ops import add_lora
+
+__all__ = ["LoRALinear"]
+
+
+class LoRALinear(torch.nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        slices: dict[str, int],
+        *,
+        bias: bool,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.slice_names = tuple(slices)
+        offsets = [0]
+        for width in slices.values():
+            offsets.append(offsets[-1] + width)
+        self.slice_offsets = tuple(offsets)
+        self.out_features = offsets[-1]
+        kw = {"dtype": dtype, "device": device}
+        self.weight = torch.nn.Parameter(torch.empty(self.out_features, in_features, **kw), False)
+        self.bias = torch.nn.Parameter(torch.empty(self.out_features, **kw), False) if bias else None
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        if max_loras > 0:
+            s = len(slices)
+            self.register_buffer("lora_a", torch.zeros(s, max_loras, max_rank, in_features, **kw))
+            self.register_buffer("lora_b", torch.zeros(max_loras, self.out_features, max_rank, **kw))
+        else:
+            self.lora_a = None
+            self.lora_b = None
+
+    def slice_index(self, module: str) -> int:
+        return self.slice_names.index(module)
+
+    def set_lora(self, slot: int, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Write one module's A (r, in) and scaled B (out, r) into ``slot``."""
+        assert self.lora_a is not None and self.lora_b is not None
+        s = self.slice_index(module)
+        r = a.shape[0]
+        lo, hi = self.slice_offsets[s], self.slice_offsets[s + 1]
+        self.lora_a[s, slot, :r].copy_(a, non_blocking=True)
+        self.lora_a[s, slot, r:].zero_()
+        self.lora_b[slot, lo:hi, :r].copy_(b, non_blocking=True)
+        self.lora_b[slot, lo:hi, r:].zero_()
+
+    def reset_lora(self, slot: int, module: str | None = None) -> None:
+        """Zero one module's slice of ``slot`` (or every slice when module is None)."""
+        assert self.lora_a is not None and self.lora_b is not None
+        if module is None:
+            self.lora_a[:, slot].zero_()
+            self.lora_b[slot].zero_()
+            return
+        s = self.slice_index(module)
+        self.lora_a[s, slot].zero_()
+        self.lora_b[slot, self.slice_offsets[s] : self.slice_offsets[s + 1]].zero_()
+
+    def forward(self, x: torch.Tensor, mapping: LoRAMapping | None) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)  # (T, N_total)
+        if mapping is not None and mapping.has_lora and self.lora_a is not None:
+            add_lora(y, x, self.lora_a, self.lora_b, self.slice_offsets, mapping)
+        return y

@@ -1,0 +1,127 @@
+"""Base-model configuration read from a HF ``config.json`` (Llama, Mistral, Qwen2)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ModelConfig", "LORA_MODULES", "ModelConfigError"]
+
+# NOTE: the order is the order of slices in the fused layers: qkv = (q, k, v), gate_up = (gate, up).
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+
+
+class ModelConfigError(ValueError):
+    """config.json is missing, malformed or describes an unsupported architecture."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    mlp_bias: bool = False
+    o_bias: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def lora_module_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of every LoRA-targetable module of one layer."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (h, self.q_size),
+            "k_proj": (h, self.kv_size),
+            "v_proj": (h, self.kv_size),
+            "o_proj": (self.q_size, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    @staticmethod
+    def from_dict(cfg: dict[str, Any]) -> ModelConfig:
+        mtype = cfg.get("model_type")
+        if mtype not in SUPPORTED_TYPES:
+            raise ModelConfigError(
+                f"model_type {mtype!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})"
+            )
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5
+            scaling = cfg.get("rope_scaling") or None
+            if scaling is None and rope.get("rope_type", "default") != "default":
+                scaling = rope
+            theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+            if scaling is not None:
+                scaling = dict(scaling)
+                kind = scaling.get("rope_type", scaling.get("type", "default"))
+                if kind == "default":
+                    scaling = None
+                elif kind not in ("llama3", "linear"):
+                    raise ModelConfigError(f"rope_scaling type {kind!r} is not supported")
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+            return ModelConfig(
+                model_type=mtype,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=head_dim,
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qkv_bias=mtype == "qwen2" or bool(cfg.get("attention_bias", False)),
+                o_bias=mtype != "qwen2" and bool(cfg.get("attention_bias", False)),
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                rope_scaling=scaling,
+                sliding_window=int(window) if window else None,
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+                raw=cfg,
+            )
+        except KeyError as e:
+            raise ModelConfigError(f"config.json lacks required field {e.args[0]!r}") from None
+
+    @staticmethod
+    def from_dir(path: str | Path) -> ModelConfig:
+        p = Path(path) / "config.json"
+        try:
+            cfg = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise ModelConfigError(f"no config.json in {path}") from None
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"config.json is not valid JSON: {e}") from None
+        return ModelConfig.from_dict(cfg)

@@ -1,0 +1,153 @@
+"""Llama-family decoder (Llama incl. Llama-3 rope scaling, Mistral, Qwen2) with LoRA slots.
+
+Projections are fused (qkv, gate_up) for one base GEMM each; LoRA still applies per original
+module because each fused layer keeps one slice per module. The forward works on a flat batch
+of T tokens from many sequences (varlen), reading and writing a paged KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.engine.lora.layers import LoRALinear
+from loraplex.engine.lora.mapping import LoRAMapping
+from loraplex.engine.model.attention import (
+    AttentionMetadata,
+    paged_attention_reference,
+    write_kv,
+)
+from loraplex.engine.model.config import ModelConfig
+from loraplex.engine.model.rope import RotaryEmbedding
+
+__all__ = ["LlamaForCausalLM", "RMSNorm"]
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.empty(size, dtype=dtype, device=device), False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, lora_kw: dict, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.cfg = cfg
+        self.qkv_proj = LoRALinear(
+            h,
+            {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size},
+            bias=cfg.qkv_bias,
+            **lora_kw,
+        )
+        self.o_proj = LoRALinear(cfg.q_size, {"o_proj": h}, bias=cfg.o_bias, **lora_kw)
+        self.gate_up_proj = LoRALinear(
+            h,
+            {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size},
+            bias=cfg.mlp_bias,
+            **lora_kw,
+        )
+        self.down_proj = LoRALinear(
+            cfg.intermediate_size, {"down_proj": h}, bias=cfg.mlp_bias, **lora_kw
+        )
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.scale = cfg.head_dim**-0.5
+
+    def lora_linears(self) -> dict[str, LoRALinear]:
+        """Original module name -> the fused layer holding its slice."""
+        out: dict[str, LoRALinear] = {}
+        for layer in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj):
+            for name in layer.slice_names:
+                out[name] = layer
+        return out
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        mapping: LoRAMapping | None,
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        t = x.shape[0]
+        h = self.input_layernorm(x)
+        qkv = self.qkv_proj(h, mapping)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        q, k = rope(positions, q, k)
+        write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
+        attn = paged_attention_reference(q, kv[0], kv[1], meta, self.scale, cfg.sliding_window)
+        x = x + self.o_proj(attn.reshape(t, cfg.q_size), mapping)
+        h = self.post_attention_layernorm(x)
+        gate, up = self.gate_up_proj(h, mapping).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up, mapping)
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        lora_kw = {
+            "max_loras": max_loras,
+            "max_rank": max_lora_rank,
+            "dtype": dtype,
+            "device": device,
+        }
+        kw = {"dtype": dtype, "device": device}
+        self.embed_tokens = torch.nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), False)
+        self.layers = torch.nn.ModuleList(
+            DecoderLayer(cfg, lora_kw, dtype, device) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = torch.nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), False)
+        self.rope = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device
+        )
+
+    def lora_linears(self) -> Iterator[tuple[int, dict[str, LoRALinear]]]:
+        for i, layer in enumerate(self.layers):
+            yield i, layer.lora_linears()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        mapping: LoRAMapping | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: (T,). Returns final hidden states (T, hidden)."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, kv, meta, mapping, self.rope)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) float32."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,1 @@
+"""Shared test helpers: tiny models, PEFT adapters (models.py) and tokenizers (tokenizers.py)."""
