@@ -32,7 +32,11 @@ class AttentionMetadata:
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     """Scatter new keys/values (T, Hkv, D) into the paged cache."""
     hkv, d = k.shape[1], k.shape[2]

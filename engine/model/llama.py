@@ -117,7 +117,9 @@ class LlamaForCausalLM(torch.nn.Module):
             "device": device,
         }
         kw = {"dtype": dtype, "device": device}
-        self.embed_tokens = torch.nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), False)
+        self.embed_tokens = torch.nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), False
+        )
         self.layers = torch.nn.ModuleList(
             DecoderLayer(cfg, lora_kw, dtype, device) for _ in range(cfg.num_layers)
         )
@@ -125,7 +127,9 @@ class LlamaForCausalLM(torch.nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
-            self.lm_head = torch.nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), False)
+            self.lm_head = torch.nn.Parameter(
+                torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), False
+            )
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device
         )

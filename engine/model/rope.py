@@ -36,7 +36,9 @@ class RotaryEmbedding(torch.nn.Module):
         device: torch.device | str,
     ) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        )
         pos = torch.arange(max_positions, dtype=torch.float32)
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))

@@ -1,0 +1,180 @@
+"""AsyncEngine: the embeddable engine. One asyncio task runs the step loop; the blocking
+step (slot writes, tensors, forward, sampling) runs in one worker thread so the event loop
+stays free. Only the loop task touches scheduler state.
+
+    async with AsyncEngine(EngineConfig(model=...)) as engine:
+        async for out in engine.generate([1, 2, 3], SamplingParams(max_tokens=8), adapter="sql"):
+            print(out.text, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import structlog
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.core import EngineCore
+from loraplex.engine.errors import EngineClosedError, InvalidRequestError
+from loraplex.engine.request import Request, RequestOutput
+from loraplex.engine.sampler import make_generator
+from loraplex.engine.sampling_params import SamplingParams
+
+__all__ = ["AsyncEngine"]
+
+log = structlog.get_logger("loraplex.engine")
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.core: EngineCore | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="loraplex-step")
+        self._loop_task: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._closed = False
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.core = await loop.run_in_executor(
+            self._executor, EngineCore.build, self.config, self._wake.set
+        )
+        self._loop_task = loop.create_task(self._run(), name="loraplex-step-loop")
+        log.info("engine_started", **self.core.capacity_report())
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for req in list(self._requests.values()):
+            self.abort(req.request_id)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        if self.core is not None:
+            await self.core.adapters_close()
+        self._executor.shutdown(wait=True)
+
+    async def __aenter__(self) -> AsyncEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _core(self) -> EngineCore:
+        if self.core is None or self._closed:
+            raise EngineClosedError("the engine is not running")
+        return self.core
+
+    # -- adapters -------------------------------------------------------------------------------
+
+    async def add_adapter(self, name: str, uri: str, sha256: str | None = None) -> dict[str, Any]:
+        """Register a static adapter by operator-given source. Verifies ``sha256`` if given."""
+        v = await self._core().add_adapter(name, uri, sha256)
+        return {"name": v.name, "uri": v.uri, "digest": v.digest, "version": v.version}
+
+    async def remove_adapter(self, name: str) -> None:
+        self._core().adapters.unregister(name)
+
+    def list_adapters(self) -> list[dict[str, Any]]:
+        core = self._core()
+        out = []
+        for name in core.adapters.names():
+            v = core.adapters.get(name)
+            out.append({"name": name, "uri": v.uri, "digest": v.digest, "state": v.state.value})
+        return out
+
+    # -- requests -------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        adapter: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of one request; raises typed errors (unknown adapter, bad prompt...)."""
+        core = self._core()
+        params = params or SamplingParams()
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", field="request_id")
+        version = await core.resolve_adapter(adapter) if adapter is not None else None
+        prompt_ids = core.encode_prompt(prompt, params)
+        req = Request(rid, prompt_ids, params, version, eos_ids=frozenset(core.eos_ids))
+        if params.seed is not None:
+            req.generator = make_generator(params.seed, core.device)
+        req.detok = core.make_detokenizer(req)
+        if version is not None:
+            core.adapters.add_user(version)
+        self._requests[rid] = req
+        core.scheduler.add(req)
+        self._wake.set()
+        try:
+            while True:
+                out = await req.queue.get()
+                if out.error is not None:
+                    raise out.error
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not req.is_finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request; returns False if it is unknown or already finished."""
+        req = self._requests.get(request_id)
+        if req is None or req.is_finished or self.core is None:
+            return False
+        req.aborted = True
+        if req not in self.core.in_flight:
+            self.core.finish(req, "abort")
+            self._requests.pop(request_id, None)
+        self._wake.set()
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return self._core().stats()
+
+    # -- loop -----------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        core = self._core()
+        loop = asyncio.get_running_loop()
+        while True:
+            self._wake.clear()
+            core.poll_slot_events()
+            for req, err in core.drain_failed_adapters():
+                core.fail(req, err)
+            plan = core.scheduler.schedule()
+            for req, err in plan.failed:
+                core.fail(req, err)
+            if plan.empty:
+                if core.pending_slot_writes():
+                    await asyncio.sleep(0.0005)  # a side-stream write is landing
+                else:
+                    await self._wake.wait()
+                continue
+            items = core.prepare(plan)
+            try:
+                result = await loop.run_in_executor(self._executor, core.execute, plan, items)
+            except Exception as e:  # noqa: BLE001 - one bad step must not stop the engine
+                log.exception("step_failed")
+                core.fail_step(plan, e)
+                continue
+            finally:
+                core.in_flight = set()
+            core.postprocess(plan, result)
+            for req in [r for r in self._requests.values() if r.is_finished]:
+                self._requests.pop(req.request_id, None)
+            await asyncio.sleep(0)

@@ -1,0 +1,62 @@
+"""Engine configuration: one frozen dataclass, derived values as properties."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF model dir; None -> the built-in demo model
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    served_model_name: str | None = None
+    # LoRA capacity
+    max_loras: int = 4  # GPU slots (distinct adapters per step)
+    max_cpu_loras: int = 8  # pinned host tier
+    max_lora_rank: int = 16
+    max_adapter_bytes: int = 2 << 30
+    # scheduling
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    starvation_timeout_s: float = 10.0
+    # KV cache
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None -> derived from kv_cache_fraction / kv_cache_bytes
+    kv_cache_bytes: int | None = None  # CPU default: 256 MiB
+    kv_cache_fraction: float = 0.85  # of free GPU memory after weights
+    enable_prefix_caching: bool = True
+    # adapter sources
+    local_roots: tuple[str, ...] = ()  # extra roots for file:// adapters (dynamic loading)
+    allow_sources: tuple[str, ...] = ()  # glob patterns of URIs dynamic names may resolve to
+    enabled_plugins: tuple[str, ...] | None = None
+    seed: int = 0
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}"
+            )
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_loras < 0 or self.max_cpu_loras < 0:
+            raise ValueError("max_loras and max_cpu_loras must be >= 0")
+        if self.max_cpu_loras and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                "max_cpu_loras must be >= max_loras (every GPU slot is backed by the CPU tier)"
+            )
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device

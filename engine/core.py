@@ -1,0 +1,353 @@
+"""EngineCore: the synchronous heart of the engine, driven by AsyncEngine's loop task.
+
+Methods run on the event loop except ``execute`` (the worker thread) and ``build``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.detokenizer import IncrementalDetokenizer
+from loraplex.engine.errors import InvalidRequestError
+from loraplex.engine.kv import BlockManager
+from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion
+from loraplex.engine.lora.slots import write_slot
+from loraplex.engine.lora.source import AdapterSource
+from loraplex.engine.model.loader import load_model, resolve_dtype
+from loraplex.engine.model_runner import ModelRunner, StepItem
+from loraplex.engine.output import append_token, final_output
+from loraplex.engine.request import Request
+from loraplex.engine.sampler import Sampler, SamplerOutput, min_tokens_banned_ids
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.engine.tokenizer import Tokenizer, TokenizerError
+
+__all__ = ["EngineCore"]
+
+log = structlog.get_logger("loraplex.engine")
+CPU_KV_BYTES = 256 << 20
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model, runner: ModelRunner, tokenizer, wake) -> None:
+        self.config = config
+        self.model = model
+        self.runner = runner
+        self.tokenizer: Tokenizer | None = tokenizer
+        self.device = model.device
+        cfg = model.cfg
+        self.model_name = config.served_model_name or (config.model or "demo")
+        self.max_model_len = min(
+            config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
+        self.eos_ids = set(tokenizer.eos_token_ids) if tokenizer else set(cfg.eos_token_ids)
+        self.source = AdapterSource(config, cfg)
+        self.adapters = AdapterManager(
+            max_loras=config.max_loras,
+            max_cpu_loras=config.max_cpu_loras,
+            loader=self._load_adapter,
+            on_change=wake,
+        )
+        self.blocks = BlockManager(
+            runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.blocks, self.adapters)
+        self.sampler = Sampler(seed=config.seed)
+        self.in_flight: set[Request] = set()
+        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.last_step_event: Any = None
+        self.counters = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0, "steps": 0}
+
+    @staticmethod
+    def build(config: EngineConfig, wake: Callable[[], None]) -> EngineCore:
+        """Load model, KV cache and tokenizer (blocking: call from a worker thread)."""
+        if config.model is None:
+            from loraplex.engine.demo import demo_model_dir
+
+            config = _replace(config, model=str(demo_model_dir()))
+        device = config.resolved_device
+        path = Path(config.model)
+        from loraplex.engine.model.config import ModelConfig
+
+        mcfg = ModelConfig.from_dir(path)
+        dtype = resolve_dtype(config.dtype, mcfg, device)
+        model = load_model(
+            path,
+            dtype=dtype,
+            device=device,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
+        )
+        per_block = ModelRunner.kv_bytes_per_block(model, config.block_size)
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        elif config.kv_cache_bytes is not None:
+            num_blocks = config.kv_cache_bytes // per_block
+        elif model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(model.device)
+            num_blocks = int(free * config.kv_cache_fraction) // per_block
+        else:
+            num_blocks = CPU_KV_BYTES // per_block
+        if num_blocks < 2:
+            raise ValueError(f"KV cache too small: {num_blocks} blocks")
+        runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size)
+        try:
+            tokenizer = Tokenizer.from_dir(path)
+        except TokenizerError:
+            tokenizer = None  # token-id prompts only
+        return EngineCore(config, model, runner, tokenizer, wake)
+
+    def capacity_report(self) -> dict[str, Any]:
+        cfg = self.config
+        mcfg = self.model.cfg
+        shapes = mcfg.lora_module_shapes()
+        elem = torch.empty((), dtype=self.model.dtype).element_size()
+        full_rank_bytes = (
+            mcfg.num_layers * sum(i + o for i, o in shapes.values()) * cfg.max_lora_rank * elem
+        )
+        return {
+            "model": self.model_name,
+            "device": str(self.device),
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "kv_blocks": self.runner.num_blocks,
+            "kv_tokens": self.runner.num_blocks * cfg.block_size,
+            "gpu_slots": cfg.max_loras,
+            "max_lora_rank": cfg.max_lora_rank,
+            "slot_bytes": full_rank_bytes,
+            "cpu_tier_adapters": cfg.max_cpu_loras,
+            "cpu_tier_bytes_at_max_rank": full_rank_bytes * cfg.max_cpu_loras,
+        }
+
+    # -- adapters -------------------------------------------------------------------------------
+
+    async def add_adapter(self, name: str, uri: str, sha256: str | None) -> AdapterVersion:
+        local_dir, digest = await self.source.verify_static(uri, sha256)
+        return self.adapters.register(name, uri, digest, local_dir)
+
+    async def resolve_adapter(self, name: str) -> AdapterVersion:
+        return self.adapters.get(name)
+
+    async def _load_adapter(self, v: AdapterVersion) -> None:
+        v.adapter = await self.source.load(v, self.model.dtype, pin=self.device.type == "cuda")
+
+    async def adapters_close(self) -> None:
+        for v in self.adapters.versions():
+            if v.load_task is not None:
+                v.load_task.cancel()
+        await asyncio.sleep(0)
+
+    def drain_failed_adapters(self) -> list[tuple[Request, BaseException]]:
+        failed = [
+            r
+            for r in self.scheduler.waiting
+            if r.adapter and r.adapter.state is AdapterState.FAILED
+        ]
+        out = [(r, r.adapter.error or RuntimeError("adapter load failed")) for r in failed]
+        for r in failed:
+            self.scheduler.waiting.remove(r)
+        for v in {id(r.adapter): r.adapter for r in failed}.values():
+            self.adapters.reset_failed(v)
+        return out
+
+    def poll_slot_events(self) -> None:
+        for v in self.adapters.resident:
+            if not v.slot_ready and v.slot_event is not None and v.slot_event.query():
+                self._slot_landed(v)
+
+    def pending_slot_writes(self) -> bool:
+        return any(not v.slot_ready and v.slot_event is not None for v in self.adapters.resident)
+
+    def _slot_landed(self, v: AdapterVersion) -> None:
+        v.slot_ready, v.slot_event = True, None
+        self.runner.slot_ranks[v.slot] = v.rank
+        v.timings["h2d_done"] = time.perf_counter()
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "this model has no tokenizer: send token ids", field="prompt"
+                )
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = self.model.cfg.vocab_size
+            if any(t < 0 or t >= vocab for t in ids):
+                raise InvalidRequestError(
+                    f"prompt token ids must lie in [0, {vocab})", field="prompt"
+                )
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", field="prompt")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"maximum context length {self.max_model_len}",
+                field="max_tokens",
+            )
+        if self.blocks.blocks_needed(len(ids) + params.max_tokens) > self.blocks.num_blocks:
+            raise InvalidRequestError(
+                "the request does not fit in the KV cache", field="max_tokens"
+            )
+        return ids
+
+    def make_detokenizer(self, req: Request) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, req.prompt_ids, stop=req.params.stop)
+
+    def finish(self, req: Request, reason: str, error: BaseException | None = None) -> None:
+        self.scheduler.finish(req, reason)
+        self.counters["aborted" if reason == "abort" else "finished"] += 1
+        req.queue.put_nowait(final_output(req, reason, error))
+        self._log(req)
+
+    def fail(self, req: Request, error: BaseException) -> None:
+        self.counters["errors"] += 1
+        self.finish(req, "error", error)
+
+    def fail_step(self, plan: SchedulerOutput, error: BaseException) -> None:
+        for chunk in plan.chunks:
+            self.fail(chunk.req, error)
+
+    def _log(self, req: Request) -> None:
+        now = time.monotonic()
+        log.info(
+            "request",
+            request_id=req.request_id,
+            adapter=req.adapter.name if req.adapter else None,
+            adapter_digest=req.adapter.digest[:12] if req.adapter else None,
+            prompt_tokens=len(req.prompt_ids),
+            output_tokens=len(req.output_ids),
+            cached_tokens=req.num_cached,
+            finish_reason=req.finish_reason,
+            preemptions=req.num_preemptions,
+            ttft_s=round(req.first_token_time - req.arrival, 6) if req.first_token_time else None,
+            e2e_s=round(now - req.arrival, 6),
+        )
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def prepare(self, plan: SchedulerOutput) -> list[StepItem]:
+        self.in_flight = {c.req for c in plan.chunks}
+        items = []
+        for c in plan.chunks:
+            r = c.req
+            items.append(
+                StepItem(
+                    token_ids=r.tokens[r.num_computed : r.num_computed + c.num_tokens],
+                    start_pos=r.num_computed,
+                    block_table=self.blocks.block_table(r.request_id),
+                    lora_slot=r.adapter.slot if r.adapter is not None else -1,
+                    need_logits=c.need_logits,
+                )
+            )
+        for v in plan.slot_writes:
+            v.slot_event = None
+        return items
+
+    def execute(self, plan: SchedulerOutput, items: list[StepItem]) -> SamplerOutput | None:
+        """Worker thread: slot writes (side stream), forward, sampling."""
+        self._write_slots(plan.slot_writes)
+        if not items:
+            return None
+        logits = self.runner.execute(items)
+        rows = [c.req for c in plan.chunks if c.need_logits]
+        out = self.sampler.sample(
+            logits,
+            [r.params for r in rows],
+            [r.generator for r in rows],
+            [min_tokens_banned_ids(r.params, len(r.output_ids), r.eos_ids) for r in rows],
+        )
+        if self.device.type == "cuda":
+            self.last_step_event = torch.cuda.Event()
+            self.last_step_event.record()
+        return out
+
+    def _write_slots(self, versions: list[AdapterVersion]) -> None:
+        for v in versions:
+            assert v.adapter is not None and v.slot is not None
+            v.timings["h2d_start"] = time.perf_counter()
+            if self.side_stream is None:
+                write_slot(self.model, v.slot, v.adapter)
+                continue
+            with torch.cuda.stream(self.side_stream):
+                if self.last_step_event is not None:
+                    self.side_stream.wait_event(self.last_step_event)
+                write_slot(self.model, v.slot, v.adapter)
+                event = torch.cuda.Event()
+                event.record(self.side_stream)
+            v.slot_event = event
+
+    def postprocess(self, plan: SchedulerOutput, result: SamplerOutput | None) -> None:
+        self.counters["steps"] += 1
+        if self.side_stream is None:
+            for v in plan.slot_writes:
+                self._slot_landed(v)
+        row = 0
+        now = time.monotonic()
+        for chunk in plan.chunks:
+            req = chunk.req
+            if req.is_finished:
+                continue
+            self.scheduler.mark_computed(chunk)
+            if req.aborted:
+                self.finish(req, "abort")
+                continue
+            if not chunk.need_logits:
+                continue
+            assert result is not None
+            tok = result.token_ids[row]
+            out = append_token(
+                req, tok, result.logprobs[row], result.top_logprobs[row], self.max_model_len
+            )
+            row += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            if out.finished:
+                self.scheduler.finish(req, out.finish_reason or "stop")
+                self.counters["finished"] += 1
+                self._log(req)
+            req.queue.put_nowait(out)
+        self.in_flight = set()
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        b = self.blocks
+        return {
+            "num_blocks": b.num_blocks,
+            "num_free_blocks": b.num_free_blocks,
+            "num_used_blocks": b.num_used_blocks,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": b.stats.queries,
+            "prefix_cache_hits": b.stats.hits,
+            "adapter_refs": {
+                f"{v.name}@{v.digest[:12]}": {
+                    "users": v.users,
+                    "slot_refs": v.slot_refs,
+                    "slot": v.slot,
+                }
+                for v in self.adapters.versions()
+            },
+            "adapters": dict(self.adapters.stats),
+            **self.counters,
+        }
+
+
+def _replace(config: EngineConfig, **kw: Any) -> EngineConfig:
+    from dataclasses import replace
+
+    return replace(config, **kw)

@@ -1,0 +1,25 @@
+"""Typed engine errors (adapter errors live in loraplex.engine.lora.errors)."""
+
+from __future__ import annotations
+
+__all__ = ["EngineError", "InvalidRequestError", "EngineClosedError", "RequestAbortedError"]
+
+
+class EngineError(Exception):
+    """Base class of engine errors."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """The request itself is malformed (empty prompt, too long, unknown token ids...)."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class EngineClosedError(EngineError):
+    """The engine is not running (not started, or closed)."""
+
+
+class RequestAbortedError(EngineError):
+    """The request was aborted before it produced its first output."""

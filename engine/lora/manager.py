@@ -1,0 +1,250 @@
+"""Adapter registry and residency: versions, the CPU tier, GPU slots and their references.
+
+Identity is (name, digest). Re-adding a name with new content makes a new version; requests
+already holding the old version finish on it. Tiers:
+
+    CPU tier  (max_cpu_loras, LRU)  parsed tensors, pinned when serving on CUDA
+    GPU slots (max_loras, LRU)      slot buffers inside every LoRA layer
+
+A version in a GPU slot stays in the CPU tier. A slot is reassigned only when no running
+request references it (``slot_refs == 0``). Slot writes are handed to the step thread, which
+issues them on a side stream; requests of that adapter are admitted once the write completed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loraplex.engine.lora.adapter import LoRAAdapter
+from loraplex.engine.lora.errors import AdapterNotFoundError, LoRAError
+
+__all__ = ["AdapterManager", "AdapterVersion", "AdapterState", "SlotFullError"]
+
+
+class SlotFullError(LoRAError):
+    """Every GPU slot is pinned: a request that needs a new slot cannot be served."""
+
+
+class AdapterState(enum.Enum):
+    REGISTERED = "registered"  # known, not in memory
+    LOADING = "loading"
+    CPU = "cpu"  # tensors in the CPU tier
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class AdapterVersion:
+    name: str
+    uri: str
+    digest: str
+    version: int
+    local_dir: Path | None = None
+    state: AdapterState = AdapterState.REGISTERED
+    adapter: LoRAAdapter | None = None
+    error: BaseException | None = None
+    slot: int | None = None
+    slot_ready: bool = False
+    slot_event: Any = None  # torch.cuda.Event of the pending slot write
+    slot_refs: int = 0  # running requests reading the slot
+    users: int = 0  # requests in flight (waiting or running) on this version
+    pinned: bool = False  # operator pin: never evicted from its slot
+    last_used: float = field(default_factory=time.monotonic)
+    timings: dict[str, float] = field(default_factory=dict)
+    load_task: asyncio.Task | None = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.name, self.digest)
+
+    @property
+    def rank(self) -> int:
+        return self.adapter.rank if self.adapter is not None else 0
+
+
+Loader = Callable[[AdapterVersion], "Any"]  # async: fills version.adapter (and timings)
+
+
+class AdapterManager:
+    def __init__(
+        self,
+        *,
+        max_loras: int,
+        max_cpu_loras: int,
+        loader: Loader,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.max_loras = max_loras
+        self.max_cpu_loras = max(max_cpu_loras, max_loras)
+        self._loader = loader
+        self._on_change = on_change
+        self._current: dict[str, AdapterVersion] = {}
+        self._versions: list[AdapterVersion] = []  # every version still alive
+        self._slots: list[AdapterVersion | None] = [None] * max_loras
+        self._counter = itertools.count(1)
+        self.stats = {
+            "gpu_hits": 0,
+            "cpu_hits": 0,
+            "loads": 0,
+            "gpu_evictions": 0,
+            "cpu_evictions": 0,
+        }
+
+    # -- registry -------------------------------------------------------------------------------
+
+    def register(self, name: str, uri: str, digest: str, local_dir: Path | None) -> AdapterVersion:
+        cur = self._current.get(name)
+        if cur is not None and cur.digest == digest and cur.state is not AdapterState.FAILED:
+            return cur
+        v = AdapterVersion(name, uri, digest, next(self._counter), local_dir)
+        self._current[name] = v
+        self._versions.append(v)
+        self._collect()
+        return v
+
+    def unregister(self, name: str) -> None:
+        if self._current.pop(name, None) is None:
+            raise AdapterNotFoundError(f"adapter {name!r} is not loaded", field="lora_name")
+        self._collect()
+
+    def get(self, name: str) -> AdapterVersion:
+        v = self._current.get(name)
+        if v is None:
+            raise AdapterNotFoundError(f"adapter {name!r} does not exist", field="model")
+        return v
+
+    def names(self) -> list[str]:
+        return list(self._current)
+
+    def versions(self) -> list[AdapterVersion]:
+        return list(self._versions)
+
+    def _collect(self) -> None:
+        """Forget superseded versions nobody uses any more (their slot becomes free)."""
+        live = set(map(id, self._current.values()))
+        for v in list(self._versions):
+            if id(v) not in live and v.users == 0 and v.slot_refs == 0:
+                if v.slot is not None:
+                    self._slots[v.slot] = None
+                    v.slot = None
+                v.adapter = None
+                self._versions.remove(v)
+
+    # -- references -----------------------------------------------------------------------------
+
+    def add_user(self, v: AdapterVersion) -> None:
+        v.users += 1
+        v.last_used = time.monotonic()
+        self.ensure_loaded(v)
+
+    def drop_user(self, v: AdapterVersion) -> None:
+        assert v.users > 0, f"user count of {v.key} would go negative"
+        v.users -= 1
+        self._collect()
+
+    def acquire_slot(self, v: AdapterVersion) -> None:
+        assert v.slot is not None and v.slot_ready
+        v.slot_refs += 1
+        v.last_used = time.monotonic()
+
+    def release_slot(self, v: AdapterVersion) -> None:
+        assert v.slot_refs > 0, f"slot refcount of {v.key} would go negative"
+        v.slot_refs -= 1
+
+    # -- CPU tier -------------------------------------------------------------------------------
+
+    def ensure_loaded(self, v: AdapterVersion) -> None:
+        """Start a background load unless the version is loaded or loading (single-flight)."""
+        if v.state in (AdapterState.CPU, AdapterState.LOADING):
+            if v.state is AdapterState.CPU:
+                self.stats["cpu_hits" if v.slot is None else "gpu_hits"] += 1
+            return
+        v.state = AdapterState.LOADING
+        v.error = None
+        self.stats["loads"] += 1
+        v.load_task = asyncio.get_running_loop().create_task(self._load(v))
+
+    async def _load(self, v: AdapterVersion) -> None:
+        try:
+            await self._loader(v)
+        except asyncio.CancelledError:
+            v.state = AdapterState.REGISTERED
+            raise
+        except Exception as e:  # noqa: BLE001 - the error is handed to the waiting requests
+            v.state = AdapterState.FAILED
+            v.error = e
+        else:
+            v.state = AdapterState.CPU
+            self._evict_cpu(keep=v)
+        finally:
+            v.load_task = None
+            self._on_change()
+
+    def _evict_cpu(self, keep: AdapterVersion) -> None:
+        loaded = [v for v in self._versions if v.state is AdapterState.CPU]
+        excess = len(loaded) - self.max_cpu_loras
+        if excess <= 0:
+            return
+        idle = [v for v in loaded if v is not keep and v.slot is None and v.users == 0]
+        for v in sorted(idle, key=lambda v: v.last_used)[:excess]:
+            v.adapter = None
+            v.state = AdapterState.REGISTERED
+            self.stats["cpu_evictions"] += 1
+
+    def reset_failed(self, v: AdapterVersion) -> None:
+        """After its waiters were failed, a failed version may be retried by later requests."""
+        if v.state is AdapterState.FAILED:
+            v.state = AdapterState.REGISTERED
+
+    # -- GPU slots ------------------------------------------------------------------------------
+
+    def assign_slot(self, v: AdapterVersion, *, force: bool = False) -> int | None:
+        """Give ``v`` a slot (a write must follow); None if no slot can be taken now.
+
+        A slot is taken from an idle version (no running reader, write complete) that no
+        request is waiting for; with ``force`` (a starved request) also from one that has
+        waiting requests.
+        """
+        assert v.state is AdapterState.CPU
+        if v.slot is not None:
+            return v.slot
+        free = [i for i, o in enumerate(self._slots) if o is None]
+        if free:
+            slot = free[0]
+        else:
+            idle = [
+                o
+                for o in self._slots
+                if o is not None and o.slot_refs == 0 and o.slot_ready and not o.pinned
+            ]
+            if not force:
+                idle = [o for o in idle if o.users == 0]
+            if not idle:
+                if all(o is not None and o.pinned for o in self._slots):
+                    raise SlotFullError(
+                        f"all {self.max_loras} GPU slots are pinned; adapter {v.name!r} cannot be served"
+                    )
+                return None
+            old = min(idle, key=lambda o: o.last_used)
+            slot = old.slot
+            old.slot, old.slot_ready, old.slot_event = None, False, None
+            self.stats["gpu_evictions"] += 1
+            self._evict_cpu(keep=v)
+        assert slot is not None
+        self._slots[slot] = v
+        v.slot, v.slot_ready = slot, False
+        v.last_used = time.monotonic()
+        return slot
+
+    def slot_owner(self, slot: int) -> AdapterVersion | None:
+        return self._slots[slot]
+
+    @property
+    def resident(self) -> list[AdapterVersion]:
+        return [v for v in self._slots if v is not None]

@@ -1,0 +1,68 @@
+"""Turn a sampled token into a streamed RequestOutput: stop checks, text, logprobs."""
+
+from __future__ import annotations
+
+from loraplex.engine.request import Request, RequestOutput, TokenLogprob
+
+__all__ = ["append_token", "final_output"]
+
+
+def append_token(
+    req: Request,
+    token: int,
+    logprob: float | None,
+    top: list[tuple[int, float]] | None,
+    max_model_len: int,
+) -> RequestOutput:
+    """Append ``token`` to ``req`` and decide whether it finished (sets req.finish_reason)."""
+    p = req.params
+    req.output_ids.append(token)
+    text = ""
+    reason: str | None = None
+    if token in req.eos_ids and not p.ignore_eos:
+        reason = "stop"
+    elif p.stop_token_ids and token in p.stop_token_ids:
+        reason, req.stop_reason = "stop", token
+    else:
+        if req.detok is not None:
+            text = req.detok.step([token])
+            if req.detok.stopped:
+                reason, req.stop_reason = "stop", req.detok.stop_reason
+    if reason is None and (len(req.output_ids) >= p.max_tokens or req.num_tokens >= max_model_len):
+        reason = "length"
+    if reason is not None and req.stop_reason is None and req.detok is not None:
+        text += req.detok.flush()
+    req.finish_reason = reason
+    lps = None
+    if p.logprobs is not None and logprob is not None:
+        lps = [TokenLogprob(token, logprob, top or [])]
+    return RequestOutput(
+        request_id=req.request_id,
+        token_ids=[token],
+        text=text,
+        finished=reason is not None,
+        finish_reason=reason,
+        logprobs=lps,
+        num_prompt_tokens=len(req.prompt_ids),
+        num_output_tokens=len(req.output_ids),
+        num_cached_tokens=req.num_cached,
+        stop_reason=req.stop_reason,
+    )
+
+
+def final_output(req: Request, reason: str, error: BaseException | None = None) -> RequestOutput:
+    """The closing chunk of a request that ends outside the normal token path.
+
+    NOTE: text held back for stop-string matching is dropped on abort, as in vLLM.
+    """
+    return RequestOutput(
+        request_id=req.request_id,
+        token_ids=[],
+        text="",
+        finished=True,
+        finish_reason=reason,
+        num_prompt_tokens=len(req.prompt_ids),
+        num_output_tokens=len(req.output_ids),
+        num_cached_tokens=req.num_cached,
+        error=error,
+    )

@@ -1,0 +1,218 @@
+"""Batched, vectorised token sampling with per-request seeds and raw logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from loraplex.engine.sampling_params import SamplingParams
+
+__all__ = ["Sampler", "SamplerOutput", "make_generator", "min_tokens_banned_ids"]
+
+_U64 = 2**64
+# Floor for the exponential noise so that probs / q never divides by zero.
+_TINY = 1e-20
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch.Generator on ``device`` seeded with ``seed`` (negative seeds wrap mod 2**64)."""
+    gen = torch.Generator(device=torch.device(device))
+    gen.manual_seed(seed % _U64)
+    return gen
+
+
+def min_tokens_banned_ids(
+    params: SamplingParams, num_generated: int, eos_token_ids: Iterable[int]
+) -> list[int]:
+    """Token ids a row must not sample yet: EOS (unless ``ignore_eos``) and ``stop_token_ids``
+    while fewer than ``min_tokens`` tokens were generated; ``[]`` otherwise."""
+    if num_generated >= params.min_tokens:
+        return []
+    ids = set(params.stop_token_ids or ())
+    if not params.ignore_eos:
+        ids.update(eos_token_ids)
+    return sorted(ids)
+
+
+@dataclass
+class SamplerOutput:
+    """Per-row results. ``logprobs`` / ``top_logprobs`` hold None for rows that did not ask."""
+
+    token_ids: list[int]
+    logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+
+
+class Sampler:
+    """Samples one token per row of a (B, V) logits batch.
+
+    Rows may mix greedy and random sampling and differ in temperature / top-p / top-k. A row with
+    its own generator draws its noise from it alone, so its tokens do not depend on the other rows
+    in the batch. Rows without one share ``default_generator`` (per device; torch's global default
+    when the sampler was built without ``seed``).
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+        self._defaults: dict[torch.device, torch.Generator] = {}
+
+    def default_generator(self, device: torch.device) -> torch.Generator | None:
+        """The shared generator for unseeded rows on ``device`` (None: torch's global one)."""
+        if self.seed is None:
+            return None
+        gen = self._defaults.get(device)
+        if gen is None:
+            gen = self._defaults[device] = make_generator(self.seed, device)
+        return gen
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None = None,
+        banned: Sequence[Sequence[int]] | None = None,
+    ) -> SamplerOutput:
+        """Sample one token per row of ``logits`` (B, V).
+
+        ``generators[i]`` (optional) is row i's own generator; ``banned[i]`` lists token ids row i
+        must not sample (used for ``min_tokens``). Logprobs are those of the raw model distribution
+        (log_softmax of the unmodified logits).
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be 2-D (batch, vocab), got shape {tuple(logits.shape)}")
+        batch, vocab = logits.shape
+        if len(params) != batch:
+            raise ValueError(f"got {len(params)} SamplingParams for {batch} rows")
+        if generators is not None and len(generators) != batch:
+            raise ValueError(f"got {len(generators)} generators for {batch} rows")
+        if banned is not None and len(banned) != batch:
+            raise ValueError(f"got {len(banned)} banned lists for {batch} rows")
+        device = logits.device
+        logits = logits.float()
+        want_lp = [p.logprobs is not None for p in params]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+
+        if banned is not None and any(banned):
+            logits = self._apply_banned(logits, banned, vocab)
+
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample_random(logits, params, generators, device)
+            if any(greedy):
+                mask = self._to_device(greedy, torch.bool, device)
+                token_ids = torch.where(mask, logits.argmax(dim=-1), token_ids)
+
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids.tolist(), [None] * batch, [None] * batch)
+        return self._gather_logprobs(raw_logprobs, token_ids, params, want_lp)
+
+    # -- pieces ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Host list -> device tensor without a sync (pinned + non-blocking on CUDA)."""
+        t = torch.tensor(values, dtype=dtype)
+        if device.type == "cpu":
+            return t
+        if device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(device, non_blocking=True)
+
+    def _apply_banned(
+        self, logits: torch.Tensor, banned: Sequence[Sequence[int]], vocab: int
+    ) -> torch.Tensor:
+        flat = [i * vocab + tok for i, ids in enumerate(banned) for tok in ids if 0 <= tok < vocab]
+        if not flat:
+            return logits
+        # index_fill_ on the flat view: unlike logits[rows, cols] = x it does not sync on CUDA.
+        logits = logits.contiguous().clone()
+        index = self._to_device(flat, torch.long, logits.device)
+        logits.view(-1).index_fill_(0, index, float("-inf"))
+        return logits
+
+    def _sample_random(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Temperature, top-k, top-p, then an exponential race (argmax(probs / q))."""
+        vocab = logits.shape[1]
+        temps = [1.0 if p.greedy else p.temperature for p in params]
+        if any(t != 1.0 for t in temps):
+            logits = logits / self._to_device(temps, torch.float32, device).unsqueeze(1)
+        top_k = [vocab if p.greedy or p.top_k <= 0 else min(p.top_k, vocab) for p in params]
+        top_p = [1.0 if p.greedy else p.top_p for p in params]
+        use_k, use_p = any(k < vocab for k in top_k), any(p < 1.0 for p in top_p)
+        if use_k or use_p:
+            logits = self._top_k_top_p(logits, top_k if use_k else None, top_p if use_p else None)
+        probs = torch.softmax(logits, dim=-1)
+
+        q = torch.empty_like(probs)
+        own = [None] * len(params) if generators is None else list(generators)
+        shared_rows = [i for i, g in enumerate(own) if g is None]
+        if shared_rows:
+            # One draw for all unseeded rows (over-draws for seeded ones, which are overwritten).
+            q.exponential_(generator=self.default_generator(device))
+        for i, gen in enumerate(own):
+            if gen is not None:
+                q[i].exponential_(generator=gen)
+        q.clamp_min_(_TINY)
+        return probs.div_(q).argmax(dim=-1)
+
+    def _top_k_top_p(
+        self, logits: torch.Tensor, top_k: list[int] | None, top_p: list[float] | None
+    ) -> torch.Tensor:
+        """Mask logits outside each row's top-k and nucleus (smallest prefix with mass >= p)."""
+        device = logits.device
+        ninf = float("-inf")
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        if top_k is not None:
+            k = self._to_device(top_k, torch.long, device).unsqueeze(1)
+            kth = sorted_logits.gather(1, k - 1)
+            # Ties with the k-th value are kept.
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, ninf)
+        if top_p is not None:
+            # Rows at p = 1 get a threshold above any reachable cumulative mass.
+            p = self._to_device([x if x < 1.0 else 2.0 for x in top_p], torch.float32, device)
+            probs = torch.softmax(sorted_logits, dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            drop = mass_before >= p.unsqueeze(1)
+            drop[:, 0] = False
+            sorted_logits = sorted_logits.masked_fill(drop, ninf)
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+    def _gather_logprobs(
+        self,
+        raw: torch.Tensor,
+        token_ids: torch.Tensor,
+        params: Sequence[SamplingParams],
+        want: list[bool],
+    ) -> SamplerOutput:
+        ids = token_ids.unsqueeze(1)
+        vals = raw.gather(1, ids)
+        n_top = min(max((p.logprobs or 0) for p in params), raw.shape[1])
+        if n_top > 0:
+            top_vals, top_ids = raw.topk(n_top, dim=-1)
+            ids, vals = torch.cat([ids, top_ids], dim=1), torch.cat([vals, top_vals], dim=1)
+        # One device->host transfer: ids (< 2**53) are exact in float64.
+        rows = torch.cat([ids.double(), vals.double()], dim=1).tolist()
+        width = 1 + n_top
+        out = SamplerOutput([int(row[0]) for row in rows])
+        for i, p in enumerate(params):
+            if not want[i]:
+                out.logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            row, n = rows[i], p.logprobs or 0
+            top_ids_i = [int(t) for t in row[1 : 1 + n]]
+            out.logprobs.append(row[width])
+            out.top_logprobs.append(
+                list(zip(top_ids_i, row[width + 1 : width + 1 + n], strict=True))
+            )
+        return out

@@ -1,0 +1,200 @@
+"""Continuous-batching scheduler: pure Python objects, never touches tensors.
+
+Policy (one step):
+1. Running requests first, oldest first. A request still in prefill gets its next chunk, a
+   decoding one gets one token. When KV blocks run out, the youngest running request is
+   preempted by recompute: its blocks are freed and it goes back to the head of the queue.
+2. Then waiting requests (FIFO; a request waiting longer than ``starvation_timeout_s`` goes
+   first) are admitted while the token budget (``max_num_batched_tokens``), the sequence
+   budget (``max_num_seqs``) and free blocks allow. Prompts longer than the budget are
+   prefilled in chunks over several steps, mixed with decodes (chunked prefill): decodes
+   never wait behind a long prompt.
+3. A request whose adapter is not in a usable GPU slot yet is skipped, not waited on: its load
+   runs in the background and others go ahead. At most ``max_loras`` distinct adapters are in
+   a step (one slot each). If a starved request is held back only because every slot is
+   referenced, no further requests are admitted until a slot drains, so it cannot starve.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.kv import BlockManager
+from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion, SlotFullError
+from loraplex.engine.request import Request, RequestStatus
+
+__all__ = ["Scheduler", "ScheduledChunk", "SchedulerOutput"]
+
+
+@dataclass
+class ScheduledChunk:
+    req: Request
+    num_tokens: int
+    need_logits: bool  # the chunk reaches the last known token: sample after it
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    slot_writes: list[AdapterVersion] = field(default_factory=list)
+    failed: list[tuple[Request, BaseException]] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks and not self.slot_writes
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager, adapters: AdapterManager):
+        self.config = config
+        self.blocks = blocks
+        self.adapters = adapters
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- step -----------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        now = time.monotonic()
+        starved = [r for r in self.waiting if now - r.arrival > self.config.starvation_timeout_s]
+        head = starved[0] if starved else None
+        self._collect_slot_writes(out, head)
+        if head is not None and head not in self.waiting:
+            head = None  # it failed
+        # 1. running requests
+        scheduled: list[Request] = []
+        queue = list(self.running)
+        while queue and budget > 0:
+            req = queue.pop(0)
+            n = min(req.num_tokens - req.num_computed, budget)
+            while not self._grow(req, req.num_computed + n):
+                victim = queue.pop() if queue else None
+                if victim is None:
+                    self._preempt(req)
+                    req = None
+                    break
+                self._preempt(victim)
+            if req is None:
+                break
+            out.chunks.append(ScheduledChunk(req, n, req.num_computed + n == req.num_tokens))
+            scheduled.append(req)
+            budget -= n
+        # 2. waiting requests
+        order = ([head] if head else []) + [r for r in self.waiting if r is not head]
+        for req in order:
+            if budget <= 0 or len(scheduled) >= self.config.max_num_seqs:
+                break
+            verdict = self._adapter_ready(req, out)
+            if verdict == "fail":
+                continue
+            if verdict == "wait":
+                if req is head:
+                    break  # let slots drain for the starved request
+                continue
+            if not self.blocks.can_allocate(req.request_id, req.tokens, req.adapter_key):
+                break  # FIFO on memory: later requests would only take blocks it needs
+            cached = self.blocks.allocate(req.request_id, req.tokens, req.adapter_key)
+            req.num_computed = req.num_cached = cached
+            n = min(req.num_tokens - cached, budget)
+            self.waiting.remove(req)
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            if req.adapter is not None:
+                self.adapters.acquire_slot(req.adapter)
+                req.holds_slot = True
+            out.chunks.append(ScheduledChunk(req, n, cached + n == req.num_tokens))
+            scheduled.append(req)
+            budget -= n
+        return out
+
+    def _collect_slot_writes(self, out: SchedulerOutput, head: Request | None) -> None:
+        """Assign slots to loaded adapters that waiting requests need (writes run in the step)."""
+        order = ([head] if head else []) + [r for r in self.waiting if r is not head]
+        for req in order:
+            v = req.adapter
+            if v is None or v.state is not AdapterState.CPU or v.slot is not None:
+                continue
+            try:
+                slot = self.adapters.assign_slot(v, force=req is head)
+            except SlotFullError as e:
+                out.failed.append((req, e))
+                continue
+            if slot is not None:
+                out.slot_writes.append(v)
+        for req, _ in out.failed:
+            self.waiting.remove(req)
+
+    def _adapter_ready(self, req: Request, out: SchedulerOutput) -> str:
+        v = req.adapter
+        if v is None:
+            return "ok"
+        if v.state is AdapterState.FAILED:
+            self.waiting.remove(req)
+            out.failed.append((req, v.error or RuntimeError("adapter load failed")))
+            return "fail"
+        if v.state is not AdapterState.CPU:
+            self.adapters.ensure_loaded(v)
+            return "wait"
+        if v.slot is None or not v.slot_ready:
+            return "wait"
+        return "ok"
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        table = self.blocks.block_table(req.request_id)
+        extra = self.blocks.blocks_needed(num_tokens) - len(table)
+        if extra > self.blocks.num_free_blocks:
+            return False
+        self.blocks.append(req.request_id, num_tokens)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: drop the KV, requeue at the head."""
+        self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        if req.request_id in self.blocks:
+            self.blocks.free(req.request_id)
+        if req.holds_slot and req.adapter is not None:
+            self.adapters.release_slot(req.adapter)
+            req.holds_slot = False
+
+    # -- after the step -------------------------------------------------------------------------
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Remove ``req`` from the queues and return everything it holds."""
+        if req.status is RequestStatus.FINISHED:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        if req.adapter is not None:
+            self.adapters.drop_user(req.adapter)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+
+    def mark_computed(self, chunk: ScheduledChunk) -> None:
+        req = chunk.req
+        req.num_computed += chunk.num_tokens
+        if req.request_id in self.blocks:
+            self.blocks.mark_computed(req.request_id, req.tokens, req.num_computed)

@@ -1,0 +1,52 @@
+"""Greedy generation with HF transformers + PEFT, one request at a time, as the oracle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+class HFReference:
+    def __init__(self, model_dir: Path, adapters: dict[str, Path]) -> None:
+        import peft
+        import transformers
+
+        base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        names = list(adapters)
+        self.model = peft.PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
+        for name in names[1:]:
+            self.model.load_adapter(adapters[name], adapter_name=name)
+        self.model.eval()
+
+    @torch.no_grad()
+    def greedy(
+        self, prompt: list[int], adapter: str | None, max_tokens: int
+    ) -> tuple[list[int], list[float]]:
+        """Tokens and, per position, the gap between the top-2 logits."""
+        name = adapter or "__base__"
+        ids = torch.tensor([prompt])
+        past = None
+        tokens, gaps = [], []
+        for _ in range(max_tokens):
+            out = self.model(
+                input_ids=ids, past_key_values=past, use_cache=True, adapter_names=[name]
+            )
+            logits = out.logits[0, -1].float()
+            top2 = logits.topk(2).values
+            gaps.append((top2[0] - top2[1]).item())
+            tok = int(logits.argmax())
+            tokens.append(tok)
+            past = out.past_key_values
+            ids = torch.tensor([[tok]])
+        return tokens, gaps
+
+
+def compare(ours: list[int], ref: list[int], gaps: list[float], tol: float = 1e-4) -> int:
+    """Assert equality up to the first near-tie of the reference; returns positions cut."""
+    for i, (a, b) in enumerate(zip(ours, ref, strict=False)):
+        if gaps[i] < tol:
+            return len(ref) - i
+        assert a == b, f"position {i}: ours {a} != reference {b} (gap {gaps[i]:.2e})"
+    assert len(ours) == len(ref)
+    return 0

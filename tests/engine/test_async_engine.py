@@ -1,0 +1,219 @@
+"""AsyncEngine end to end on CPU: continuous batching, LoRA slots, KV paging, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
+from loraplex.engine.errors import InvalidRequestError
+from loraplex.engine.lora.errors import AdapterDigestError, AdapterNotFoundError
+from tests.engine.hf_reference import HFReference, compare
+
+
+def config(model_dir, **kw) -> EngineConfig:
+    base = dict(
+        model=str(model_dir),
+        device="cpu",
+        dtype="float32",
+        max_loras=2,
+        max_cpu_loras=3,
+        max_lora_rank=16,
+        block_size=4,
+        max_num_batched_tokens=48,
+    )
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+async def collect(engine, prompt, params, adapter=None, request_id=None):
+    tokens, text, outs = [], "", []
+    async for out in engine.generate(prompt, params, adapter=adapter, request_id=request_id):
+        tokens += out.token_ids
+        text += out.text
+        outs.append(out)
+    return tokens, text, outs
+
+
+async def register(engine, adapters):
+    for name, path in adapters.items():
+        await engine.add_adapter(name, f"file://{path}")
+
+
+def assert_idle(engine):
+    s = engine.stats()
+    assert s["num_used_blocks"] == 0, s
+    assert s["running"] == 0 and s["waiting"] == 0, s
+    for key, refs in s["adapter_refs"].items():
+        assert refs["users"] == 0 and refs["slot_refs"] == 0, (key, refs)
+
+
+async def test_concurrent_mixed_adapters_match_hf_peft(tiny):
+    model_dir, adapters = tiny
+    g = random.Random(11)
+    choices = [None, *adapters]
+    reqs = []
+    for i in range(36):
+        prompt = [g.randrange(3, 250) for _ in range(g.randint(1, 40))]
+        reqs.append((f"r{i}", prompt, g.choice(choices), g.randint(3, 10)))
+    params = {r[0]: SamplingParams(max_tokens=r[3], temperature=0.0, ignore_eos=True) for r in reqs}
+    async with AsyncEngine(config(model_dir)) as engine:
+        await register(engine, adapters)
+        results = await asyncio.gather(
+            *(collect(engine, p, params[rid], adapter=a, request_id=rid) for rid, p, a, _ in reqs)
+        )
+        alone = []
+        for rid, p, a, _ in reqs[:12]:
+            alone.append(await collect(engine, p, params[rid], adapter=a))
+        stats = engine.stats()
+        assert_idle(engine)
+    assert stats["adapters"]["gpu_evictions"] > 0, "max_loras < adapters in use must evict slots"
+    hf = HFReference(model_dir, adapters)
+    cut = 0
+    for (_rid, prompt, adapter, n), (tokens, _, outs) in zip(reqs, results, strict=True):
+        ref, gaps = hf.greedy(prompt, adapter, n)
+        cut += compare(tokens, ref, gaps)
+        assert outs[-1].finished and outs[-1].finish_reason == "length"
+    for (tokens, _, _), (ta, _, _) in zip(results, alone, strict=False):
+        assert tokens == ta
+    print(f"positions cut at near-ties: {cut}")
+
+
+async def test_tiny_kv_pool_forces_preemption_and_stays_exact(tiny):
+    model_dir, adapters = tiny
+    g = random.Random(5)
+    reqs = [
+        ([g.randrange(3, 250) for _ in range(g.randint(6, 14))], g.choice([None, "sql", "poem"]))
+        for _ in range(8)
+    ]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    cfg = config(model_dir, num_kv_blocks=16, max_loras=2)
+    async with AsyncEngine(cfg) as engine:
+        await register(engine, adapters)
+        together = await asyncio.gather(*(collect(engine, p, params, adapter=a) for p, a in reqs))
+        preemptions = engine.stats()["preemptions"]
+        alone = [await collect(engine, p, params, adapter=a) for p, a in reqs]
+        assert_idle(engine)
+    assert preemptions > 0
+    assert [t for t, _, _ in together] == [t for t, _, _ in alone]
+
+
+async def test_prefix_cache_hits_never_cross_adapters_or_versions(tiny, tmp_path):
+    model_dir, adapters = tiny
+    prompt = list(range(10, 40))  # 30 tokens = 7 full blocks of 4
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    async with AsyncEngine(config(model_dir)) as engine:
+        await register(engine, adapters)
+
+        async def hits(adapter):
+            before = engine.stats()["prefix_cache_hits"]
+            _, _, outs = await collect(engine, prompt, params, adapter=adapter)
+            return engine.stats()["prefix_cache_hits"] - before, outs[-1].num_cached_tokens
+
+        assert (await hits("sql"))[0] == 0
+        h, cached = await hits("sql")
+        assert h > 0 and cached == 4 * h
+        assert (await hits("poem"))[0] == 0
+        assert (await hits(None))[0] == 0
+        assert (await hits(None))[0] > 0
+        # a new version of "sql" (other content, same name) never reuses the old KV
+        from tests.helpers.models import make_peft_adapter
+
+        new_sql = make_peft_adapter(model_dir, tmp_path / "sql2", r=4, alpha=8, seed=999)
+        await engine.add_adapter("sql", f"file://{new_sql}")
+        assert (await hits("sql"))[0] == 0
+        assert (await hits("sql"))[0] > 0
+        assert_idle(engine)
+
+
+async def test_abort_and_cancellation_free_blocks_and_adapter_refs(tiny):
+    model_dir, adapters = tiny
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    async with AsyncEngine(config(model_dir)) as engine:
+        await register(engine, adapters)
+        got = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.generate(list(range(5, 25)), params, adapter="poem"):
+                got.set()
+
+        task = asyncio.create_task(consume())
+        await got.wait()
+        assert engine.stats()["num_used_blocks"] > 0
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.05)
+        assert_idle(engine)
+
+        seen = []
+
+        async def consume_abortable():
+            async for out in engine.generate(
+                [7, 8, 9], params, adapter="sql", request_id="to-abort"
+            ):
+                seen.append(out)
+                if len(seen) == 2:
+                    assert engine.abort("to-abort")
+
+        await consume_abortable()
+        assert seen[-1].finished and seen[-1].finish_reason == "abort"
+        assert_idle(engine)
+
+
+async def test_seeded_sampling_reproduces_across_batches(tiny):
+    model_dir, adapters = tiny
+    prompt = [3, 14, 15, 92, 65]
+    p = SamplingParams(
+        max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True
+    )
+    async with AsyncEngine(config(model_dir)) as engine:
+        await register(engine, adapters)
+        a, _, _ = await collect(engine, prompt, p, adapter="math")
+        noise = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+        together = await asyncio.gather(
+            collect(engine, prompt, p, adapter="math"),
+            collect(engine, [5, 6, 7], noise, adapter="sql"),
+            collect(engine, [9] * 9, noise),
+        )
+        assert together[0][0] == a
+        other = SamplingParams(max_tokens=12, temperature=1.0, seed=4321, ignore_eos=True)
+        b, _, _ = await collect(engine, prompt, other, adapter="math")
+        assert b != a
+
+
+async def test_stop_strings_never_stream_partially(tiny):
+    model_dir, _ = tiny
+    async with AsyncEngine(config(model_dir)) as engine:
+        base = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        _, full, _ = await collect(engine, "hello world", base)
+        assert len(full) > 6
+        stop = full[3:6]
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+        tokens, text, outs = await collect(engine, "hello world", params)
+        assert text == full[: full.index(stop)]
+        streamed = ""
+        for out in outs:
+            streamed += out.text
+            assert stop not in streamed
+        assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+
+
+async def test_typed_errors_keep_engine_serving(tiny):
+    model_dir, adapters = tiny
+    async with AsyncEngine(config(model_dir)) as engine:
+        with pytest.raises(AdapterDigestError, match="sha256"):
+            await engine.add_adapter("bad", f"file://{adapters['sql']}", sha256="0" * 64)
+        with pytest.raises(AdapterNotFoundError):
+            await collect(engine, [1, 2, 3], SamplingParams(max_tokens=2), adapter="nope")
+        with pytest.raises(InvalidRequestError):
+            await collect(engine, [], SamplingParams(max_tokens=2))
+        with pytest.raises(InvalidRequestError):
+            await collect(engine, [1, 2, 100000], SamplingParams(max_tokens=2))
+        tokens, _, _ = await collect(
+            engine, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)
+        )
+        assert len(tokens) == 3
+        assert_idle(engine)
