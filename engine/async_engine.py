@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -74,6 +74,27 @@ class AsyncEngine:
         if self.core is None or self._closed:
             raise EngineClosedError("the engine is not running")
         return self.core
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self._core().model_name
+
+    @property
+    def tokenizer(self):  # Tokenizer | None: None means token-id prompts only
+        return self._core().tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._core().max_model_len
+
+    def subscribe(self, fn: Callable[[str, dict[str, Any]], None]) -> None:
+        """Call ``fn(event, data)`` on engine events: "request_finished", "adapter_load"."""
+        self._core().listeners.append(fn)
+
+    def capacity_report(self) -> dict[str, Any]:
+        return self._core().capacity_report()
 
     # -- adapters -------------------------------------------------------------------------------
 

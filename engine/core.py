@@ -6,6 +6,7 @@ Methods run on the event loop except ``execute`` (the worker thread) and ``build
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -65,6 +66,15 @@ class EngineCore:
         self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.last_step_event: Any = None
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0, "steps": 0}
+        self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
+
+    def emit(self, event: str, **data: Any) -> None:
+        """Tell subscribers (metrics, studies) about ``event``; a failing one is logged, not raised."""
+        for fn in self.listeners:
+            try:
+                fn(event, data)
+            except Exception:  # noqa: BLE001
+                log.exception("listener_failed", event=event)
 
     @staticmethod
     def build(config: EngineConfig, wake: Callable[[], None]) -> EngineCore:
@@ -136,7 +146,22 @@ class EngineCore:
         return self.adapters.get(name)
 
     async def _load_adapter(self, v: AdapterVersion) -> None:
-        v.adapter = await self.source.load(v, self.model.dtype, pin=self.device.type == "cuda")
+        t0 = time.perf_counter()
+        info = {"name": v.name, "digest": v.digest, "uri": v.uri}
+        try:
+            v.adapter = await self.source.load(v, self.model.dtype, pin=self.device.type == "cuda")
+        except Exception as e:
+            self.emit("adapter_load", **info, ok=False, error=repr(e), timings=dict(v.timings))
+            raise
+        total = time.perf_counter() - t0
+        self.emit(
+            "adapter_load",
+            **info,
+            ok=True,
+            timings=dict(v.timings),
+            total_s=total,
+            nbytes=v.adapter.nbytes,
+        )
 
     async def adapters_close(self) -> None:
         for v in self.adapters.versions():
@@ -168,7 +193,10 @@ class EngineCore:
     def _slot_landed(self, v: AdapterVersion) -> None:
         v.slot_ready, v.slot_event = True, None
         self.runner.slot_ranks[v.slot] = v.rank
-        v.timings["h2d_done"] = time.perf_counter()
+        h2d = time.perf_counter() - v.timings.get("h2d_start", time.perf_counter())
+        v.timings["h2d"] = h2d
+        nbytes = v.adapter.nbytes if v.adapter is not None else 0
+        self.emit("slot_write", name=v.name, digest=v.digest, slot=v.slot, h2d_s=h2d, nbytes=nbytes)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -220,19 +248,25 @@ class EngineCore:
             self.fail(chunk.req, error)
 
     def _log(self, req: Request) -> None:
+        """The one canonical log line of a request, and the matching event for subscribers."""
         now = time.monotonic()
-        log.info(
-            "request",
-            request_id=req.request_id,
-            adapter=req.adapter.name if req.adapter else None,
-            adapter_digest=req.adapter.digest[:12] if req.adapter else None,
-            prompt_tokens=len(req.prompt_ids),
-            output_tokens=len(req.output_ids),
-            cached_tokens=req.num_cached,
-            finish_reason=req.finish_reason,
-            preemptions=req.num_preemptions,
-            ttft_s=round(req.first_token_time - req.arrival, 6) if req.first_token_time else None,
-            e2e_s=round(now - req.arrival, 6),
+        times = req.token_times
+        summary = {
+            "request_id": req.request_id,
+            "adapter": req.adapter.name if req.adapter else None,
+            "adapter_digest": req.adapter.digest[:12] if req.adapter else None,
+            "prompt_tokens": len(req.prompt_ids),
+            "output_tokens": len(req.output_ids),
+            "cached_tokens": req.num_cached,
+            "finish_reason": req.finish_reason,
+            "preemptions": req.num_preemptions,
+            "queue_s": round(req.scheduled_time - req.arrival, 6) if req.scheduled_time else None,
+            "ttft_s": round(times[0] - req.arrival, 6) if times else None,
+            "e2e_s": round(now - req.arrival, 6),
+        }
+        log.info("request", **summary)
+        self.emit(
+            "request_finished", **summary, itl_s=[b - a for a, b in itertools.pairwise(times)]
         )
 
     # -- the step -------------------------------------------------------------------------------
@@ -311,9 +345,7 @@ class EngineCore:
                 req, tok, result.logprobs[row], result.top_logprobs[row], self.max_model_len
             )
             row += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.last_token_time = now
+            req.token_times.append(now)
             if out.finished:
                 self.scheduler.finish(req, out.finish_reason or "stop")
                 self.counters["finished"] += 1
@@ -325,7 +357,15 @@ class EngineCore:
 
     def stats(self) -> dict[str, Any]:
         b = self.blocks
+        sched = self.scheduler
         return {
+            "max_loras": self.config.max_loras,
+            "running_adapters": sorted({r.adapter.name for r in sched.running if r.adapter}),
+            "waiting_adapters": sorted({r.adapter.name for r in sched.waiting if r.adapter}),
+            "gpu_resident": [v.name for v in self.adapters.resident],
+            "cpu_resident": [
+                v.name for v in self.adapters.versions() if v.state is AdapterState.CPU
+            ],
             "num_blocks": b.num_blocks,
             "num_free_blocks": b.num_free_blocks,
             "num_used_blocks": b.num_used_blocks,

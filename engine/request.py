@@ -68,8 +68,8 @@ class Request:
     detok: IncrementalDetokenizer | None = None
     queue: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
     num_preemptions: int = 0
-    first_token_time: float | None = None
-    last_token_time: float | None = None
+    scheduled_time: float | None = None  # first admission to the running queue
+    token_times: list[float] = field(default_factory=list)  # monotonic time of each token
     eos_ids: frozenset[int] = frozenset()
     meta: dict[str, Any] = field(default_factory=dict)
 

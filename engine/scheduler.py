@@ -112,6 +112,8 @@ class Scheduler:
             self.waiting.remove(req)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             if req.adapter is not None:
                 self.adapters.acquire_slot(req.adapter)
                 req.holds_slot = True

@@ -42,13 +42,17 @@ class LoRALinear(torch.nn.Module):
         self.out_features = offsets[-1]
         kw = {"dtype": dtype, "device": device}
         self.weight = torch.nn.Parameter(torch.empty(self.out_features, in_features, **kw), False)
-        self.bias = torch.nn.Parameter(torch.empty(self.out_features, **kw), False) if bias else None
+        self.bias = (
+            torch.nn.Parameter(torch.empty(self.out_features, **kw), False) if bias else None
+        )
         self.max_loras = max_loras
         self.max_rank = max_rank
         if max_loras > 0:
             s = len(slices)
             self.register_buffer("lora_a", torch.zeros(s, max_loras, max_rank, in_features, **kw))
-            self.register_buffer("lora_b", torch.zeros(max_loras, self.out_features, max_rank, **kw))
+            self.register_buffer(
+                "lora_b", torch.zeros(max_loras, self.out_features, max_rank, **kw)
+            )
         else:
             self.lora_a = None
             self.lora_b = None

@@ -1,0 +1,354 @@
+"""Check an adapter folder before any tensor data is read.
+
+Reads ``adapter_config.json`` and only the header of ``adapter_model.safetensors`` (8-byte
+little-endian length, then JSON). It checks the header's structure (length limit, dtypes,
+shapes, offsets that tile the data section exactly) and the adapter against the base model
+(targets, ranks, A ``(r, in)`` / B ``(out, r)`` shapes) and the byte quota. Blocking: run it
+in a worker thread.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loraplex.engine.lora.adapter import base_module_name
+from loraplex.engine.lora.errors import (
+    AdapterConfigError,
+    AdapterFormatError,
+    AdapterNotFoundError,
+    AdapterRankError,
+    AdapterShapeError,
+    AdapterTargetError,
+    AdapterTooLargeError,
+)
+from loraplex.engine.lora.peft_config import PeftLoRAConfig, parse_peft_config
+from loraplex.engine.model.config import LORA_MODULES, ModelConfig
+
+__all__ = [
+    "DEFAULT_MAX_HEADER_BYTES",
+    "ModuleReport",
+    "PreflightReport",
+    "SafetensorsHeader",
+    "TensorEntry",
+    "preflight",
+    "read_safetensors_header",
+]
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+DEFAULT_MAX_HEADER_BYTES = 8 << 20  # ~150 B per tensor: room for 50k tensors
+MAX_CONFIG_BYTES = 1 << 20
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_KEY_RE = re.compile(r"(?P<module>.+?)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight")
+_MODULE_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
+_PARENT = {
+    m: "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn" for m in LORA_MODULES
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # data_offsets, relative to the data section
+    end: int
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    tensors: list[TensorEntry]
+    header_bytes: int  # the JSON's length (the file has 8 more bytes before it)
+    data_bytes: int
+
+
+@dataclass(frozen=True)
+class ModuleReport:
+    layer: int
+    module: str  # short name, e.g. "q_proj"
+    rank: int
+    a_key: str
+    b_key: str
+
+
+@dataclass(frozen=True)
+class PreflightReport:
+    config: PeftLoRAConfig
+    modules: dict[tuple[int, str], ModuleReport]  # (layer, module) -> report
+    rank: int  # largest rank over all modules
+    tensor_bytes: int
+    file_bytes: int  # adapter_config.json + adapter_model.safetensors
+    header_bytes: int
+    dtypes: frozenset[str]
+
+
+def preflight(
+    folder: str | Path,
+    model_config: ModelConfig,
+    *,
+    max_lora_rank: int,
+    max_bytes: int | None,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+) -> PreflightReport:
+    """Validate an adapter folder against the base model; raise a typed LoRAError if unfit."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise AdapterNotFoundError(f"adapter folder {str(folder)!r} does not exist")
+    wpath, cpath = _weights_path(folder), folder / CONFIG_FILE
+    if not cpath.is_file():
+        raise AdapterConfigError(f"no {CONFIG_FILE} in {folder}", field=CONFIG_FILE)
+    csize, wsize = cpath.stat().st_size, wpath.stat().st_size
+    if max_bytes is not None and csize + wsize > max_bytes:
+        raise AdapterTooLargeError(
+            f"adapter files are {csize + wsize} bytes ({WEIGHTS_FILE}: {wsize}), above the "
+            f"quota of {max_bytes}",
+            field=WEIGHTS_FILE,
+        )
+    config = _read_config(cpath, csize)
+    _check_config_targets(config, model_config)
+    header = read_safetensors_header(wpath, max_header_bytes=max_header_bytes)
+    modules = _check_modules(header.tensors, config, model_config, max_lora_rank)
+    return PreflightReport(
+        config=config,
+        modules=modules,
+        rank=max(m.rank for m in modules.values()),
+        tensor_bytes=header.data_bytes,
+        file_bytes=csize + wsize,
+        header_bytes=header.header_bytes,
+        dtypes=frozenset(t.dtype for t in header.tensors),
+    )
+
+
+def _weights_path(folder: Path) -> Path:
+    p = folder / WEIGHTS_FILE
+    if p.is_file():
+        return p
+    pickles = sorted(f.name for f in folder.iterdir() if f.name.endswith(_PICKLE_SUFFIXES))
+    why = f"found {', '.join(pickles)}; safetensors required" if pickles else "missing"
+    raise AdapterFormatError(f"{folder}: {WEIGHTS_FILE} {why}", field=WEIGHTS_FILE)
+
+
+def _read_config(path: Path, size: int) -> PeftLoRAConfig:
+    if size > MAX_CONFIG_BYTES:
+        raise AdapterConfigError(
+            f"{CONFIG_FILE} is {size} bytes, above the {MAX_CONFIG_BYTES}-byte limit",
+            field=CONFIG_FILE,
+        )
+    try:
+        raw: Any = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterConfigError(
+            f"{CONFIG_FILE} is not valid JSON: {e}", field=CONFIG_FILE
+        ) from None
+    return parse_peft_config(raw)
+
+
+def _check_config_targets(config: PeftLoRAConfig, mc: ModelConfig) -> None:
+    names = [base_module_name(i, m) for i in range(mc.num_layers) for m in LORA_MODULES]
+    tm = config.target_modules
+    if isinstance(tm, str):
+        bad = [n for n in ("lm_head", "model.embed_tokens") if config.targets(n)]
+        if bad or not any(config.targets(n) for n in names):
+            why = f"matches {bad[0]!r}" if bad else "matches no LoRA module of the base"
+            raise AdapterTargetError(
+                f"{CONFIG_FILE}: target_modules regex {tm!r} {why}", field="target_modules"
+            )
+    else:
+        for t in tm:
+            if not any(n == t or n.endswith("." + t) for n in names):
+                raise AdapterTargetError(
+                    f"{CONFIG_FILE}: target_modules names {t!r}, which is not a LoRA module of "
+                    f"the base (supported: {', '.join(LORA_MODULES)})",
+                    field="target_modules",
+                )
+    for idx in config.layers_to_transform or ():
+        if idx >= mc.num_layers:
+            raise AdapterTargetError(
+                f"{CONFIG_FILE}: layers_to_transform has {idx} >= num_layers {mc.num_layers}",
+                field="layers_to_transform",
+            )
+
+
+def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
+    """``base_model.model.<module>.lora_A[.<adapter>].weight`` -> (layer, module, "A"/"B")."""
+    name = key.removeprefix("base_model.model.")
+    m = _KEY_RE.fullmatch(name)
+    if m is not None:
+        module = m.group("module")
+    else:
+        parts = name.split(".")
+        i = next((j for j, p in enumerate(parts) if p.startswith("lora_")), None)
+        module = ".".join(parts[:i] if i is not None else parts[:-1])
+    mm = _MODULE_RE.fullmatch(module)
+    short = mm.group(3) if mm else None
+    if mm is None or short not in _PARENT or _PARENT[short] != mm.group(2):
+        raise AdapterTargetError(
+            f"{WEIGHTS_FILE}: tensor {key!r} targets {module!r}, which is not a LoRA module of "
+            f"the base (supported: {', '.join(LORA_MODULES)})",
+            field=key,
+        )
+    layer = int(mm.group(1))
+    if layer >= num_layers:
+        raise AdapterTargetError(
+            f"{WEIGHTS_FILE}: tensor {key!r} targets layer {layer} >= num_layers {num_layers}",
+            field=key,
+        )
+    if m is None:
+        raise AdapterFormatError(
+            f"{WEIGHTS_FILE}: tensor {key!r} is not a LoRA A/B weight (only plain LoRA)",
+            field=key,
+        )
+    return layer, short, m.group("ab")
+
+
+def _check_modules(
+    tensors: list[TensorEntry], config: PeftLoRAConfig, mc: ModelConfig, max_rank: int
+) -> dict[tuple[int, str], ModuleReport]:
+    found: dict[tuple[int, str], dict[str, TensorEntry]] = {}
+    for t in tensors:
+        layer, module, ab = _parse_key(t.key, mc.num_layers)
+        full = base_module_name(layer, module)
+        if not config.targets(full):
+            raise AdapterTargetError(
+                f"{WEIGHTS_FILE}: tensor {t.key!r} is for {full!r}, which {CONFIG_FILE} does not "
+                "target",
+                field=t.key,
+            )
+        pair = found.setdefault((layer, module), {})
+        if ab in pair:
+            raise AdapterFormatError(
+                f"{WEIGHTS_FILE}: tensors {pair[ab].key!r} and {t.key!r} are both lora_{ab} of "
+                f"{full!r}",
+                field=t.key,
+            )
+        pair[ab] = t
+    if not found:
+        raise AdapterFormatError(f"{WEIGHTS_FILE} holds no LoRA weights", field=WEIGHTS_FILE)
+    shapes = mc.lora_module_shapes()
+    out: dict[tuple[int, str], ModuleReport] = {}
+    for (layer, module), pair in sorted(found.items()):
+        full = base_module_name(layer, module)
+        if len(pair) != 2:
+            have = next(iter(pair.values())).key
+            missing = "lora_B" if "A" in pair else "lora_A"
+            raise AdapterShapeError(
+                f"{WEIGHTS_FILE}: {full!r} has {have!r} but no {missing}", field=have
+            )
+        a, b = pair["A"], pair["B"]
+        for t in (a, b):
+            if len(t.shape) != 2:
+                raise AdapterShapeError(
+                    f"{WEIGHTS_FILE}: tensor {t.key!r} has shape {t.shape}; LoRA weights are 2-D",
+                    field=t.key,
+                )
+        r, r_cfg = a.shape[0], config.rank_for(full)
+        if max(r, r_cfg) > max_rank:
+            raise AdapterRankError(
+                f"tensor {a.key!r} has rank {r} ({CONFIG_FILE} says {r_cfg}), above "
+                f"max_lora_rank {max_rank}",
+                field=a.key,
+            )
+        if r != r_cfg:
+            raise AdapterShapeError(
+                f"{WEIGHTS_FILE}: tensor {a.key!r} has rank {r}, but {CONFIG_FILE} gives "
+                f"{full!r} rank {r_cfg}",
+                field=a.key,
+            )
+        d_in, d_out = shapes[module]
+        for t, want in ((a, (r, d_in)), (b, (d_out, r))):
+            if t.shape != want:
+                raise AdapterShapeError(
+                    f"{WEIGHTS_FILE}: tensor {t.key!r} has shape {t.shape}, expected {want} "
+                    f"for {full!r} of the base",
+                    field=t.key,
+                )
+        out[(layer, module)] = ModuleReport(layer, module, r, a.key, b.key)
+    return out
+
+
+def read_safetensors_header(path: Path, *, max_header_bytes: int) -> SafetensorsHeader:
+    """Read and check only the header; the tensors must tile the data section exactly."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        n = int.from_bytes(f.read(8).ljust(8, b"\0"), "little") if size >= 8 else -1
+        if n > max_header_bytes:
+            raise _fmt(f"header length {n} is above the limit of {max_header_bytes} bytes")
+        if n < 2 or 8 + n > size:
+            raise _fmt(f"file of {size} bytes is too short for its header (truncated?)")
+        raw = f.read(n)
+    try:
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise _fmt(f"header is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise _fmt("header is not a JSON object")
+    data_bytes = size - 8 - n
+    tensors = [_entry(k, v, data_bytes) for k, v in obj.items() if k != "__metadata__"]
+    meta = obj.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise _fmt("__metadata__ must map strings to strings", field="__metadata__")
+    pos, prev = 0, None
+    for t in sorted(tensors, key=lambda t: (t.begin, t.end)):
+        if t.begin > pos:
+            raise _fmt(f"gap of {t.begin - pos} bytes before tensor {t.key!r}", field=t.key)
+        if t.begin < pos:
+            raise _fmt(f"tensor {t.key!r} overlaps tensor {prev!r}", field=t.key)
+        pos, prev = t.end, t.key
+    if pos != data_bytes:
+        raise _fmt(f"data section has {data_bytes} bytes but tensors cover {pos} (trailing gap)")
+    return SafetensorsHeader(tensors=tensors, header_bytes=n, data_bytes=data_bytes)
+
+
+def _entry(key: str, v: Any, data_bytes: int) -> TensorEntry:
+    if not isinstance(v, dict):
+        raise _fmt(f"header entry {key!r} is not an object", field=key)
+    dtype, shape, offs = v.get("dtype"), v.get("shape"), v.get("data_offsets")
+    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+        raise _fmt(f"tensor {key!r} has no valid shape (got {shape!r})", field=key)
+    if not isinstance(offs, list) or len(offs) != 2 or not all(_is_uint(o) for o in offs):
+        raise _fmt(f"tensor {key!r} has no valid data_offsets (got {offs!r})", field=key)
+    if dtype not in _ITEMSIZE:
+        raise AdapterShapeError(
+            f"{WEIGHTS_FILE}: tensor {key!r} has dtype {dtype!r}; only {', '.join(_ITEMSIZE)} "
+            "are supported",
+            field=key,
+        )
+    begin, end = offs
+    if begin > end or end > data_bytes:
+        raise _fmt(
+            f"tensor {key!r} data_offsets {offs} fall outside the data section of {data_bytes} "
+            "bytes (truncated?)",
+            field=key,
+        )
+    need = math.prod(shape) * _ITEMSIZE[dtype]
+    if end - begin != need:
+        raise _fmt(
+            f"tensor {key!r} spans {end - begin} bytes, but shape {tuple(shape)} of {dtype} "
+            f"needs {need}",
+            field=key,
+        )
+    return TensorEntry(key, dtype, tuple(shape), begin, end)
+
+
+def _is_uint(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _fmt(msg: str, *, field: str = WEIGHTS_FILE) -> AdapterFormatError:
+    return AdapterFormatError(f"{WEIGHTS_FILE}: {msg}", field=field)
