@@ -11,5 +11,6 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
 export PYTHONUNBUFFERED=1
-python3 -m pytest -q -m gpu -p no:cacheprovider "${@:-tests/lora/test_ops.py tests/model/test_oracle_peft.py}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+tests=("$@"); [ ${#tests[@]} -eq 0 ] && tests=(tests/lora/test_ops.py tests/model/test_oracle_peft.py)
+python3 -m pytest -q -m gpu -p no:cacheprovider "${tests[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 python3 benchmarks/lora_kernels.py --append "$OUT/kernels.md" 2>&1 | tee "$OUT/kernels.log" | tail -60
