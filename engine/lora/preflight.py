@@ -187,14 +187,13 @@ def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
         i = next((j for j, p in enumerate(parts) if p.startswith("lora_")), None)
         module = ".".join(parts[:i] if i is not None else parts[:-1])
     mm = _MODULE_RE.fullmatch(module)
-    short = mm.group(3) if mm else None
-    if mm is None or short not in _PARENT or _PARENT[short] != mm.group(2):
+    if mm is None or _PARENT.get(mm.group(3)) != mm.group(2):
         raise AdapterTargetError(
             f"{WEIGHTS_FILE}: tensor {key!r} targets {module!r}, which is not a LoRA module of "
             f"the base (supported: {', '.join(LORA_MODULES)})",
             field=key,
         )
-    layer = int(mm.group(1))
+    layer, short = int(mm.group(1)), mm.group(3)
     if layer >= num_layers:
         raise AdapterTargetError(
             f"{WEIGHTS_FILE}: tensor {key!r} targets layer {layer} >= num_layers {num_layers}",

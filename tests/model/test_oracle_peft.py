@@ -87,8 +87,13 @@ def setup(request, tmp_path_factory):
     return kind, model_dir, adapters
 
 
-def hf_mixed_batch(model_dir, adapters, prompts, names, dtype=torch.float32, device="cpu"):
-    """Prefill + greedy decode with PEFT; returns logits per step (B, V) and tokens."""
+def hf_mixed_batch(
+    model_dir, adapters, prompts, names, dtype=torch.float32, device="cpu", force=None
+):
+    """Prefill + greedy decode with PEFT; returns logits per step (B, V) and tokens.
+
+    ``force``: decode these tokens (per step, per row) instead of the greedy ones.
+    """
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
     first, *rest = adapters
     model = peft.PeftModel.from_pretrained(base, adapters[first], adapter_name=first)
@@ -115,6 +120,8 @@ def hf_mixed_batch(model_dir, adapters, prompts, names, dtype=torch.float32, dev
             logits = out.logits[:, -1].float().cpu()
             steps.append(logits)
             nxt = logits.argmax(-1)
+            if force is not None:
+                nxt = torch.tensor(force[len(tokens)])
             tokens.append(nxt.tolist())
             past = out.past_key_values
             ids = nxt[:, None].to(device)
@@ -175,19 +182,24 @@ def test_mixed_batch_matches_peft(setup):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mixed_batch_matches_peft_on_gpu(setup, dtype):
-    """bf16/fp16 on CUDA (Triton kernels): logits within half-precision tolerance of PEFT."""
+    """Half precision on CUDA (Triton kernels): against PEFT in float32 on the same GPU, our
+    error is no worse than PEFT's own in the same half precision (plus a small margin)."""
     kind, model_dir, adapters = setup
     g = random.Random(4)
     prompts = [[g.randrange(3, 200) for _ in range(n)] for _, n in ROWS]
     names = [n for n, _ in ROWS]
-    hf_steps, hf_tokens = hf_mixed_batch(
-        model_dir, adapters, prompts, names, dtype=dtype, device="cuda"
-    )
-    our_steps = ours(model_dir, adapters, prompts, names, hf_tokens, dtype=dtype, device="cuda")
-    for step, (a, b) in enumerate(zip(our_steps, hf_steps, strict=True)):
+    run = dict(model_dir=model_dir, adapters=adapters, prompts=prompts, names=names)
+    ref_steps, ref_tokens = hf_mixed_batch(**run, dtype=torch.float32, device="cuda")
+    hf_steps, _ = hf_mixed_batch(**run, dtype=dtype, device="cuda", force=ref_tokens)
+    our_steps = ours(model_dir, adapters, prompts, names, ref_tokens, dtype=dtype, device="cuda")
+    for step in range(DECODE_STEPS + 1):
         for row in range(len(prompts)):
-            err = ((a[row] - b[row]).norm() / b[row].norm()).item()
-            assert err < 3e-2, f"{kind} {dtype} step {step} row {row}: rel err {err:.2e}"
-            top2 = b[row].topk(2).values
-            if (top2[0] - top2[1]).item() > 0.5:  # a clear winner must agree
-                assert int(a[row].argmax()) == hf_tokens[step][row]
+            ref = ref_steps[step][row]
+            ours_err = ((our_steps[step][row] - ref).norm() / ref.norm()).item()
+            hf_err = ((hf_steps[step][row] - ref).norm() / ref.norm()).item()
+            assert ours_err <= max(2 * hf_err, 1e-2), (
+                f"{kind} {dtype} step {step} row {row}: ours {ours_err:.2e} vs PEFT {hf_err:.2e}"
+            )
+            top2 = ref.topk(2).values
+            if (top2[0] - top2[1]).item() > 1.0:  # a clear winner must agree
+                assert int(our_steps[step][row].argmax()) == ref_tokens[step][row]

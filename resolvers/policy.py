@@ -1,0 +1,131 @@
+"""Which adapter sources the operator allows.
+
+Remote URIs (``hf://``, ``s3://``, plugin schemes) must match an allowlist glob (fnmatch, case
+sensitive, ``*`` also matches ``/``) or be one of the exact URIs the operator configured.
+Local sources (``file://`` URIs and plain paths) must lie under an operator root, checked on
+the real path (``os.path.realpath``), so ``..`` and symlinks cannot escape. Allow patterns do
+not apply to local sources: the roots are their allowlist.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from loraplex.engine.lora.errors import AdapterPolicyError, AdapterSourceError
+
+__all__ = ["SourcePolicy", "scheme_of", "is_local", "local_path_of"]
+
+_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_BAD_CHARS = re.compile(r"[\x00-\x20\x7f\\?#]")  # controls, whitespace, backslash, query, fragment
+
+
+def scheme_of(uri: str) -> str:
+    """Lower-case URI scheme; a plain path (no ``scheme://``) is ``file``."""
+    m = _SCHEME_RE.match(uri)
+    return m.group(1).lower() if m else "file"
+
+
+def is_local(uri: str) -> bool:
+    return scheme_of(uri) == "file"
+
+
+def local_path_of(uri: str) -> str:
+    """The absolute path a ``file://`` URI or plain path names (not yet resolved)."""
+    if _SCHEME_RE.match(uri):
+        parts = urlsplit(uri)
+        if parts.netloc not in ("", "localhost"):
+            raise AdapterPolicyError(f"file URI {uri!r} names a remote host", field="uri")
+        path = unquote(parts.path)
+    else:
+        path = uri
+    if not path or "\x00" in path:
+        raise AdapterPolicyError(f"local adapter path {uri!r} is empty or invalid", field="uri")
+    if ".." in Path(path).parts:
+        raise AdapterPolicyError(f"local adapter path {uri!r} contains '..'", field="uri")
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or os.path.commonpath([path, root]) == root
+
+
+@dataclass(frozen=True)
+class SourcePolicy:
+    """Operator allowlist of adapter sources; the default allows nothing (fail closed)."""
+
+    allow: Sequence[str] = ()  # fnmatch patterns over remote URIs
+    local_roots: Sequence[Path | str] = ()
+    exact: frozenset[str] = field(default_factory=frozenset)  # remote URIs allowed verbatim
+
+    def allowing(self, uris: Iterable[str]) -> SourcePolicy:
+        """A copy that also allows these operator-configured URIs (e.g. ``--lora-modules``).
+
+        Remote URIs are allowed verbatim; a local directory becomes a root of its own.
+        """
+        roots, exact = list(self.local_roots), set(self.exact)
+        for uri in uris:
+            if is_local(uri):
+                roots.append(local_path_of(uri))
+            else:
+                exact.add(uri)
+        return SourcePolicy(
+            allow=tuple(self.allow), local_roots=tuple(roots), exact=frozenset(exact)
+        )
+
+    def check(self, uri: str) -> None:
+        """Raise AdapterPolicyError unless ``uri`` is allowed (touches the disk for local URIs)."""
+        if is_local(uri):
+            self.local_path(uri)
+            return
+        _check_remote_syntax(uri)
+        if uri in self.exact or any(fnmatchcase(uri, pat) for pat in self.allow):
+            return
+        raise AdapterPolicyError(
+            f"adapter source {uri!r} matches no allowed source pattern", field="uri"
+        )
+
+    def real_roots(self) -> list[str]:
+        return [os.path.realpath(os.path.abspath(os.path.expanduser(r))) for r in self.local_roots]
+
+    def contains(self, path: str | Path) -> bool:
+        """Whether the real path of ``path`` lies under one of the local roots."""
+        real = os.path.realpath(path)
+        return any(_inside(real, root) for root in self.real_roots())
+
+    def local_path(self, uri: str) -> Path:
+        """The real path of a local source, after checking it lies under a root."""
+        path = local_path_of(uri)
+        if not self.local_roots:
+            raise AdapterPolicyError(
+                f"local adapter source {uri!r} refused: no local roots are configured", field="uri"
+            )
+        real = os.path.realpath(path)
+        if not any(_inside(real, root) for root in self.real_roots()):
+            via = "" if real == path else f" (it resolves to {real!r})"
+            raise AdapterPolicyError(
+                f"local adapter source {uri!r} is outside the allowed roots{via}", field="uri"
+            )
+        return Path(real)
+
+
+def _check_remote_syntax(uri: str) -> None:
+    m = _SCHEME_RE.match(uri)
+    if m is None:
+        raise AdapterSourceError(f"adapter source {uri!r} is not a URI", field="uri")
+    rest = uri[m.end() :]
+    if _BAD_CHARS.search(rest):
+        raise AdapterPolicyError(
+            f"adapter source {uri!r} contains whitespace, control characters, '\\', '?' or '#'",
+            field="uri",
+        )
+    segments = rest.rstrip("/").split("/")
+    if any(s in ("", ".", "..") for s in segments):
+        raise AdapterPolicyError(
+            f"adapter source {uri!r} has an empty, '.' or '..' path segment", field="uri"
+        )
