@@ -106,6 +106,10 @@ class AsyncEngine:
     async def remove_adapter(self, name: str) -> None:
         self._core().adapters.unregister(name)
 
+    def pin_adapter(self, name: str, pinned: bool = True) -> None:
+        """Keep ``name`` in its GPU slot once loaded (operator pin)."""
+        self._core().adapters.pin(name, pinned)
+
     def list_adapters(self) -> list[dict[str, Any]]:
         core = self._core()
         out = []
@@ -129,14 +133,14 @@ class AsyncEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use", field="request_id")
-        version = await core.resolve_adapter(adapter) if adapter is not None else None
+        version = core.resolve_adapter(adapter) if adapter is not None else None
         prompt_ids = core.encode_prompt(prompt, params)
         req = Request(rid, prompt_ids, params, version, eos_ids=frozenset(core.eos_ids))
         if params.seed is not None:
             req.generator = make_generator(params.seed, core.device)
         req.detok = core.make_detokenizer(req)
         if version is not None:
-            core.adapters.add_user(version)
+            req.meta["tier"] = core.adapters.add_user(version)
         self._requests[rid] = req
         core.scheduler.add(req)
         self._wake.set()

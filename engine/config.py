@@ -32,9 +32,11 @@ class EngineConfig:
     kv_cache_fraction: float = 0.85  # of free GPU memory after weights
     enable_prefix_caching: bool = True
     # adapter sources
-    local_roots: tuple[str, ...] = ()  # extra roots for file:// adapters (dynamic loading)
-    allow_sources: tuple[str, ...] = ()  # glob patterns of URIs dynamic names may resolve to
-    enabled_plugins: tuple[str, ...] | None = None
+    local_roots: tuple[str, ...] = ()  # roots for file:// adapters (dynamic / admin loading)
+    allow_sources: tuple[str, ...] = ()  # glob patterns of remote URIs dynamic names may use
+    lora_name_template: str | None = None  # e.g. "s3://bucket/adapters/{name}": dynamic names
+    enabled_plugins: tuple[str, ...] | None = None  # None: the built-in resolvers
+    adapter_cache_dir: str | None = None  # where fetched adapters are staged (default: temp dir)
     seed: int = 0
     extra: dict = field(default_factory=dict, compare=False)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,9 +20,10 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.kv import BlockManager
+from loraplex.engine.lora.errors import AdapterNotFoundError
+from loraplex.engine.lora.loader import AdapterLoader
 from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion
 from loraplex.engine.lora.slots import write_slot
-from loraplex.engine.lora.source import AdapterSource
 from loraplex.engine.model.loader import load_model, resolve_dtype
 from loraplex.engine.model_runner import ModelRunner, StepItem
 from loraplex.engine.output import append_token, final_output
@@ -50,12 +52,13 @@ class EngineCore:
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
         self.eos_ids = set(tokenizer.eos_token_ids) if tokenizer else set(cfg.eos_token_ids)
-        self.source = AdapterSource(config, cfg)
+        self.loader = AdapterLoader(config, cfg)
         self.adapters = AdapterManager(
             max_loras=config.max_loras,
             max_cpu_loras=config.max_cpu_loras,
             loader=self._load_adapter,
             on_change=wake,
+            on_drop=self.loader.discard,
         )
         self.blocks = BlockManager(
             runner.num_blocks, config.block_size, config.enable_prefix_caching
@@ -134,25 +137,49 @@ class EngineCore:
             "slot_bytes": full_rank_bytes,
             "cpu_tier_adapters": cfg.max_cpu_loras,
             "cpu_tier_bytes_at_max_rank": full_rank_bytes * cfg.max_cpu_loras,
+            "adapters_fitting_host_memory": _host_bytes() // max(full_rank_bytes, 1),
         }
 
     # -- adapters -------------------------------------------------------------------------------
 
     async def add_adapter(self, name: str, uri: str, sha256: str | None) -> AdapterVersion:
-        local_dir, digest = await self.source.verify_static(uri, sha256)
-        return self.adapters.register(name, uri, digest, local_dir)
+        """Operator-configured (static) adapter: fetched, verified and preflighted now."""
+        if self.config.max_loras == 0:
+            raise InvalidRequestError("this engine runs with max_loras=0: adapters are disabled")
+        self.loader.allow_static(uri)
+        v = self.adapters.new_version(name, uri)
+        await self.loader.fetch_verify(v, sha256)
+        return self.adapters.register(v)
 
-    async def resolve_adapter(self, name: str) -> AdapterVersion:
-        return self.adapters.get(name)
+    def resolve_adapter(self, name: str) -> AdapterVersion:
+        """The current version of ``name``; unknown names go through dynamic resolution."""
+        try:
+            return self.adapters.get(name)
+        except AdapterNotFoundError:
+            uri = self.loader.dynamic_uri(name) if self.config.max_loras else None
+            if uri is None:
+                raise
+        v = self.adapters.new_version(name, uri, dynamic=True)
+        return self.adapters.register(v)
 
     async def _load_adapter(self, v: AdapterVersion) -> None:
         t0 = time.perf_counter()
-        info = {"name": v.name, "digest": v.digest, "uri": v.uri}
+        info = {"name": v.name, "uri": v.uri}
         try:
-            v.adapter = await self.source.load(v, self.model.dtype, pin=self.device.type == "cuda")
+            if v.local_dir is None:
+                await self.loader.fetch_verify(v)
+            v.adapter = await self.loader.stage(v, self.model.dtype, pin=self.device.type == "cuda")
         except Exception as e:
-            self.emit("adapter_load", **info, ok=False, error=repr(e), timings=dict(v.timings))
+            self.emit(
+                "adapter_load",
+                **info,
+                digest=v.digest,
+                ok=False,
+                error=repr(e),
+                timings=dict(v.timings),
+            )
             raise
+        info["digest"] = v.digest
         total = time.perf_counter() - t0
         self.emit(
             "adapter_load",
@@ -164,10 +191,11 @@ class EngineCore:
         )
 
     async def adapters_close(self) -> None:
-        for v in self.adapters.versions():
-            if v.load_task is not None:
-                v.load_task.cancel()
-        await asyncio.sleep(0)
+        tasks = [v.load_task for v in self.adapters.versions() if v.load_task is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.to_thread(self.loader.close)
 
     def drain_failed_adapters(self) -> list[tuple[Request, BaseException]]:
         failed = [
@@ -285,7 +313,16 @@ class EngineCore:
                     need_logits=c.need_logits,
                 )
             )
+        # NOTE: invariants of slot safety, checked every step (cheap): a scheduled row reads a
+        # slot its version owns and whose write completed; a slot being written has no reader.
+        read = set()
+        for c in plan.chunks:
+            v = c.req.adapter
+            if v is not None:
+                assert v.slot is not None and v.slot_ready and self.adapters.slot_owner(v.slot) is v
+                read.add(v.slot)
         for v in plan.slot_writes:
+            assert v.slot not in read, f"slot {v.slot} written while a scheduled row reads it"
             v.slot_event = None
         return items
 
@@ -385,6 +422,13 @@ class EngineCore:
             "adapters": dict(self.adapters.stats),
             **self.counters,
         }
+
+
+def _host_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def _replace(config: EngineConfig, **kw: Any) -> EngineConfig:

@@ -72,6 +72,12 @@ class PluginManager:
             raise PluginLoadError(f"plugin {name!r} cannot be registered: {e}") from e
         self._by_scheme = None
 
+    def update_settings(self, settings: ResolverSettings) -> None:
+        """Replace the settings (e.g. a policy that allows a new static source); resolvers are
+        rebuilt with them on next use."""
+        self.settings = settings
+        self._by_scheme = None
+
     def unregister(self, name: str) -> None:
         self._pm.unregister(name=name)
         self._by_scheme = None

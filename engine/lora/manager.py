@@ -55,6 +55,10 @@ class AdapterVersion:
     slot_refs: int = 0  # running requests reading the slot
     users: int = 0  # requests in flight (waiting or running) on this version
     pinned: bool = False  # operator pin: never evicted from its slot
+    dynamic: bool = False  # resolved from a name at request time (forgotten if its load fails)
+    pinned_uri: str | None = None  # the source at the exact revision fetched
+    nbytes: int = 0
+    progress: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     last_used: float = field(default_factory=time.monotonic)
     timings: dict[str, float] = field(default_factory=dict)
     load_task: asyncio.Task | None = None
@@ -79,11 +83,13 @@ class AdapterManager:
         max_cpu_loras: int,
         loader: Loader,
         on_change: Callable[[], None] = lambda: None,
+        on_drop: Callable[[AdapterVersion], None] = lambda v: None,
     ) -> None:
         self.max_loras = max_loras
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
         self._loader = loader
         self._on_change = on_change
+        self._on_drop = on_drop
         self._current: dict[str, AdapterVersion] = {}
         self._versions: list[AdapterVersion] = []  # every version still alive
         self._slots: list[AdapterVersion | None] = [None] * max_loras
@@ -91,6 +97,8 @@ class AdapterManager:
         self.stats = {
             "gpu_hits": 0,
             "cpu_hits": 0,
+            "misses": 0,
+            "load_failures": 0,
             "loads": 0,
             "gpu_evictions": 0,
             "cpu_evictions": 0,
@@ -98,12 +106,23 @@ class AdapterManager:
 
     # -- registry -------------------------------------------------------------------------------
 
-    def register(self, name: str, uri: str, digest: str, local_dir: Path | None) -> AdapterVersion:
-        cur = self._current.get(name)
-        if cur is not None and cur.digest == digest and cur.state is not AdapterState.FAILED:
+    def new_version(self, name: str, uri: str, *, dynamic: bool = False) -> AdapterVersion:
+        """A version not registered yet (its digest is known once fetched)."""
+        return AdapterVersion(name, uri, "", next(self._counter), dynamic=dynamic)
+
+    def register(self, v: AdapterVersion) -> AdapterVersion:
+        """Make ``v`` the current version of its name; an equal (name, digest) one is kept."""
+        cur = self._current.get(v.name)
+        if (
+            cur is not None
+            and v.digest
+            and cur.digest == v.digest
+            and cur.state is not AdapterState.FAILED
+        ):
+            if v is not cur:
+                self._on_drop(v)
             return cur
-        v = AdapterVersion(name, uri, digest, next(self._counter), local_dir)
-        self._current[name] = v
+        self._current[v.name] = v
         self._versions.append(v)
         self._collect()
         return v
@@ -112,6 +131,16 @@ class AdapterManager:
         if self._current.pop(name, None) is None:
             raise AdapterNotFoundError(f"adapter {name!r} is not loaded", field="lora_name")
         self._collect()
+
+    def forget(self, v: AdapterVersion) -> None:
+        """Drop a version from the registry if it is still the current one for its name."""
+        if self._current.get(v.name) is v:
+            del self._current[v.name]
+        self._collect()
+
+    def pin(self, name: str, pinned: bool = True) -> None:
+        """Operator pin: the adapter keeps its GPU slot once it has one."""
+        self.get(name).pinned = pinned
 
     def get(self, name: str) -> AdapterVersion:
         v = self._current.get(name)
@@ -130,22 +159,34 @@ class AdapterManager:
         live = set(map(id, self._current.values()))
         for v in list(self._versions):
             if id(v) not in live and v.users == 0 and v.slot_refs == 0:
+                if v.load_task is not None and v.load_task is not asyncio.current_task():
+                    v.load_task.cancel()
                 if v.slot is not None:
                     self._slots[v.slot] = None
                     v.slot = None
                 v.adapter = None
                 self._versions.remove(v)
+                self._on_drop(v)
 
     # -- references -----------------------------------------------------------------------------
 
-    def add_user(self, v: AdapterVersion) -> None:
+    def add_user(self, v: AdapterVersion) -> str:
+        """A request starts using ``v``; returns the tier that serves it: gpu, cpu or cold."""
         v.users += 1
         v.last_used = time.monotonic()
+        if v.state is AdapterState.CPU:
+            tier = "gpu" if v.slot is not None and v.slot_ready else "cpu"
+        else:
+            tier = "cold"
+        self.stats[{"gpu": "gpu_hits", "cpu": "cpu_hits", "cold": "misses"}[tier]] += 1
         self.ensure_loaded(v)
+        return tier
 
     def drop_user(self, v: AdapterVersion) -> None:
         assert v.users > 0, f"user count of {v.key} would go negative"
         v.users -= 1
+        if v.users == 0 and v.state is AdapterState.LOADING and v.load_task is not None:
+            v.load_task.cancel()  # nobody waits for it any more
         self._collect()
 
     def acquire_slot(self, v: AdapterVersion) -> None:
@@ -162,8 +203,6 @@ class AdapterManager:
     def ensure_loaded(self, v: AdapterVersion) -> None:
         """Start a background load unless the version is loaded or loading (single-flight)."""
         if v.state in (AdapterState.CPU, AdapterState.LOADING):
-            if v.state is AdapterState.CPU:
-                self.stats["cpu_hits" if v.slot is None else "gpu_hits"] += 1
             return
         v.state = AdapterState.LOADING
         v.error = None
@@ -175,10 +214,14 @@ class AdapterManager:
             await self._loader(v)
         except asyncio.CancelledError:
             v.state = AdapterState.REGISTERED
+            v.adapter = None
+            if v.dynamic:
+                self.forget(v)
             raise
         except Exception as e:  # noqa: BLE001 - the error is handed to the waiting requests
             v.state = AdapterState.FAILED
             v.error = e
+            self.stats["load_failures"] += 1
         else:
             v.state = AdapterState.CPU
             self._evict_cpu(keep=v)
@@ -198,9 +241,12 @@ class AdapterManager:
             self.stats["cpu_evictions"] += 1
 
     def reset_failed(self, v: AdapterVersion) -> None:
-        """After its waiters were failed, a failed version may be retried by later requests."""
+        """After its waiters were failed, a failed version may be retried by later requests
+        (a dynamic one is forgotten, so the next request resolves its name again)."""
         if v.state is AdapterState.FAILED:
             v.state = AdapterState.REGISTERED
+            if v.dynamic:
+                self.forget(v)
 
     # -- GPU slots ------------------------------------------------------------------------------
 

@@ -1,0 +1,217 @@
+"""Parse and validate OpenAI request bodies (completions, chat) into a ``GenerationRequest``.
+
+Field names follow the OpenAI API plus vLLM's extra sampling fields (``top_k``, ``min_tokens``,
+``ignore_eos``, ``stop_token_ids``, ``return_token_ids``, ``return_tokens_as_token_ids``).
+Unknown fields are ignored, as vLLM does; features we do not implement are refused (400).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from loraplex.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from loraplex.engine.server.errors import APIError
+
+__all__ = ["GenerationRequest", "parse_json", "parse_completion", "parse_chat", "MAX_N"]
+
+MAX_N = 128
+_SEED_MAX = 2**64 - 1
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+)
+
+
+def bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+@dataclass
+class GenerationRequest:
+    """A validated request: what to run and how to shape the reply."""
+
+    model: str | None
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions
+    messages: list[dict[str, Any]] | None = None  # chat
+    chat_kwargs: dict[str, Any] = field(default_factory=dict)
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None
+    logprobs: int | None = None  # top logprobs per token the engine returns (None: off)
+    return_token_ids: bool = False
+    tokens_as_ids: bool = False
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    def params(self, prompt_len: int, limit: int, choice: int = 0) -> SamplingParams:
+        """Engine params for one choice; ``limit`` is the longest prompt + output allowed."""
+        max_tokens = self.max_tokens
+        if max_tokens is None:
+            max_tokens = limit - prompt_len
+            if max_tokens < 1:
+                raise bad(
+                    f"the prompt ({prompt_len} tokens) leaves no room to generate within the "
+                    f"maximum context length {limit}",
+                    "prompt" if self.messages is None else "messages",
+                )
+        kw = dict(self.sampling)
+        seed = kw.get("seed")
+        if choice and isinstance(seed, int) and not isinstance(seed, bool):
+            # NOTE: choice i samples with seed + i so n seeded choices differ, reproducibly.
+            kw["seed"] = seed + choice if seed + choice <= _SEED_MAX else seed - choice
+        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **kw)
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    return body
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _get(body: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = _is_int(value) if kind is int else isinstance(value, kind)
+    if not ok:
+        raise bad(f"{name} has the wrong type: {value!r}", name)
+    return value
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    checks = (
+        ("presence_penalty", lambda v: v in (None, 0, 0.0)),
+        ("frequency_penalty", lambda v: v in (None, 0, 0.0)),
+        ("repetition_penalty", lambda v: v in (None, 1, 1.0)),
+        ("logit_bias", lambda v: not v),
+        ("use_beam_search", lambda v: not v),
+        ("echo", lambda v: not v),
+        ("suffix", lambda v: not v),
+        ("tools", lambda v: not v),
+        ("tool_choice", lambda v: v in (None, "none")),
+        ("response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text")),
+    )
+    for name, allowed in checks:
+        if not allowed(body.get(name)):
+            raise bad(f"{name} is not supported by this server", name)
+
+
+def _common(body: dict[str, Any]) -> GenerationRequest:
+    _refuse_unsupported(body)
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise bad(f"n must be in [1, {MAX_N}], got {n}", "n")
+    best_of = _get(body, "best_of", int)
+    if best_of is not None and best_of != n:
+        raise bad("best_of other than n is not supported", "best_of")
+    stream = _get(body, "stream", bool, False)
+    opts = _get(body, "stream_options", dict)
+    if opts is not None and not stream:
+        raise bad("stream_options is only allowed when stream is true", "stream_options")
+    include_usage = bool(_get(opts or {}, "include_usage", bool, False))
+    max_tokens = _get(body, "max_tokens", int)
+    if max_tokens is not None and max_tokens < 1:
+        raise bad(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    model = _get(body, "model", str)
+    sampling = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
+    return GenerationRequest(
+        model=model,
+        n=n,
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=max_tokens,
+        return_token_ids=_get(body, "return_token_ids", bool, False),
+        tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, False),
+        sampling=sampling,
+    )
+
+
+def _prompt_list(value: Any) -> list[str | list[int]]:
+    """``prompt``: a string, a list of strings, a list of token ids or a list of such lists."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(_is_int(t) for t in value):
+            return [list(value)]
+        if all(isinstance(p, str) for p in value):
+            return list(value)
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in value):
+            return [list(p) for p in value]
+    raise bad(
+        "prompt must be a string, a list of strings, a non-empty list of token ids or a list of "
+        "such lists",
+        "prompt",
+    )
+
+
+def parse_completion(body: dict[str, Any]) -> GenerationRequest:
+    req = _common(body)
+    if "prompt" not in body:
+        raise bad("prompt is required", "prompt")
+    req.prompts = _prompt_list(body["prompt"])
+    logprobs = _get(body, "logprobs", int)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+    req.logprobs = logprobs
+    return req
+
+
+def _message(i: int, m: Any) -> dict[str, Any]:
+    param = f"messages[{i}]"
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise bad("each message must be an object with a string role", param)
+    content = m.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise bad("only text content parts are supported", f"{param}.content")
+            if not isinstance(part.get("text"), str):
+                raise bad("a text content part needs a string text", f"{param}.content")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif content is not None and not isinstance(content, str):
+        raise bad("content must be a string, a list of text parts or null", f"{param}.content")
+    return {**m, "content": content if content is not None else ""}
+
+
+def parse_chat(body: dict[str, Any]) -> GenerationRequest:
+    req = _common(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty list", "messages")
+    req.messages = [_message(i, m) for i, m in enumerate(messages)]
+    mct = _get(body, "max_completion_tokens", int)
+    if mct is not None:
+        if mct < 1:
+            raise bad(f"max_completion_tokens must be >= 1, got {mct}", "max_completion_tokens")
+        req.max_tokens = mct
+    want = _get(body, "logprobs", bool, False)
+    top = _get(body, "top_logprobs", int)
+    if top is not None and not want:
+        raise bad("top_logprobs needs logprobs set to true", "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+    req.logprobs = (top or 0) if want else None
+    kwargs = _get(body, "chat_template_kwargs", dict, {})
+    req.chat_kwargs = {
+        **kwargs,
+        "add_generation_prompt": _get(body, "add_generation_prompt", bool, True),
+    }
+    return req
