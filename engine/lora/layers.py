@@ -6,6 +6,12 @@ A ``LoRALinear`` is one base projection, possibly fused from several original mo
     lora_a: (S, L, R, in)        S slices, L slots, R = max_lora_rank (zero beyond each rank)
     lora_b: (L, N_total, R)      slice s owns rows slice_offsets[s] : slice_offsets[s+1]
 
+The base weight and every slot's A share one "augmented" matrix, so one GEMM gives both the
+base output and every slot's shrink (the fused GPU decode path, model/fused.py):
+
+    weight_aug: (N_total + S*L*R, in) = [W; A[0, 0]; A[0, 1]; ...; A[S-1, L-1]]
+    (x @ weight_aug.T)[t, N_total + (s*L + slot)*R + r] = x[t] . A[s, slot, r]
+
 forward(x) = x W^T (+ bias), then each token adds its slot's delta (scale folded into B).
 """
 
@@ -41,21 +47,25 @@ class LoRALinear(torch.nn.Module):
         self.slice_offsets = tuple(offsets)
         self.out_features = offsets[-1]
         kw = {"dtype": dtype, "device": device}
-        self.weight = torch.nn.Parameter(torch.empty(self.out_features, in_features, **kw), False)
-        self.bias = (
-            torch.nn.Parameter(torch.empty(self.out_features, **kw), False) if bias else None
-        )
         self.max_loras = max_loras
         self.max_rank = max_rank
+        n, extra = self.out_features, len(slices) * max_loras * max_rank
+        self.weight_aug = torch.nn.Parameter(torch.zeros(n + extra, in_features, **kw), False)
+        # NOTE: the bias is zero beyond N: shrink columns get none
+        self.bias_aug = torch.nn.Parameter(torch.zeros(n + extra, **kw), False) if bias else None
+        self.lora_a: torch.Tensor | None = None
+        lora_b = torch.zeros(max_loras, n, max_rank, **kw) if max_loras > 0 else None
+        self.register_buffer("lora_b", lora_b)
         if max_loras > 0:
-            s = len(slices)
-            self.register_buffer("lora_a", torch.zeros(s, max_loras, max_rank, in_features, **kw))
-            self.register_buffer(
-                "lora_b", torch.zeros(max_loras, self.out_features, max_rank, **kw)
-            )
-        else:
-            self.lora_a = None
-            self.lora_b = None
+            self.lora_a = self.weight_aug[n:].view(len(slices), max_loras, max_rank, in_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.weight_aug[: self.out_features]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return None if self.bias_aug is None else self.bias_aug[: self.out_features]
 
     def slice_index(self, module: str) -> int:
         return self.slice_names.index(module)

@@ -88,6 +88,22 @@ def _target(model: LlamaForCausalLM, name: str) -> torch.Tensor | None:
     return param[lo:hi]
 
 
+def _expected(model: LlamaForCausalLM) -> dict[int, tuple[str, int]]:
+    """data_ptr of each weight the checkpoint must fill -> (name, element count)."""
+    units = [("model.embed_tokens", model.embed_tokens), ("model.norm", model.norm.weight)]
+    if not model.cfg.tie_word_embeddings:
+        units.append(("lm_head", model.lm_head))
+    for i, layer in enumerate(model.layers):
+        for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            lin = getattr(layer, attr)
+            units.append((f"layers.{i}.{attr}.weight", lin.weight))
+            if lin.bias is not None:
+                units.append((f"layers.{i}.{attr}.bias", lin.bias))
+        units.append((f"layers.{i}.input_layernorm", layer.input_layernorm.weight))
+        units.append((f"layers.{i}.post_attention_layernorm", layer.post_attention_layernorm.weight))
+    return {t.data_ptr(): (name, t.numel()) for name, t in units}
+
+
 def load_model(
     path: str | Path,
     *,
@@ -101,9 +117,8 @@ def load_model(
     model = LlamaForCausalLM(
         cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, device=device
     )
-    expected = {id(p) for p in model.parameters()}
-    filled: set[int] = set()
-    sliced: dict[int, int] = {}
+    expected = _expected(model)
+    filled: dict[int, int] = {}
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -117,11 +132,11 @@ def load_model(
                     )
                 with torch.no_grad():
                     dst.copy_(src.to(dtype))
-                base = dst._base if dst._base is not None else dst
-                sliced[id(base)] = sliced.get(id(base), 0) + dst.numel()
-                if sliced[id(base)] == base.numel():
-                    filled.add(id(base))
-    missing = [n for n, p in model.named_parameters() if id(p) in expected and id(p) not in filled]
+                # a slice of a fused weight counts towards the unit it starts in
+                unit = max((p for p in expected if p <= dst.data_ptr()), default=None)
+                if unit is not None:
+                    filled[unit] = filled.get(unit, 0) + dst.numel()
+    missing = [name for p, (name, n) in expected.items() if filled.get(p, 0) < n]
     if missing:
         raise ModelLoadError(f"checkpoint in {path} lacks weights for: {', '.join(missing[:5])}")
     model.eval()
