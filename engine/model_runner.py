@@ -6,12 +6,15 @@ It knows nothing of requests or queues (that is the scheduler's job).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
+from loraplex.engine.cuda_graph import DecodeGraphs
 from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.attention import AttentionMetadata
+from loraplex.engine.model.fused import fused_forward
 from loraplex.engine.model.llama import LlamaForCausalLM
 
 __all__ = ["StepItem", "ModelRunner"]
@@ -35,7 +38,11 @@ class ModelRunner:
         *,
         num_blocks: int,
         block_size: int,
+        max_model_len: int | None = None,
+        use_cuda_graphs: bool = True,
+        max_graph_batch: int = 256,
     ) -> None:
+        max_model_len = max_model_len or model.cfg.max_position_embeddings
         cfg = model.cfg
         self.model = model
         self.device = model.device
@@ -51,6 +58,19 @@ class ModelRunner:
         ]
         max_loras = model.layers[0].qkv_proj.max_loras
         self.slot_ranks: list[int] = [0] * max_loras
+        # GPU: augmented GEMMs + fused kernels (model/fused.py); CPU: the reference path.
+        # LORAPLEX_FUSED=1 forces the fused path (with TRITON_INTERPRET=1 it runs on CPU).
+        env = os.environ.get("LORAPLEX_FUSED")
+        self.fused = self.device.type == "cuda" if env is None else env == "1"
+        self.graphs: DecodeGraphs | None = None
+        if self.fused and self.device.type == "cuda" and use_cuda_graphs:
+            self.graphs = DecodeGraphs(
+                model,
+                self.kv_caches,
+                block_size=block_size,
+                max_blocks_per_seq=-(-max_model_len // block_size),
+                max_batch=max_graph_batch,
+            )
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int) -> int:
@@ -105,6 +125,41 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, items: list[StepItem]) -> torch.Tensor:
         """Run one step; returns float32 logits (one row per item with need_logits)."""
+        if self.graphs is not None and self._graphable(items):
+            return self._execute_graph(items)
         ids, pos, meta, mapping, last = self._prepare(items)
-        hidden = self.model(ids, pos, self.kv_caches, meta, mapping)
+        if self.fused:
+            dev = self.device
+            slots = [it.lora_slot for it in items for _ in it.token_ids]
+            token_slots = torch.tensor(slots, dtype=torch.int32).to(dev, non_blocking=True)
+            meta.query_start_loc_t = torch.tensor(meta.query_start_loc, dtype=torch.int32).to(
+                dev, non_blocking=True
+            )
+            meta.context_lens_t = torch.tensor(meta.context_lens, dtype=torch.int32).to(
+                dev, non_blocking=True
+            )
+            meta.max_query_len = max(len(it.token_ids) for it in items)
+            hidden = fused_forward(self.model, ids, pos, self.kv_caches, meta, token_slots)
+        else:
+            hidden = self.model(ids, pos, self.kv_caches, meta, mapping)
         return self.model.compute_logits(hidden.index_select(0, last))
+
+    def _graphable(self, items: list[StepItem]) -> bool:
+        assert self.graphs is not None
+        return (
+            all(len(it.token_ids) == 1 and it.need_logits for it in items)
+            and len(items) <= self.graphs.max_batch
+        )
+
+    def _execute_graph(self, items: list[StepItem]) -> torch.Tensor:
+        assert self.graphs is not None
+        bs = self.block_size
+        slots = [it.block_table[it.start_pos // bs] * bs + it.start_pos % bs for it in items]
+        return self.graphs.run(
+            ids=[it.token_ids[0] for it in items],
+            pos=[it.start_pos for it in items],
+            slots=slots,
+            tables=[it.block_table for it in items],
+            ctx=[it.start_pos + 1 for it in items],
+            token_slots=[it.lora_slot for it in items],
+        )

@@ -1,9 +1,15 @@
-"""Suite-wide settings: GPU tests are skipped without CUDA."""
+"""Suite-wide settings: GPU tests are skipped without CUDA; Triton is interpreted on CPU."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU through the interpreter (set before triton is imported).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -25,6 +25,10 @@ class AttentionMetadata:
     context_lens: list[int]  # (B,) host
     block_size: int
     is_decode: bool = False  # every sequence has exactly one new token
+    # device copies for the GPU kernels (None: built from the host lists when needed)
+    query_start_loc_t: torch.Tensor | None = None  # (B+1,) int32
+    context_lens_t: torch.Tensor | None = None  # (B,) int32
+    max_query_len: int | None = None
 
     @property
     def num_seqs(self) -> int:

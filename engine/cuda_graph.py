@@ -1,0 +1,124 @@
+"""CUDA graphs for decode steps, one per batch-size bucket.
+
+A decode step (one new token per sequence) is replayed from a graph captured on static
+buffers; the batch is padded up to the bucket with rows that write no KV (slot -1), read no
+context (length 0) and use no adapter (slot -1). Everything a kernel needs at replay time is
+read from these device buffers, never from host values, so the captured launches stay valid.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.engine.model.attention import AttentionMetadata
+from loraplex.engine.model.fused import fused_forward
+from loraplex.engine.model.llama import LlamaForCausalLM
+
+__all__ = ["DecodeGraphs", "BUCKETS"]
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        block_size: int,
+        max_blocks_per_seq: int,
+        max_batch: int = 256,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.buckets = tuple(b for b in BUCKETS if b <= max_batch)
+        self.max_batch = self.buckets[-1]
+        dev = model.device
+        n = self.max_batch
+        i32, i64 = torch.int32, torch.int64
+        self.ids = torch.zeros(n, dtype=i64, device=dev)
+        self.pos = torch.zeros(n, dtype=i64, device=dev)
+        self.slots = torch.full((n,), -1, dtype=i64, device=dev)
+        self.tables = torch.zeros(n, max_blocks_per_seq, dtype=i32, device=dev)
+        self.ctx = torch.zeros(n, dtype=i32, device=dev)
+        self.qsl = torch.arange(n + 1, dtype=i32, device=dev)
+        self.token_slots = torch.full((n,), -1, dtype=i32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def bucket(self, batch: int) -> int | None:
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        return None
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            slot_mapping=self.slots[:bs],
+            block_tables=self.tables[:bs],
+            query_start_loc=list(range(bs + 1)),
+            context_lens=[0] * bs,  # NOTE: host list unused by the kernels
+            block_size=self.block_size,
+            is_decode=True,
+            query_start_loc_t=self.qsl[: bs + 1],
+            context_lens_t=self.ctx[:bs],
+            max_query_len=1,
+        )
+        hidden = fused_forward(
+            self.model, self.ids[:bs], self.pos[:bs], self.kv_caches, meta, self.token_slots[:bs]
+        )
+        return self.model.compute_logits(hidden)
+
+    def capture(self, bs: int) -> None:
+        stream = torch.cuda.Stream(self.model.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._forward(bs)  # warm-up: compiles kernels, sizes cuBLAS workspaces
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(bs)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[bs] = (graph, logits)
+
+    def run(
+        self,
+        ids: list[int],
+        pos: list[int],
+        slots: list[int],
+        tables: list[list[int]],
+        ctx: list[int],
+        token_slots: list[int],
+    ) -> torch.Tensor:
+        """Replay the bucket's graph for this batch; returns logits (B, V) (a view: consume it
+        before the next replay)."""
+        b = len(ids)
+        bs = self.bucket(b)
+        assert bs is not None
+        pad = bs - b
+        width = self.tables.shape[1]
+        rows = [t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad
+        flat = (
+            ids + [0] * pad + pos + [0] * pad + slots + [-1] * pad + ctx + [0] * pad
+            + token_slots + [-1] * pad + [x for row in rows for x in row]
+        )  # fmt: skip
+        # one pinned host buffer, one async copy: no host sync inside the step
+        dev = (
+            torch.tensor(flat, dtype=torch.int64)
+            .pin_memory()
+            .to(self.model.device, non_blocking=True)
+        )
+        vec = dev[: 5 * bs].view(5, bs)
+        self.ids[:bs].copy_(vec[0])
+        self.pos[:bs].copy_(vec[1])
+        self.slots[:bs].copy_(vec[2])
+        self.ctx[:bs].copy_(vec[3])
+        self.token_slots[:bs].copy_(vec[4])
+        self.tables[:bs].copy_(dev[5 * bs :].view(bs, width))
+        if bs not in self.graphs:
+            self.capture(bs)
+        graph, logits = self.graphs[bs]
+        graph.replay()
+        return logits[:b]

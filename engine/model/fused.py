@@ -1,0 +1,79 @@
+"""The GPU forward: augmented GEMMs + fused Triton epilogues + paged attention.
+
+Per decoder layer, eight launches and no separate LoRA launch:
+
+    qkv_aug = h @ [Wqkv; A_qkv].T                     cuBLAS: base qkv + every slot's shrink
+    q       = qkv_rope(qkv_aug)                        + LoRA delta, RoPE, K/V into the cache
+    attn    = paged_attention(q, cache)
+    o_aug   = attn @ [Wo; A_o].T
+    h       = add_rmsnorm(o_aug, residual)             + LoRA delta, residual add, RMSNorm
+    gu_aug  = h @ [Wgu; A_gu].T
+    act     = silu_mul(gu_aug)                         + LoRA delta, SiLU(gate) * up
+    d_aug   = act @ [Wd; A_d].T
+    (next layer's add_rmsnorm takes d_aug)
+
+The row -> adapter mapping is just ``token_slots`` (T,) int32 (-1 = base): no segments, no
+host-side sizes, so the whole step can be captured in a CUDA graph. Numerics follow the
+reference path (llama.py) and HF: the kernels' torch twins pin them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.engine.model.attention import AttentionMetadata
+from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul, rmsnorm
+from loraplex.engine.model.llama import LlamaForCausalLM
+from loraplex.engine.model.paged_attention import paged_attention
+
+__all__ = ["fused_forward"]
+
+
+def fused_forward(
+    model: LlamaForCausalLM,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    meta: AttentionMetadata,
+    token_slots: torch.Tensor,
+) -> torch.Tensor:
+    """input_ids, positions, token_slots: (T,). Returns final normed hidden states (T, H)."""
+    cfg = model.cfg
+    t = input_ids.shape[0]
+    eps = cfg.rms_norm_eps
+    layers = model.layers
+    first = layers[0]
+    lin = first.qkv_proj
+    num_slots, rank = lin.max_loras, lin.max_rank
+    residual = F.embedding(input_ids, model.embed_tokens)  # updated in place by add_rmsnorm
+    h = torch.empty_like(residual)
+    rmsnorm(residual, first.input_layernorm.weight, eps, h)
+    q = torch.empty(t, cfg.num_heads, cfg.head_dim, dtype=h.dtype, device=h.device)
+    act = torch.empty(t, cfg.intermediate_size, dtype=h.dtype, device=h.device)
+    for i, layer in enumerate(layers):
+        k_cache, v_cache = kv_caches[i]
+        qkv = F.linear(h, layer.qkv_proj.weight_aug, layer.qkv_proj.bias_aug)
+        lora_qkv_rope(
+            qkv, cfg.q_size, cfg.kv_size, cfg.head_dim, layer.qkv_proj.lora_b, token_slots,
+            num_slots, rank, positions, model.rope.cos, model.rope.sin, k_cache, v_cache,
+            meta.slot_mapping, q,
+        )  # fmt: skip
+        attn = paged_attention(q, k_cache, v_cache, meta, layer.scale, cfg.sliding_window)
+        o = F.linear(attn.view(t, cfg.q_size), layer.o_proj.weight_aug, layer.o_proj.bias_aug)
+        lora_add_rmsnorm(
+            o, cfg.hidden_size, residual, layer.o_proj.lora_b, token_slots, num_slots, rank,
+            layer.post_attention_layernorm.weight, eps, h,
+        )  # fmt: skip
+        gu = F.linear(h, layer.gate_up_proj.weight_aug, layer.gate_up_proj.bias_aug)
+        lora_silu_mul(
+            gu, 2 * cfg.intermediate_size, layer.gate_up_proj.lora_b, token_slots, num_slots,
+            rank, act,
+        )  # fmt: skip
+        d = F.linear(act, layer.down_proj.weight_aug, layer.down_proj.bias_aug)
+        norm_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.norm.weight
+        lora_add_rmsnorm(
+            d, cfg.hidden_size, residual, layer.down_proj.lora_b, token_slots, num_slots, rank,
+            norm_w, eps, h,
+        )  # fmt: skip
+    return h
