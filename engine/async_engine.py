@@ -30,8 +30,11 @@ log = structlog.get_logger("loraplex.engine")
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, model: Any = None) -> None:
+        """``model``: optionally a ready LlamaForCausalLM (random-weight benchmarks, apps that
+        build their own); the checkpoint in ``config.model`` is then not loaded."""
         self.config = config
+        self._model = model
         self.core: EngineCore | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="loraplex-step")
         self._loop_task: asyncio.Task | None = None
@@ -45,8 +48,9 @@ class AsyncEngine:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.core = await loop.run_in_executor(
-            self._executor, EngineCore.build, self.config, self._wake.set
+            self._executor, EngineCore.build, self.config, self._wake.set, self._model
         )
+        self._model = None
         self._loop_task = loop.create_task(self._run(), name="loraplex-step-loop")
         log.info("engine_started", **self.core.capacity_report())
 
@@ -134,11 +138,16 @@ class AsyncEngine:
         if rid in self._requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use", field="request_id")
         version = core.resolve_adapter(adapter) if adapter is not None else None
-        prompt_ids = core.encode_prompt(prompt, params)
-        req = Request(rid, prompt_ids, params, version, eos_ids=frozenset(core.eos_ids))
-        if params.seed is not None:
-            req.generator = make_generator(params.seed, core.device)
-        req.detok = core.make_detokenizer(req)
+        try:
+            prompt_ids = core.encode_prompt(prompt, params)
+            req = Request(rid, prompt_ids, params, version, eos_ids=frozenset(core.eos_ids))
+            if params.seed is not None:
+                req.generator = make_generator(params.seed, core.device)
+            req.detok = core.make_detokenizer(req)
+        except BaseException:
+            if version is not None:
+                core.drop_unused_adapter(version)  # a rejected request registers no name
+            raise
         if version is not None:
             req.meta["tier"] = core.adapters.add_user(version)
         self._requests[rid] = req

@@ -31,6 +31,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # CPU default: 256 MiB
     kv_cache_fraction: float = 0.85  # of free GPU memory after weights
     enable_prefix_caching: bool = True
+    cuda_graphs: bool = True  # decode through captured CUDA graphs (GPU only)
     # adapter sources
     local_roots: tuple[str, ...] = ()  # roots for file:// adapters (dynamic / admin loading)
     allow_sources: tuple[str, ...] = ()  # glob patterns of remote URIs dynamic names may use

@@ -6,6 +6,8 @@ Methods run on the event loop except ``execute`` (the worker thread) and ``build
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import itertools
 import os
 import time
@@ -24,6 +26,8 @@ from loraplex.engine.lora.errors import AdapterNotFoundError
 from loraplex.engine.lora.loader import AdapterLoader
 from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion
 from loraplex.engine.lora.slots import write_slot
+from loraplex.engine.model.config import ModelConfig
+from loraplex.engine.model.llama import LlamaForCausalLM
 from loraplex.engine.model.loader import load_model, resolve_dtype
 from loraplex.engine.model_runner import ModelRunner, StepItem
 from loraplex.engine.output import append_token, final_output
@@ -37,6 +41,7 @@ __all__ = ["EngineCore"]
 
 log = structlog.get_logger("loraplex.engine")
 CPU_KV_BYTES = 256 << 20
+GPU_HEADROOM = 2 << 30  # activations, CUDA-graph pool, cuBLAS workspaces
 
 
 class EngineCore:
@@ -70,6 +75,9 @@ class EngineCore:
         self.last_step_event: Any = None
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0, "steps": 0}
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        self.step_log: collections.deque[tuple[float, int, int, bool, bool]] = collections.deque(
+            maxlen=100_000
+        )
 
     def emit(self, event: str, **data: Any) -> None:
         """Tell subscribers (metrics, studies) about ``event``; a failing one is logged, not raised."""
@@ -80,25 +88,30 @@ class EngineCore:
                 log.exception("listener_failed", event=event)
 
     @staticmethod
-    def build(config: EngineConfig, wake: Callable[[], None]) -> EngineCore:
-        """Load model, KV cache and tokenizer (blocking: call from a worker thread)."""
-        if config.model is None:
+    def build(
+        config: EngineConfig, wake: Callable[[], None], model: LlamaForCausalLM | None = None
+    ) -> EngineCore:
+        """Load model, KV cache and tokenizer (blocking: call from a worker thread).
+
+        ``model``: an already built model (benchmarks, apps that make their own weights);
+        then ``config.model`` may name a folder with only config.json / tokenizer files.
+        """
+        if config.model is None and model is None:
             from loraplex.engine.demo import demo_model_dir
 
             config = _replace(config, model=str(demo_model_dir()))
         device = config.resolved_device
-        path = Path(config.model)
-        from loraplex.engine.model.config import ModelConfig
-
-        mcfg = ModelConfig.from_dir(path)
-        dtype = resolve_dtype(config.dtype, mcfg, device)
-        model = load_model(
-            path,
-            dtype=dtype,
-            device=device,
-            max_loras=config.max_loras,
-            max_lora_rank=config.max_lora_rank,
-        )
+        path = Path(config.model) if config.model is not None else None
+        if model is None:
+            assert path is not None
+            mcfg = ModelConfig.from_dir(path)
+            model = load_model(
+                path,
+                dtype=resolve_dtype(config.dtype, mcfg, device),
+                device=device,
+                max_loras=config.max_loras,
+                max_lora_rank=config.max_lora_rank,
+            )
         per_block = ModelRunner.kv_bytes_per_block(model, config.block_size)
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
@@ -106,16 +119,27 @@ class EngineCore:
             num_blocks = config.kv_cache_bytes // per_block
         elif model.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(model.device)
-            num_blocks = int(free * config.kv_cache_fraction) // per_block
+            num_blocks = int(max(free - GPU_HEADROOM, 0) * config.kv_cache_fraction) // per_block
         else:
             num_blocks = CPU_KV_BYTES // per_block
         if num_blocks < 2:
             raise ValueError(f"KV cache too small: {num_blocks} blocks")
-        runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size)
-        try:
-            tokenizer = Tokenizer.from_dir(path)
-        except TokenizerError:
-            tokenizer = None  # token-id prompts only
+        max_len = min(
+            config.max_model_len or model.cfg.max_position_embeddings,
+            model.cfg.max_position_embeddings,
+        )
+        runner = ModelRunner(
+            model,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_model_len=max_len,
+            use_cuda_graphs=config.cuda_graphs,
+            max_graph_batch=config.max_num_seqs,
+        )
+        tokenizer = None  # token-id prompts only
+        if path is not None:
+            with contextlib.suppress(TokenizerError):
+                tokenizer = Tokenizer.from_dir(path)
         return EngineCore(config, model, runner, tokenizer, wake)
 
     def capacity_report(self) -> dict[str, Any]:
@@ -161,6 +185,12 @@ class EngineCore:
                 raise
         v = self.adapters.new_version(name, uri, dynamic=True)
         return self.adapters.register(v)
+
+    def drop_unused_adapter(self, v: AdapterVersion) -> None:
+        """Forget a dynamic version resolved for a request that was then rejected, unless some
+        other request uses it (else made-up names would pile up in the registry)."""
+        if v.dynamic and v.users == 0 and v.state is AdapterState.REGISTERED:
+            self.adapters.forget(v)
 
     async def _load_adapter(self, v: AdapterVersion) -> None:
         t0 = time.perf_counter()
@@ -331,6 +361,7 @@ class EngineCore:
         self._write_slots(plan.slot_writes)
         if not items:
             return None
+        t0 = time.perf_counter()
         logits = self.runner.execute(items)
         rows = [c.req for c in plan.chunks if c.need_logits]
         out = self.sampler.sample(
@@ -342,6 +373,18 @@ class EngineCore:
         if self.device.type == "cuda":
             self.last_step_event = torch.cuda.Event()
             self.last_step_event.record()
+        # (seconds, rows, tokens, decode-only, a slot write in flight); sampling synced already
+        loading = any(v.state is AdapterState.LOADING for v in self.adapters.versions())
+        decode = all(len(it.token_ids) == 1 for it in items)
+        self.step_log.append(
+            (
+                time.perf_counter() - t0,
+                len(items),
+                sum(len(it.token_ids) for it in items),
+                decode,
+                loading,
+            )
+        )
         return out
 
     def _write_slots(self, versions: list[AdapterVersion]) -> None:

@@ -8,6 +8,7 @@ read from these device buffers, never from host values, so the captured launches
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from loraplex.engine.model.attention import AttentionMetadata
@@ -99,23 +100,21 @@ class DecodeGraphs:
         assert bs is not None
         pad = bs - b
         width = self.tables.shape[1]
-        rows = [t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad
-        flat = (
-            ids + [0] * pad + pos + [0] * pad + slots + [-1] * pad + ctx + [0] * pad
-            + token_slots + [-1] * pad + [x for row in rows for x in row]
-        )  # fmt: skip
         # one pinned host buffer, one async copy: no host sync inside the step
-        dev = (
-            torch.tensor(flat, dtype=torch.int64)
-            .pin_memory()
-            .to(self.model.device, non_blocking=True)
-        )
-        vec = dev[: 5 * bs].view(5, bs)
-        self.ids[:bs].copy_(vec[0])
-        self.pos[:bs].copy_(vec[1])
-        self.slots[:bs].copy_(vec[2])
-        self.ctx[:bs].copy_(vec[3])
-        self.token_slots[:bs].copy_(vec[4])
+        host = np.zeros(5 * bs + bs * width, dtype=np.int64)
+        vec = host[: 5 * bs].reshape(5, bs)
+        vec[0, :b], vec[1, :b], vec[2, :b], vec[3, :b], vec[4, :b] = ids, pos, slots, ctx, token_slots
+        vec[2, b:] = vec[4, b:] = -1
+        rows = host[5 * bs :].reshape(bs, width)
+        for i, t in enumerate(tables):
+            rows[i, : len(t)] = t
+        dev = torch.from_numpy(host).pin_memory().to(self.model.device, non_blocking=True)
+        dvec = dev[: 5 * bs].view(5, bs)
+        self.ids[:bs].copy_(dvec[0])
+        self.pos[:bs].copy_(dvec[1])
+        self.slots[:bs].copy_(dvec[2])
+        self.ctx[:bs].copy_(dvec[3])
+        self.token_slots[:bs].copy_(dvec[4])
         self.tables[:bs].copy_(dev[5 * bs :].view(bs, width))
         if bs not in self.graphs:
             self.capture(bs)

@@ -1,0 +1,308 @@
+"""Decode throughput of the engine on a Llama-3-8B-shaped model against the bandwidth floor.
+
+    python -m benchmarks.decode                       # on a GPU, a few minutes
+    python -m benchmarks.decode --append BENCHMARKS.md
+    python -m benchmarks.decode --smoke               # tiny model on CPU: checks the script
+
+Random bf16 weights are made on the GPU; rank-16 adapters on all 7 linear modules are written
+as PEFT folders on local disk and loaded through the engine (fetch, verify, preflight, stage,
+H2D). For base-only and 1 / 8 / 32 distinct adapters, batches of requests with ~512-token
+prompts decode together; the step log gives p50 / p99 decode-step times (steps with every
+request decoding). floor = (base weights + used adapters' A/B + KV read) / copy bandwidth
+measured in the same run. The HF PEFT peer (``adapter_names`` mixed batches, ctx 128 + 64
+new tokens) runs in the same process. ``--coldload`` also times decode steps while a cold
+adapter loads next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import random
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.synthetic import LLAMA3_8B, random_model, write_adapter, write_model_config
+from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
+
+
+def copy_bandwidth() -> float:
+    if not torch.cuda.is_available():
+        return 1e11  # nominal, for --smoke on CPU
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(20):
+        y.copy_(x)
+    e1.record()
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 20 / (e0.elapsed_time(e1) / 1e3)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def run_batch(engine, batch: int, names: list[str | None], ctx: int, steps: int, seed: int):
+    g = random.Random(seed)
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    vocab = engine.core.model.cfg.vocab_size
+    prompts = [[g.randrange(vocab // 8, vocab - 1) for _ in range(ctx)] for _ in range(batch)]
+    engine.core.step_log.clear()
+
+    async def one(i):
+        n = 0
+        async for out in engine.generate(prompts[i], params, adapter=names[i % len(names)]):
+            n += len(out.token_ids)
+        return n
+
+    t0 = time.perf_counter()
+    produced = sum(await asyncio.gather(*(one(i) for i in range(batch))))
+    wall = time.perf_counter() - t0
+    log = list(engine.core.step_log)
+    dec = [s for s, rows, _, decode, _ in log if decode and rows == batch][3:]  # skip capture
+    return {"wall": wall, "tokens": produced, "steps": dec, "log": log}
+
+
+def kv_bytes(cfg: dict, batch: int, ctx: int) -> int:
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_tok = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2
+    return batch * ctx * per_tok
+
+
+def base_bytes(model) -> int:
+    total = 0
+    for name, p in model.named_parameters():
+        if name == "embed_tokens":
+            continue  # decode gathers a few rows only
+        if name.endswith("weight_aug"):
+            mod = model.get_submodule(name.rsplit(".", 1)[0])
+            total += mod.out_features * mod.in_features * p.element_size()
+        elif name.endswith("bias_aug"):
+            continue
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+async def engine_cases(args, bw, adapters: list[Path], model_dir: Path, rows: list[dict]):
+    for n in args.adapters:
+        model = random_model(args.cfg, max_loras=n, max_lora_rank=16, device=args.device)
+        wbytes = base_bytes(model)
+        cfg = EngineConfig(
+            model=str(model_dir), device=args.device, dtype="bfloat16", max_loras=n,
+            max_cpu_loras=max(n, 1), max_lora_rank=16, max_num_seqs=max(args.batches),
+            max_num_batched_tokens=16384, kv_cache_bytes=args.kv_gb << 30, max_model_len=4096,
+            enable_prefix_caching=False,
+        )  # fmt: skip
+        async with AsyncEngine(cfg, model=model) as engine:
+            names: list[str | None] = [None]
+            if n:
+                names = []
+                for i in range(n):
+                    await engine.add_adapter(f"a{i}", str(adapters[i]))
+                    names.append(f"a{i}")
+            for batch in args.batches:
+                used = names[: min(len(names), batch)]
+                await run_batch(engine, batch, used, args.ctx, 8, seed=1)  # warm-up + graphs
+                r = await run_batch(engine, batch, used, args.ctx, args.steps, seed=2)
+                a_bytes = (len(used) if n else 0) * args.adapter_bytes
+                floor = (
+                    wbytes + a_bytes + kv_bytes(args.cfg, batch, args.ctx + args.steps // 2)
+                ) / bw
+                p50, p99 = statistics.median(r["steps"]), pct(r["steps"], 0.99)
+                row = {
+                    "adapters": n, "batch": batch, "floor_ms": floor * 1e3, "p50_ms": p50 * 1e3,
+                    "p99_ms": p99 * 1e3, "ratio": p50 / floor, "decode_tok_s": batch / p50,
+                    "e2e_tok_s": r["tokens"] / r["wall"],
+                }  # fmt: skip
+                rows.append(row)
+                print(fmt_row(row), flush=True)
+            if args.coldload and n:
+                await coldload(engine, args, names, rows)
+        del model, engine
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+async def coldload(engine, args, names, rows):
+    """Decode batch 64 on resident adapters while a cold adapter loads (dynamic add)."""
+    cold_dir = Path(args.workdir) / "cold"
+    write_adapter(cold_dir, args.cfg, rank=16, seed=999)
+    batch = 64
+    used = names[:8]
+
+    async def late():
+        await asyncio.sleep(0.5)
+        await engine.add_adapter("cold", str(cold_dir))
+        async for _ in engine.generate([5] * 32, SamplingParams(max_tokens=4), adapter="cold"):
+            pass
+
+    task = asyncio.create_task(late())
+    r = await run_batch(engine, batch, used, args.ctx, args.steps * 4, seed=3)
+    await task
+    during = [s for s, rows_, _, d, loading in r["log"] if d and rows_ == batch and loading]
+    quiet = [s for s, rows_, _, d, loading in r["log"] if d and rows_ == batch and not loading][3:]
+    loads = [v for v in engine.core.adapters.versions() if v.name == "cold"]
+    t = loads[0].timings if loads else {}
+    print(
+        f"cold load stages: { {k: round(v * 1e3, 2) for k, v in t.items() if isinstance(v, float) and v < 100} }"
+    )
+    rows.append({
+        "coldload": True, "steps_with_load": len(during), "p50_with_ms": statistics.median(during) * 1e3 if during else float("nan"),
+        "p99_with_ms": pct(during, 0.99) * 1e3 if during else float("nan"), "p50_without_ms": statistics.median(quiet) * 1e3,
+        "p99_without_ms": pct(quiet, 0.99) * 1e3, "h2d_ms": t.get("h2d", float("nan")) * 1e3,
+    })  # fmt: skip
+    print(rows[-1], flush=True)
+
+
+def hf_peer(args, adapters: list[Path], rows: list[dict]) -> None:
+    import peft
+    import transformers
+
+    hf_cfg = {k: v for k, v in LLAMA3_8B.items() if k != "model_type"}
+    config = transformers.LlamaConfig(**hf_cfg)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    model = peft.PeftModel.from_pretrained(model, str(adapters[0]), adapter_name="a0")
+    for i in range(1, 8):
+        model.load_adapter(str(adapters[i]), adapter_name=f"a{i}")
+    model.eval()
+    for batch in (8, 32):
+        names = [f"a{i % 8}" for i in range(batch)]
+        ids = torch.randint(1000, 100000, (batch, 128), device="cuda")
+        for _rep in range(2):  # first is warm-up
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = model(input_ids=ids, use_cache=True, adapter_names=names)
+                past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                for _ in range(63):
+                    out = model(
+                        input_ids=nxt, past_key_values=past, use_cache=True, adapter_names=names
+                    )
+                    past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        rows.append({"hf": True, "batch": batch, "adapters": 8, "tok_s": batch * 64 / wall})
+        print(rows[-1], flush=True)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def fmt_row(r: dict) -> str:
+    return (
+        f"| {r['adapters']} | {r['batch']} | {r['floor_ms']:.2f} | {r['p50_ms']:.2f} | "
+        f"{r['p99_ms']:.2f} | {r['ratio']:.2f} | {r['decode_tok_s']:.0f} | {r['e2e_tok_s']:.0f} |"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--adapters", type=int, nargs="+", default=[0, 1, 8, 32])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--kv-gb", type=int, default=24)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--coldload", action="store_true")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--append", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, few cases")
+    args = ap.parse_args()
+    args.cfg, args.device = LLAMA3_8B, "cuda"
+    if args.smoke:
+        args.cfg = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+        args.device, args.no_hf, args.kv_gb = "cpu", True, 1
+        args.adapters, args.batches, args.ctx, args.steps = [0, 2], [1, 4], 16, 6
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="loraplex-bench-")
+    work = Path(args.workdir)
+    model_dir = write_model_config(work / "model", args.cfg)
+    n_adapters = max([*args.adapters, 8 if not args.no_hf else 0])
+    t0 = time.perf_counter()
+    adapters = [
+        write_adapter(work / f"a{i}", args.cfg, rank=16, seed=i) for i in range(n_adapters)
+    ]
+    if adapters:
+        args.adapter_bytes = (adapters[0] / "adapter_model.safetensors").stat().st_size
+    else:
+        args.adapter_bytes = 0
+    print(f"wrote {n_adapters} adapters in {time.perf_counter() - t0:.1f}s", flush=True)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    rows: list[dict] = []
+    if not args.no_hf:
+        hf_peer(args, adapters, rows)
+    print(
+        "| adapters | batch | floor ms | p50 ms | p99 ms | p50/floor | decode tok/s | e2e tok/s |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    asyncio.run(engine_cases(args, bw, adapters, model_dir, rows))
+    table = report(rows, bw)
+    print(table)
+    if args.append:
+        with open(args.append, "a") as f:
+            f.write(table)
+
+
+def report(rows: list[dict], bw: float) -> str:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    lines = [
+        f"\n## Engine decode: {time.strftime('%Y-%m-%d %H:%M')}, commit {commit or 'unknown'}, "
+        f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
+        f"copy {bw / 1e12:.2f} TB/s\n",
+        "| adapters | batch | floor ms | p50 ms | p99 ms | p50/floor | decode tok/s | e2e tok/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [fmt_row(r) for r in rows if "floor_ms" in r]
+    base = {r["batch"]: r["p50_ms"] for r in rows if r.get("adapters") == 0 and "p50_ms" in r}
+    lines.append("\nLoRA overhead against base-only decode (p50):\n")
+    lines.append("| adapters | batch | overhead |")
+    lines.append("|---:|---:|---:|")
+    for r in rows:
+        if r.get("adapters") and "p50_ms" in r and r["batch"] in base:
+            lines.append(
+                f"| {r['adapters']} | {r['batch']} | {100 * (r['p50_ms'] / base[r['batch']] - 1):+.1f} % |"
+            )
+    for r in rows:
+        if r.get("hf"):
+            ours = [x for x in rows if x.get("adapters") == 8 and x.get("batch") == r["batch"]]
+            mine = (
+                f"{ours[0]['e2e_tok_s']:.0f} tok/s e2e ({ours[0]['e2e_tok_s'] / r['tok_s']:.0f}x)"
+                if ours
+                else "-"
+            )
+            lines.append(
+                f"\nHF PEFT batch {r['batch']}, 8 adapters: {r['tok_s']:.0f} tok/s; loraplex: {mine}"
+            )
+        if r.get("coldload"):
+            lines.append(f"\nCold load during batch-64 decode: {r}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
