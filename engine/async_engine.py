@@ -94,17 +94,28 @@ class AsyncEngine:
         return self._core().max_model_len
 
     def subscribe(self, fn: Callable[[str, dict[str, Any]], None]) -> None:
-        """Call ``fn(event, data)`` on engine events: "request_finished", "adapter_load"."""
+        """Call ``fn(event, data)`` on engine events: "request_finished", "adapter_load",
+        "slot_write"."""
         self._core().listeners.append(fn)
+
+    def unsubscribe(self, fn: Callable[[str, dict[str, Any]], None]) -> None:
+        listeners = self._core().listeners
+        if fn in listeners:
+            listeners.remove(fn)
 
     def capacity_report(self) -> dict[str, Any]:
         return self._core().capacity_report()
 
     # -- adapters -------------------------------------------------------------------------------
 
-    async def add_adapter(self, name: str, uri: str, sha256: str | None = None) -> dict[str, Any]:
-        """Register a static adapter by operator-given source. Verifies ``sha256`` if given."""
-        v = await self._core().add_adapter(name, uri, sha256)
+    async def add_adapter(
+        self, name: str, uri: str, sha256: str | None = None, *, trusted: bool = True
+    ) -> dict[str, Any]:
+        """Register an adapter by operator-given source; verifies ``sha256`` if given.
+
+        ``trusted=False`` (runtime loads) keeps the source inside the allowlist policy.
+        """
+        v = await self._core().add_adapter(name, uri, sha256, trusted=trusted)
         return {"name": v.name, "uri": v.uri, "digest": v.digest, "version": v.version}
 
     async def remove_adapter(self, name: str) -> None:

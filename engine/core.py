@@ -52,7 +52,9 @@ class EngineCore:
         self.tokenizer: Tokenizer | None = tokenizer
         self.device = model.device
         cfg = model.cfg
-        self.model_name = config.served_model_name or (config.model or "demo")
+        self.model_name = config.served_model_name or (
+            "demo" if config.extra.get("demo") else (config.model or "model")
+        )
         self.max_model_len = min(
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
@@ -99,7 +101,7 @@ class EngineCore:
         if config.model is None and model is None:
             from loraplex.engine.demo import demo_model_dir
 
-            config = _replace(config, model=str(demo_model_dir()))
+            config = _replace(config, model=str(demo_model_dir()), extra={**config.extra, "demo": True})
         device = config.resolved_device
         path = Path(config.model) if config.model is not None else None
         if model is None:
@@ -166,13 +168,20 @@ class EngineCore:
 
     # -- adapters -------------------------------------------------------------------------------
 
-    async def add_adapter(self, name: str, uri: str, sha256: str | None) -> AdapterVersion:
-        """Operator-configured (static) adapter: fetched, verified and preflighted now."""
+    async def add_adapter(
+        self, name: str, uri: str, sha256: str | None, *, trusted: bool = True
+    ) -> AdapterVersion:
+        """Add an adapter now (fetched, verified and preflighted before it is registered).
+
+        ``trusted``: operator configuration (``--lora-modules``), allowed verbatim; otherwise
+        (runtime admin loads) the source must pass the allowlist policy.
+        """
         if self.config.max_loras == 0:
             raise InvalidRequestError("this engine runs with max_loras=0: adapters are disabled")
-        self.loader.allow_static(uri)
+        if trusted:
+            self.loader.allow_static(uri)
         v = self.adapters.new_version(name, uri)
-        await self.loader.fetch_verify(v, sha256)
+        await self.loader.fetch_verify(v, sha256, trusted=trusted)
         return self.adapters.register(v)
 
     def resolve_adapter(self, name: str) -> AdapterVersion:
@@ -353,12 +362,14 @@ class EngineCore:
                 read.add(v.slot)
         for v in plan.slot_writes:
             assert v.slot not in read, f"slot {v.slot} written while a scheduled row reads it"
+            assert v.adapter is not None and v.slot is not None
             v.slot_event = None
+        plan.slot_jobs = [(v, v.slot, v.adapter) for v in plan.slot_writes]
         return items
 
     def execute(self, plan: SchedulerOutput, items: list[StepItem]) -> SamplerOutput | None:
         """Worker thread: slot writes (side stream), forward, sampling."""
-        self._write_slots(plan.slot_writes)
+        self._write_slots(plan.slot_jobs)
         if not items:
             return None
         t0 = time.perf_counter()
@@ -387,17 +398,19 @@ class EngineCore:
         )
         return out
 
-    def _write_slots(self, versions: list[AdapterVersion]) -> None:
-        for v in versions:
-            assert v.adapter is not None and v.slot is not None
+    def _write_slots(self, jobs: list[tuple[AdapterVersion, int, Any]]) -> None:
+        """Worker thread. Uses the (slot, adapter) snapshot of ``prepare``, never the version's
+        live fields: the loop may drop the version meanwhile (its slot is then written for
+        nothing and the next owner's write, issued later on the same stream, replaces it)."""
+        for v, slot, adapter in jobs:
             v.timings["h2d_start"] = time.perf_counter()
             if self.side_stream is None:
-                write_slot(self.model, v.slot, v.adapter)
+                write_slot(self.model, slot, adapter)
                 continue
             with torch.cuda.stream(self.side_stream):
                 if self.last_step_event is not None:
                     self.side_stream.wait_event(self.last_step_event)
-                write_slot(self.model, v.slot, v.adapter)
+                write_slot(self.model, slot, adapter)
                 event = torch.cuda.Event()
                 event.record(self.side_stream)
             v.slot_event = event
@@ -405,8 +418,9 @@ class EngineCore:
     def postprocess(self, plan: SchedulerOutput, result: SamplerOutput | None) -> None:
         self.counters["steps"] += 1
         if self.side_stream is None:
-            for v in plan.slot_writes:
-                self._slot_landed(v)
+            for v, slot, _ in plan.slot_jobs:
+                if v.slot == slot and self.adapters.slot_owner(slot) is v:  # not dropped meanwhile
+                    self._slot_landed(v)
         row = 0
         now = time.monotonic()
         for chunk in plan.chunks:

@@ -98,7 +98,6 @@ class DecodeGraphs:
         b = len(ids)
         bs = self.bucket(b)
         assert bs is not None
-        pad = bs - b
         width = self.tables.shape[1]
         # one pinned host buffer, one async copy: no host sync inside the step
         host = np.zeros(5 * bs + bs * width, dtype=np.int64)

@@ -47,7 +47,10 @@ class AdapterLoader:
     ) -> None:
         self.config = config
         self.model_config = model_config
-        self.policy = SourcePolicy(allow=config.allow_sources, local_roots=config.local_roots)
+        # base_policy: what runtime sources (dynamic names, admin loads) must pass; policy adds
+        # the operator's static sources, each allowed for its own registration only
+        self.base_policy = SourcePolicy(allow=config.allow_sources, local_roots=config.local_roots)
+        self.policy = self.base_policy
         settings = ResolverSettings(policy=self.policy)
         self.plugins = plugins or PluginManager(config.enabled_plugins, settings)
         if plugins is not None:
@@ -78,12 +81,17 @@ class AdapterLoader:
 
     # -- stages ---------------------------------------------------------------------------------
 
-    async def fetch_verify(self, v: AdapterVersion, sha256: str | None = None) -> None:
-        """resolve + fetch + verify + preflight; sets ``v.local_dir`` and ``v.digest``."""
+    async def fetch_verify(
+        self, v: AdapterVersion, sha256: str | None = None, *, trusted: bool = False
+    ) -> None:
+        """resolve + fetch + verify + preflight; sets ``v.local_dir`` and ``v.digest``.
+
+        ``trusted``: a static source the operator configured (see ``allow_static``).
+        """
         t = v.timings
         t0 = time.perf_counter()
         resolver = self.plugins.resolver_for(v.uri)
-        await asyncio.to_thread(self.policy.check, v.uri)
+        await asyncio.to_thread((self.policy if trusted else self.base_policy).check, v.uri)
         t1 = time.perf_counter()
         dest = Path(tempfile.mkdtemp(prefix=f"v{v.version}-", dir=self.cache_dir))
         try:

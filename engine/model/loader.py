@@ -100,7 +100,9 @@ def _expected(model: LlamaForCausalLM) -> dict[int, tuple[str, int]]:
             if lin.bias is not None:
                 units.append((f"layers.{i}.{attr}.bias", lin.bias))
         units.append((f"layers.{i}.input_layernorm", layer.input_layernorm.weight))
-        units.append((f"layers.{i}.post_attention_layernorm", layer.post_attention_layernorm.weight))
+        units.append(
+            (f"layers.{i}.post_attention_layernorm", layer.post_attention_layernorm.weight)
+        )
     return {t.data_ptr(): (name, t.numel()) for name, t in units}
 
 

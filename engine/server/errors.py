@@ -72,7 +72,9 @@ def error_response(status: int, message: str, *, param: str | None = None) -> we
     return APIError(status, message, param=param).response()
 
 
-def from_exception(exc: BaseException, *, model: str | None = None, admin: bool = False) -> APIError:
+def from_exception(
+    exc: BaseException, *, model: str | None = None, admin: bool = False
+) -> APIError:
     """Map an engine error to an HTTP error.
 
     ``admin``: the error comes from an operator's load call, so a bad adapter is the caller's

@@ -105,7 +105,10 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         ("suffix", lambda v: not v),
         ("tools", lambda v: not v),
         ("tool_choice", lambda v: v in (None, "none")),
-        ("response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text")),
+        (
+            "response_format",
+            lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+        ),
     )
     for name, allowed in checks:
         if not allowed(body.get(name)):

@@ -1,0 +1,236 @@
+"""Prometheus metrics of one engine, in an own ``CollectorRegistry``.
+
+Two sources: values read from ``engine.stats()`` at scrape time (a custom collector: vLLM's
+``vllm:lora_requests_info``, residency, hits / misses / evictions, KV blocks, queue sizes) and
+engine events (``engine.subscribe``: per-adapter request counts, TTFT / inter-token latency,
+adapter load stages).
+
+Adapter labels are bounded: the top-K adapters by request count get their own label value,
+every other adapter is ``"other"`` and the base model is ``"base"``. When an adapter climbs into
+the top K, the one it displaces has its series removed, so at most K + 2 values ever exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter as Tally
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from loraplex.engine.async_engine import AsyncEngine
+
+__all__ = ["Metrics", "AdapterLabels", "BASE_LABEL", "OTHER_LABEL"]
+
+BASE_LABEL, OTHER_LABEL = "base", "other"
+FINISH_REASONS = ("stop", "length", "abort", "error")
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+LOAD_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class AdapterLabels:
+    """Maps adapter names to a bounded set of label values (see the module docstring)."""
+
+    def __init__(self, top_k: int, on_demote: Callable[[str], None] = lambda name: None) -> None:
+        self.top_k = top_k
+        self.counts: Tally[str] = Tally()
+        self.top: set[str] = set()
+        self.on_demote = on_demote
+
+    def observe(self, name: str | None) -> str:
+        """Count one request of ``name`` and return its label value."""
+        if name is None:
+            return BASE_LABEL
+        self.counts[name] += 1
+        if name in self.top:
+            return name
+        if len(self.top) < self.top_k:
+            self.top.add(name)
+            return name
+        if not self.top:
+            return OTHER_LABEL
+        weakest = min(self.top, key=lambda n: (self.counts[n], n))
+        if self.counts[name] <= self.counts[weakest]:
+            return OTHER_LABEL
+        self.top.discard(weakest)
+        self.top.add(name)
+        self.on_demote(weakest)
+        return name
+
+
+class _StatsCollector(Collector):
+    """Reads ``engine.stats()`` at scrape time; yields nothing while no engine is running."""
+
+    def __init__(self) -> None:
+        self.engine: AsyncEngine | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.engine is None:
+            return
+        try:
+            s = self.engine.stats()
+            model = self.engine.model_name
+        except Exception:  # noqa: BLE001 - engine closed: nothing to report
+            return
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests (value: the time of the scrape).",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        info.add_metric(
+            [str(s["max_loras"]), ",".join(s["running_adapters"]), ",".join(s["waiting_adapters"])],
+            time.time(),
+        )
+        yield info
+        for state in ("running", "waiting"):
+            g = GaugeMetricFamily(
+                f"vllm:num_requests_{state}", f"Requests {state}.", labels=["model_name"]
+            )
+            g.add_metric([model], s[state])
+            yield g
+        yield _labelled(
+            GaugeMetricFamily, "loraplex_num_requests", "Requests by scheduler queue.", "state",
+            {"running": s["running"], "waiting": s["waiting"]},
+        )  # fmt: skip
+        yield _labelled(
+            GaugeMetricFamily, "loraplex_adapters_resident", "Adapters resident per tier.", "tier",
+            {"gpu": len(s["gpu_resident"]), "cpu": len(s["cpu_resident"])},
+        )  # fmt: skip
+        a = s["adapters"]
+        yield _labelled(
+            CounterMetricFamily, "loraplex_adapter_hits", "Requests whose adapter was resident.",
+            "tier", {"gpu": a.get("gpu_hits", 0), "cpu": a.get("cpu_hits", 0)},
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "loraplex_adapter_misses",
+            "Requests whose adapter was resident in no tier (a cold load).",
+            a.get("misses", a.get("loads", 0)),
+        )
+        yield CounterMetricFamily(
+            "loraplex_adapter_load_failures",
+            "Adapter loads that failed.",
+            a.get("load_failures", 0),
+        )
+        yield _labelled(
+            CounterMetricFamily, "loraplex_adapter_evictions", "Adapters evicted per tier.",
+            "tier", {"gpu": a.get("gpu_evictions", 0), "cpu": a.get("cpu_evictions", 0)},
+        )  # fmt: skip
+        yield _labelled(
+            GaugeMetricFamily, "loraplex_kv_blocks", "KV cache blocks by state.", "state",
+            {"used": s["num_used_blocks"], "free": s["num_free_blocks"]},
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "loraplex_preemptions", "Requests preempted for KV space.", s["preemptions"]
+        )
+        yield _labelled(
+            CounterMetricFamily, "loraplex_prefix_cache", "Prefix cache block lookups.", "result",
+            {"query": s["prefix_cache_queries"], "hit": s["prefix_cache_hits"]},
+        )  # fmt: skip
+        yield CounterMetricFamily("loraplex_engine_steps", "Engine steps run.", s.get("steps", 0))
+
+
+def _labelled(cls: Any, name: str, doc: str, label: str, values: dict[str, float]) -> Metric:
+    family = cls(name, doc, labels=[label])
+    for value, v in values.items():
+        family.add_metric([value], v)
+    return family
+
+
+class Metrics:
+    """Registry + metric objects; ``attach(engine)`` subscribes to the engine's events."""
+
+    def __init__(self, top_k: int = 16) -> None:
+        self.registry = CollectorRegistry()
+        self.labels = AdapterLabels(top_k, on_demote=self._forget)
+        self._stats = _StatsCollector()
+        self.registry.register(self._stats)
+        r = self.registry
+        self.requests = Counter(
+            "loraplex_requests", "Finished requests.", ["adapter", "finish_reason"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "loraplex_prompt_tokens", "Prompt tokens of finished requests.", ["adapter"], registry=r
+        )
+        self.output_tokens = Counter(
+            "loraplex_generation_tokens", "Generated tokens.", ["adapter"], registry=r
+        )
+        self.ttft = Histogram(
+            "loraplex_time_to_first_token_seconds", "Arrival to first token.", ["adapter"],
+            buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "loraplex_inter_token_latency_seconds", "Time between consecutive tokens.",
+            ["adapter"], buckets=ITL_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queue = Histogram(
+            "loraplex_request_queue_seconds", "Arrival to first scheduling.", ["adapter"],
+            buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "loraplex_e2e_request_latency_seconds", "Arrival to finish.", ["adapter"],
+            buckets=E2E_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.load_stage = Histogram(
+            "loraplex_adapter_load_stage_seconds", "Adapter cold-load time per stage.", ["stage"],
+            buckets=LOAD_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.loads = Counter(
+            "loraplex_adapter_loads", "Adapter loads finished.", ["result"], registry=r
+        )
+        self.slot_bytes = Counter(
+            "loraplex_adapter_slot_write_bytes", "Bytes copied into GPU slots.", registry=r
+        )
+
+    def attach(self, engine: AsyncEngine) -> None:
+        """Read stats from ``engine`` at scrape time and follow its events."""
+        self._stats.engine = engine
+        engine.subscribe(self.on_event)
+
+    def on_event(self, event: str, data: dict[str, Any]) -> None:
+        if event == "request_finished":
+            self._request(data)
+        elif event == "adapter_load":
+            self._load(data)
+        elif event == "slot_write":
+            self.load_stage.labels("h2d").observe(data.get("h2d_s") or 0.0)
+            self.slot_bytes.inc(data.get("nbytes") or 0)
+
+    def _request(self, d: dict[str, Any]) -> None:
+        label = self.labels.observe(d.get("adapter"))
+        self.requests.labels(label, d.get("finish_reason") or "error").inc()
+        self.prompt_tokens.labels(label).inc(d.get("prompt_tokens") or 0)
+        self.output_tokens.labels(label).inc(d.get("output_tokens") or 0)
+        for hist, key in ((self.ttft, "ttft_s"), (self.queue, "queue_s"), (self.e2e, "e2e_s")):
+            if d.get(key) is not None:
+                hist.labels(label).observe(d[key])
+        itl = self.itl.labels(label)
+        for gap in d.get("itl_s") or ():
+            itl.observe(gap)
+
+    def _load(self, d: dict[str, Any]) -> None:
+        self.loads.labels("ok" if d.get("ok") else "error").inc()
+        if not d.get("ok"):
+            return
+        for stage, seconds in (d.get("timings") or {}).items():
+            # NOTE: h2d is observed from slot_write; "*_start" keys are timestamps, not spans.
+            if not stage.startswith("h2d") and not stage.endswith("_start"):
+                self.load_stage.labels(stage).observe(seconds)
+        if d.get("total_s") is not None:
+            self.load_stage.labels("total").observe(d["total_s"])
+
+    def _forget(self, adapter: str) -> None:
+        """Drop the series of an adapter that left the top K (it counts as "other" now)."""
+        per_adapter = (self.prompt_tokens, self.output_tokens, self.ttft, self.itl, self.queue)
+        for metric in (*per_adapter, self.e2e):
+            with contextlib.suppress(KeyError):
+                metric.remove(adapter)
+        for reason in FINISH_REASONS:
+            with contextlib.suppress(KeyError):
+                self.requests.remove(adapter, reason)

@@ -1,0 +1,116 @@
+"""``POST /v1/chat/completions``: messages rendered with the model's chat template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.request import RequestOutput
+from loraplex.engine.server.errors import APIError
+from loraplex.engine.server.generation import Job, Reply, adapter_for, make_jobs, new_id, usage
+from loraplex.engine.server.logprobs import TokenNamer, chat_logprobs
+from loraplex.engine.server.protocol import GenerationRequest, parse_chat, parse_json
+from loraplex.engine.server.respond import respond
+from loraplex.engine.server.state import ENGINE_KEY
+from loraplex.engine.tokenizer import TokenizerError
+
+__all__ = ["create_chat_completion", "render_chat"]
+
+
+def render_chat(engine: AsyncEngine, req: GenerationRequest) -> list[int]:
+    """Prompt token ids of the chat (the template's text already holds BOS)."""
+    tok = engine.tokenizer
+    if tok is None:
+        raise APIError(400, "this model has no tokenizer, so it cannot chat", param="messages")
+    assert req.messages is not None
+    try:
+        text = tok.apply_chat_template(req.messages, **req.chat_kwargs)
+    except TokenizerError as e:
+        raise APIError(400, str(e), param="messages") from e
+    ids = tok.encode(text, add_special_tokens=False)
+    if not ids:
+        raise APIError(400, "the rendered chat prompt is empty", param="messages")
+    return ids
+
+
+class ChatShape:
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, engine: AsyncEngine, req: GenerationRequest) -> None:
+        self.req = req
+        self.namer = TokenNamer(engine.tokenizer, req.tokens_as_ids)
+
+    def _logprobs(self, lps: list[Any]) -> dict[str, Any] | None:
+        if self.req.logprobs is None:
+            return None
+        return chat_logprobs(self.namer, self.req.logprobs, lps)
+
+    def opening(self, reply: Reply) -> list[dict[str, Any]]:
+        chunks = []
+        for job in reply.jobs:
+            choice = {
+                "index": job.index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            chunks.append(
+                {
+                    "id": reply.id,
+                    "object": self.chunk_object,
+                    "created": reply.created,
+                    "model": reply.model,
+                    "choices": [choice],
+                }
+            )
+        return chunks
+
+    def delta(self, job: Job, out: RequestOutput) -> dict[str, Any] | None:
+        if not (out.text or out.token_ids or out.finished):
+            return None
+        choice: dict[str, Any] = {
+            "index": job.index,
+            "delta": {"content": out.text} if out.text else {},
+            "logprobs": self._logprobs(out.logprobs or []),
+            "finish_reason": out.finish_reason if out.finished else None,
+            "stop_reason": out.stop_reason if out.finished else None,
+        }
+        if self.req.return_token_ids:
+            choice["token_ids"] = out.token_ids
+        return choice
+
+    def body(self, reply: Reply) -> dict[str, Any]:
+        choices = []
+        for job in reply.jobs:
+            c = reply.choices[job.index]
+            choice: dict[str, Any] = {
+                "index": job.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(c.logprobs),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if self.req.return_token_ids:
+                choice["token_ids"] = c.token_ids
+                choice["prompt_token_ids"] = job.prompt_ids
+            choices.append(choice)
+        return {
+            "id": reply.id,
+            "object": "chat.completion",
+            "created": reply.created,
+            "model": reply.model,
+            "choices": choices,
+            "usage": usage(reply),
+        }
+
+
+async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE_KEY]
+    req = parse_chat(parse_json(await request.read()))
+    adapter = adapter_for(engine, req.model)
+    reply_id = new_id("chatcmpl")
+    jobs = make_jobs(engine, req, [render_chat(engine, req)], reply_id)
+    reply = Reply(reply_id, req.model or engine.model_name, jobs)
+    return await respond(request, engine, req, reply, ChatShape(engine, req), adapter)

@@ -1,0 +1,193 @@
+"""``loraplex serve``: flags -> EngineConfig, then run the HTTP server until SIGINT / SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from loraplex.engine.logging import LEVELS
+from loraplex.engine.server.cli import Subcommand
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from loraplex.engine.config import EngineConfig
+
+__all__ = ["COMMAND", "LoraModule", "parse_lora_module", "config_from_args", "start_server"]
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """A static adapter from ``--lora-modules``: operator configuration, not a client choice."""
+
+    name: str
+    uri: str
+    sha256: str | None = None
+
+
+def parse_lora_module(text: str) -> LoraModule:
+    """``name=URI`` or ``{"name": ..., "uri": ..., "sha256": ...}`` (``path`` = ``uri``)."""
+    if text.lstrip().startswith("{"):
+        try:
+            obj = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"--lora-modules: bad JSON {text!r}: {e}") from None
+        name, uri, sha = obj.get("name"), obj.get("uri", obj.get("path")), obj.get("sha256")
+        if not isinstance(name, str) or not isinstance(uri, str) or not name or not uri:
+            raise argparse.ArgumentTypeError(
+                f"--lora-modules: {text!r} needs string 'name' and 'uri'"
+            )
+        if sha is not None and not isinstance(sha, str):
+            raise argparse.ArgumentTypeError(f"--lora-modules: sha256 of {name!r} is not a string")
+        return LoraModule(name, uri, sha.lower().removeprefix("sha256:") if sha else None)
+    name, sep, uri = text.partition("=")
+    if not sep or not name or not uri:
+        raise argparse.ArgumentTypeError(f"--lora-modules: expected name=URI, got {text!r}")
+    return LoraModule(name, uri)
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", metavar="MODEL_DIR", help="HF model folder (default: demo)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="device")
+    dtypes = ("auto", "float32", "bfloat16", "float16")
+    p.add_argument("--dtype", choices=dtypes, default="auto", help="weight dtype")
+    p.add_argument("--served-model-name", metavar="NAME", help="base model name in the API")
+    p.add_argument(
+        "--lora-modules", type=parse_lora_module, nargs="+", action="extend", default=[],
+        metavar="MODULE",
+        help='static adapters: name=URI or \'{"name": ..., "uri": ..., "sha256": ...}\'',
+    )  # fmt: skip
+    p.add_argument("--max-loras", type=int, help="GPU adapter slots")
+    p.add_argument("--max-cpu-loras", type=int, help="adapters held in the host tier")
+    p.add_argument("--max-lora-rank", type=int, help="largest adapter rank served")
+    p.add_argument("--max-num-seqs", type=int, help="running requests per step")
+    p.add_argument("--max-model-len", type=int, help="context length (prompt + output)")
+    p.add_argument(
+        "--admin-token-file", metavar="FILE",
+        help="enables POST /v1/load_lora_adapter and /v1/unload_lora_adapter with this token",
+    )  # fmt: skip
+    p.add_argument(
+        "--lora-allow", action="append", default=[], metavar="PATTERN",
+        help="glob of remote adapter URIs runtime loads may use (repeatable)",
+    )  # fmt: skip
+    p.add_argument(
+        "--lora-local-root", action="append", default=[], metavar="DIR",
+        help="folder local runtime-loaded adapters must lie under (repeatable)",
+    )  # fmt: skip
+    p.add_argument(
+        "--plugins", type=_names, action="extend", metavar="NAME,...",
+        help="resolver plugins to enable (default: the built-in ones)",
+    )  # fmt: skip
+    p.add_argument("--metrics-top-k", type=int, default=16, help="adapters with own metric labels")
+    p.add_argument("--log-level", choices=LEVELS, default="info", help="log level")
+    p.add_argument("--log-json", action="store_true", help="JSON logs even on a TTY")
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    from loraplex.engine.config import EngineConfig
+
+    kw: dict[str, Any] = {
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        # NOTE: without a name the demo would be called by its asset folder's path.
+        "served_model_name": args.served_model_name or (None if args.model else "demo"),
+        "allow_sources": tuple(args.lora_allow),
+        "local_roots": tuple(str(Path(r).expanduser().resolve()) for r in args.lora_local_root),
+        "enabled_plugins": tuple(args.plugins) if args.plugins is not None else None,
+    }
+    for name in ("max_loras", "max_cpu_loras", "max_lora_rank", "max_num_seqs", "max_model_len"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    return EngineConfig(**kw)
+
+
+def read_admin_token(path: str) -> str:
+    token = Path(path).read_text(encoding="utf-8").strip()
+    if not token:
+        raise ValueError(f"the admin token file {path} is empty")
+    return token
+
+
+async def start_server(
+    app: web.Application, host: str = "127.0.0.1", port: int = 0, *, shutdown_timeout: float = 10.0
+) -> tuple[web.AppRunner, int]:
+    """Start ``app`` (engine start-up included) on host:port; returns the runner and the port.
+
+    Handlers are cancelled when their client disconnects, so generation stops at once.
+    """
+    from aiohttp import web
+
+    runner = web.AppRunner(
+        app, access_log=None, handler_cancellation=True, shutdown_timeout=shutdown_timeout
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, int(runner.addresses[0][1])
+
+
+async def _serve(app: web.Application, host: str, port: int) -> None:
+    import structlog
+
+    runner, bound = await start_server(app, host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    structlog.get_logger("loraplex.server").info("serving", url=f"http://{host}:{bound}")
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def run(args: argparse.Namespace) -> int:
+    import structlog
+
+    from loraplex.engine.logging import configure_logging
+    from loraplex.engine.server.app import create_app_from_config
+
+    configure_logging(args.log_level, True if args.log_json else None)
+    log = structlog.get_logger("loraplex.server")
+    try:
+        config = config_from_args(args)
+        token = read_admin_token(args.admin_token_file) if args.admin_token_file else None
+    except (ValueError, OSError) as e:
+        log.error("bad_configuration", error=str(e))
+        return 2
+    app = create_app_from_config(
+        config, admin_token=token, lora_modules=args.lora_modules, metrics_top_k=args.metrics_top_k
+    )
+    try:
+        asyncio.run(_serve(app, args.host, args.port))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - start-up failures: one clear line, exit 1
+        log.error("serve_failed", error=str(e), kind=type(e).__name__)
+        return 1
+    return 0
+
+
+COMMAND = Subcommand(
+    name="serve",
+    help="run the OpenAI-compatible server",
+    description="Serve MODEL_DIR (default: the built-in demo model) with LoRA adapters.",
+    add_arguments=add_arguments,
+    run=run,
+)
