@@ -1,0 +1,196 @@
+"""Triton: LoRA epilogue + residual add + RMSNorm (``lora_add_rmsnorm``), and plain ``rmsnorm``.
+
+Grid ``(cdiv(T, BLOCK_T),)``: a program owns ``BLOCK_T`` whole rows (the norm reduces over the
+row). Pass 1 walks the row in ``BLOCK_H`` chunks: base + LoRA delta, residual add, store of the
+new residual, sum of squares. A barrier, then pass 2 re-reads the residual it wrote (CTA-local,
+so ``bar.sync`` orders it), normalises and scales. Semantics and roundings: ``reference.py``.
+Nothing but ``T`` shapes the launch, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.engine.model.kernels.lora_delta import block_r, lora_delta
+
+__all__ = ["NormConfig", "norm_config", "lora_add_rmsnorm_triton", "rmsnorm_triton"]
+
+
+@dataclass(frozen=True)
+class NormConfig:
+    block_t: int = 1
+    block_h: int = 256
+    num_warps: int = 4
+
+
+def norm_config(num_tokens: int) -> NormConfig:
+    """Untuned guess. Decode-sized batches: one row per program, so that distinct adapters read
+    their B matrices in parallel. Larger ones: 4-row blocks (one B tile load per slot and
+    block). ptxas, sm_90, bf16, R = 16: 64 registers (1 x 256, 8 warps), 96 (4 x 64, 4 warps);
+    16-row blocks (tensor-core delta) cost ~190 (16 x 128, 8 warps)."""
+    if num_tokens <= 256:
+        return NormConfig(block_t=1, block_h=256, num_warps=8)
+    return NormConfig(block_t=4, block_h=64, num_warps=4)
+
+
+@triton.jit
+def _add_rmsnorm_kernel(
+    ya_ptr,
+    res_ptr,
+    b_ptr,
+    slots_ptr,
+    w_ptr,
+    out_ptr,
+    T,
+    H,
+    L,
+    R,
+    eps,
+    stride_yt,
+    stride_yn,
+    stride_rt,
+    stride_rn,
+    stride_bl,
+    stride_bn,
+    stride_br,
+    stride_slot,
+    stride_w,
+    stride_ot,
+    stride_on,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    ADD: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = tok < T
+    tok = tok.to(tl.int64)
+    if HAS_LORA:
+        slots = tl.load(slots_ptr + tok * stride_slot, mask=t_mask, other=-1).to(tl.int32)
+    else:
+        slots = tl.full((BLOCK_T,), -1, tl.int32)
+    r_rows = res_ptr + tok[:, None] * stride_rt
+    sumsq = tl.full((BLOCK_T,), 0.0, tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        c_mask = cols < H
+        mask = t_mask[:, None] & c_mask[None, :]
+        r = tl.load(r_rows + cols[None, :] * stride_rn, mask=mask, other=0.0).to(tl.float32)
+        if ADD:
+            y_ptrs = ya_ptr + tok[:, None] * stride_yt + cols[None, :] * stride_yn
+            y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_LORA:
+                acc = tl.full((BLOCK_T, BLOCK_H), 0.0, tl.float32)
+                acc = lora_delta(
+                    acc, ya_ptr, b_ptr, tok, slots, cols, c_mask, 0, H, L, R,
+                    stride_yt, stride_yn, stride_bl, stride_bn, stride_br,
+                    BLOCK_R, USE_DOT,
+                )  # fmt: skip
+                y = (y + acc).to(ya_ptr.dtype.element_ty).to(tl.float32)
+            r = (r + y).to(res_ptr.dtype.element_ty)
+            tl.store(r_rows + cols[None, :] * stride_rn, r, mask=mask)
+            r = r.to(tl.float32)
+        sumsq += tl.reduce(r * r, 1, tl.standard._sum_combine)
+    if ADD:
+        tl.debug_barrier()  # pass 2 re-reads residual elements other threads stored
+    inv = tl.rsqrt(sumsq / H + eps)
+    o_rows = out_ptr + tok[:, None] * stride_ot
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        c_mask = cols < H
+        mask = t_mask[:, None] & c_mask[None, :]
+        r = tl.load(r_rows + cols[None, :] * stride_rn, mask=mask, other=0.0).to(tl.float32)
+        normed = (r * inv[:, None]).to(res_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols * stride_w, mask=c_mask, other=0.0).to(tl.float32)
+        out = (w[None, :] * normed).to(out_ptr.dtype.element_ty)
+        tl.store(o_rows + cols[None, :] * stride_on, out, mask=mask)
+
+
+def _launch(
+    y_aug: torch.Tensor | None,
+    residual: torch.Tensor,
+    lora_b: torch.Tensor | None,
+    token_slots: torch.Tensor | None,
+    num_slots: int,
+    rank: int,
+    norm_weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    config: NormConfig | None,
+) -> None:
+    t, h = residual.shape
+    if t == 0:
+        return
+    cfg = config or norm_config(t)
+    use_dot = cfg.block_t >= 16
+    has_lora = lora_b is not None
+    ya = y_aug if y_aug is not None else residual
+    b = lora_b if lora_b is not None else ya
+    b_strides = lora_b.stride() if lora_b is not None else (0, 0, 0)
+    slots = token_slots if token_slots is not None else ya
+    _add_rmsnorm_kernel[(triton.cdiv(t, cfg.block_t),)](
+        ya,
+        residual,
+        b,
+        slots,
+        norm_weight,
+        out,
+        t,
+        h,
+        num_slots,
+        rank,
+        eps,
+        ya.stride(0),
+        ya.stride(1),
+        residual.stride(0),
+        residual.stride(1),
+        *b_strides,
+        slots.stride(0) if token_slots is not None else 0,
+        norm_weight.stride(0),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_T=cfg.block_t,
+        BLOCK_H=cfg.block_h,
+        BLOCK_R=block_r(rank, use_dot),
+        ADD=y_aug is not None,
+        HAS_LORA=has_lora,
+        USE_DOT=use_dot,
+        num_warps=cfg.num_warps,
+    )
+
+
+def lora_add_rmsnorm_triton(
+    y_aug: torch.Tensor,
+    n_base: int,
+    residual: torch.Tensor,
+    lora_b: torch.Tensor | None,
+    token_slots: torch.Tensor | None,
+    num_slots: int,
+    rank: int,
+    norm_weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    *,
+    config: NormConfig | None = None,
+) -> None:
+    """Triton ``lora_add_rmsnorm``; see ``reference.lora_add_rmsnorm_torch``."""
+    assert n_base == residual.shape[1]
+    _launch(y_aug, residual, lora_b, token_slots, num_slots, rank, norm_weight, eps, out, config)
+
+
+def rmsnorm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    *,
+    config: NormConfig | None = None,
+) -> None:
+    """Triton ``rmsnorm``; see ``reference.rmsnorm_torch``."""
+    _launch(None, x, None, None, 0, 1, weight, eps, out, config)

@@ -1,0 +1,81 @@
+"""Shared Triton helper: the LoRA expand of one (token block x column block) tile.
+
+``y_aug`` holds, right of its ``n_base`` base columns, the shrink of every slice and slot:
+``y_aug[t, n_base + (s * L + slot) * R + r] = x[t] . A[s, slot, r]``. The delta of column ``n``
+(a row of ``lora_b``, scale folded in) for token ``t`` is::
+
+    delta[t, n] = sum_r y_aug[t, n_base + (s * L + slot_t) * R + r] * lora_b[slot_t, n, r]
+
+and 0 for ``slot_t == -1``. Tokens of a block that share a slot share one load of its ``B`` tile:
+the helper loops over the slots present in the block (``min .. max`` of its slots, skipping the
+absent ones), masking ``hA`` rows of the other tokens to zero. With ``USE_DOT`` (blocks of >= 16
+tokens) each slot is one tensor-core dot; otherwise a broadcast multiply and a reduction. fp32
+accumulation either way; the products of 16-bit inputs are exact.
+
+Only Triton builtins (``tl.reduce`` with the standard combine functions, not ``tl.sum``): the
+``@triton.jit`` library helpers are decorated when Triton is first imported, so with
+``TRITON_INTERPRET=1`` set later they would refuse to run inside an interpreted kernel.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["lora_delta", "block_r"]
+
+
+def block_r(rank: int, use_dot: bool) -> int:
+    """Rank tile: a power of two >= ``rank``, at least 16 for ``tl.dot``."""
+    return max(16 if use_dot else 1, triton.next_power_of_2(rank))
+
+
+@triton.jit
+def lora_delta(
+    acc,
+    ya_ptr,
+    b_ptr,
+    tok,
+    slots,
+    cols,
+    col_mask,
+    s,
+    n_base,
+    L,
+    R,
+    stride_yt,
+    stride_yn,
+    stride_bl,
+    stride_bn,
+    stride_br,
+    BLOCK_R: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
+    """``acc[i, j] += delta[tok[i], cols[j]]`` of slice ``s``; returns ``acc`` (fp32).
+
+    tok: (BT,) int64 rows of ``y_aug``; slots: (BT,) int32, -1 for base or masked rows;
+    cols: (BN,) rows of ``lora_b`` (= base columns of ``y_aug``), ``col_mask`` their validity.
+    """
+    lo = tl.reduce(tl.where(slots >= 0, slots, L), 0, tl.standard._elementwise_min)
+    hi = tl.reduce(slots, 0, tl.standard._elementwise_max) + 1
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    h_rows = ya_ptr + tok[:, None] * stride_yt  # (BT, 1)
+    b_tile = cols[None, :] * stride_bn + offs_r[:, None] * stride_br  # (BLOCK_R, BN)
+    b_mask = r_mask[:, None] & col_mask[None, :]
+    for slot in range(lo, hi):
+        sel = slots == slot
+        if tl.reduce(sel.to(tl.int32), 0, tl.standard._elementwise_max) > 0:
+            h_cols = n_base + (s * L + slot) * R + offs_r  # (BLOCK_R,)
+            h = tl.load(
+                h_rows + h_cols[None, :] * stride_yn,
+                mask=sel[:, None] & r_mask[None, :],
+                other=0.0,
+            )  # (BT, BLOCK_R)
+            b = tl.load(b_ptr + slot * stride_bl + b_tile, mask=b_mask, other=0.0)
+            if USE_DOT:
+                acc += tl.dot(h, b.to(h.dtype), input_precision="ieee")
+            else:
+                prod = h.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
+                acc += tl.reduce(prod, 1, tl.standard._sum_combine)
+    return acc

@@ -1,0 +1,190 @@
+"""Torch twins of the fused decode kernels: the CPU path and the oracle of the Triton kernels.
+
+Shared inputs. ``y_aug`` (T, N + S * L * R) is the output of one augmented GEMM,
+``x @ [W; A].T``: base columns ``0 .. N`` then, for slice ``s`` and slot ``l``, the shrink
+``y_aug[t, N + (s * L + l) * R + r] = x[t] . A[s, l, r]``. ``lora_b`` (L, N, R), scale folded in,
+slice ``s`` owning rows ``lo_s .. hi_s``. ``token_slots`` (T,) int32, -1 = base (no delta)::
+
+    delta_s[t, j] = sum_r y_aug[t, N + (s * L + slot_t) * R + r] * lora_b[slot_t, lo_s + j, r]
+
+Rounding (``round`` = cast to the model dtype, ``y_aug``'s): the delta is summed in fp32 and
+added to the upcast base output, then rounded once -- exactly where a separate LoRA expand
+into the projection's output would round. Everything after follows HF's Llama ops step by
+step, each torch op in the model dtype rounding its fp32 result; the Triton kernels emulate
+those roundings, so both agree with HF up to fp32 summation order.
+
+No host syncs, no data-dependent shapes except the cache write of ``qkv_rope_torch``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "lora_delta_torch",
+    "lora_add_rmsnorm_torch",
+    "rmsnorm_torch",
+    "lora_silu_mul_torch",
+    "lora_qkv_rope_torch",
+]
+
+
+def lora_delta_torch(
+    y_aug: torch.Tensor,
+    n_base: int,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    num_slots: int,
+    rank: int,
+    s: int,
+    lo: int,
+    hi: int,
+) -> torch.Tensor:
+    """fp32 (T, hi - lo): ``delta_s`` of the module docstring for B rows ``lo .. hi``.
+
+    One matmul over all slots: the shrink columns of other slots are masked to zero.
+    """
+    t = y_aug.shape[0]
+    c0 = n_base + s * num_slots * rank
+    h = y_aug[:, c0 : c0 + num_slots * rank].float().view(t, num_slots, rank)
+    own = token_slots.long().unsqueeze(1) == torch.arange(num_slots, device=y_aug.device)
+    h = (h * own.unsqueeze(2)).reshape(t, num_slots * rank)  # (T, L*R)
+    b = lora_b[:, lo:hi, :rank].float().permute(0, 2, 1).reshape(num_slots * rank, hi - lo)
+    return h @ b
+
+
+def _projection(
+    y_aug: torch.Tensor,
+    n_base: int,
+    lora_b: torch.Tensor | None,
+    token_slots: torch.Tensor | None,
+    num_slots: int,
+    rank: int,
+    s: int,
+    lo: int,
+    hi: int,
+) -> torch.Tensor:
+    """``round(y_aug[:, lo:hi] + delta_s)`` in the model dtype (no delta without ``lora_b``)."""
+    base = y_aug[:, lo:hi]
+    if lora_b is None:
+        return base
+    assert token_slots is not None
+    delta = lora_delta_torch(y_aug, n_base, lora_b, token_slots, num_slots, rank, s, lo, hi)
+    return (base.float() + delta).to(y_aug.dtype)
+
+
+def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out.copy_((weight.float() * normed.float()).to(out.dtype))
+
+
+def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+    """HF LlamaRMSNorm into ``out``. Loop form::
+
+    for t: v = float(x[t]); out[t] = weight * round(v * rsqrt(mean(v * v) + eps))
+    """
+    _rmsnorm(x, weight, eps, out)
+
+
+def lora_add_rmsnorm_torch(
+    y_aug: torch.Tensor,
+    n_base: int,
+    residual: torch.Tensor,
+    lora_b: torch.Tensor | None,
+    token_slots: torch.Tensor | None,
+    num_slots: int,
+    rank: int,
+    norm_weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+) -> None:
+    """Projection epilogue + residual add + RMSNorm (S = 1 slice, ``n_base`` = H). Loop form::
+
+    for t:
+        y = round(y_aug[t, :H] + delta_0[t])          # no delta when lora_b is None
+        residual[t] = round(residual[t] + y)          # in place, residual's dtype (HF: in dtype)
+        v = float(residual[t])
+        out[t] = weight * round(v * rsqrt(mean(v * v) + eps))
+    """
+    y = _projection(y_aug, n_base, lora_b, token_slots, num_slots, rank, 0, 0, n_base)
+    residual.copy_((residual.float() + y.float()).to(residual.dtype))
+    _rmsnorm(residual, norm_weight, eps, out)
+
+
+def lora_silu_mul_torch(
+    y_aug: torch.Tensor,
+    n_base: int,
+    lora_b: torch.Tensor | None,
+    token_slots: torch.Tensor | None,
+    num_slots: int,
+    rank: int,
+    out: torch.Tensor,
+) -> None:
+    """gate_up epilogue + SiLU-and-mul (S = 2 slices of width I = n_base // 2). Loop form::
+
+    for t:
+        g = round(y_aug[t, :I] + delta_0[t])          # gate: B rows 0 .. I
+        u = round(y_aug[t, I:2I] + delta_1[t])        # up:   B rows I .. 2I
+        out[t] = round(round(silu(g)) * u)            # HF: act_fn(gate) * up, silu in fp32
+    """
+    i = n_base // 2
+    g = _projection(y_aug, n_base, lora_b, token_slots, num_slots, rank, 0, 0, i)
+    u = _projection(y_aug, n_base, lora_b, token_slots, num_slots, rank, 1, i, n_base)
+    act = F.silu(g.float()).to(g.dtype)
+    out.copy_((act.float() * u.float()).to(out.dtype))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def lora_qkv_rope_torch(
+    y_aug: torch.Tensor,
+    q_size: int,
+    kv_size: int,
+    head_dim: int,
+    lora_b: torch.Tensor | None,
+    token_slots: torch.Tensor | None,
+    num_slots: int,
+    rank: int,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_out: torch.Tensor,
+) -> None:
+    """qkv epilogue + rotary embedding + paged KV-cache write (S = 3 slices q, k, v). Loop form::
+
+    for t:
+        q, k, v = round(y_aug[t, slice s] + delta_s[t]) for s = 0, 1, 2, viewed (heads, D)
+        c, sn = round(cos[positions[t]]), round(sin[positions[t]])    # fp32 tables -> dtype
+        q, k = q * c + rotate_half(q) * sn, same for k   # HF order, each op rounded to dtype
+        q_out[t] = q
+        if slot_mapping[t] >= 0:                         # -1: padded row, no write
+            blk, off = divmod(slot_mapping[t], block_size)
+            k_cache[blk, off], v_cache[blk, off] = k, v
+    """
+    t = y_aug.shape[0]
+    n_base = q_size + 2 * kv_size
+    bounds = (0, q_size, q_size + kv_size, n_base)
+    q, k, v = (
+        _projection(y_aug, n_base, lora_b, token_slots, num_slots, rank, s, lo, hi)
+        for s, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False))
+    )
+    q = q.reshape(t, -1, head_dim)
+    k = k.reshape(t, -1, head_dim)
+    v = v.reshape(t, -1, head_dim)
+    c = cos[positions].unsqueeze(1).to(q.dtype)
+    sn = sin[positions].unsqueeze(1).to(q.dtype)
+    q_out.copy_(q * c + _rotate_half(q) * sn)
+    k = k * c + _rotate_half(k) * sn
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    bs = k_cache.shape[1]
+    k_cache[slots // bs, slots % bs] = k[valid].to(k_cache.dtype)
+    v_cache[slots // bs, slots % bs] = v[valid].to(v_cache.dtype)

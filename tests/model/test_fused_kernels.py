@@ -1,0 +1,386 @@
+"""Fused decode kernels: Triton vs torch twin, twin vs a from-scratch HF-style composition.
+
+Without CUDA the Triton kernels run through the interpreter (set before the kernels are
+imported; modules already imported by an earlier test are decorated again). bfloat16 Triton
+cases only on a GPU (the interpreter's bfloat16 tl.dot is broken).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    for _name in ("lora_delta", "add_rmsnorm", "silu_mul", "qkv_rope"):  # helper module first
+        if f"loraplex.engine.model.kernels.{_name}" in sys.modules:
+            importlib.reload(sys.modules[f"loraplex.engine.model.kernels.{_name}"])
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from loraplex.engine.model import kernels as K  # noqa: E402
+from loraplex.engine.model.rope import RotaryEmbedding  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+HALF_TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+SLOTS = [0, -1, 2, 2, -1, 0, 2]  # L = 3 with slot 1 unused
+L, R, EPS = 3, 8, 1e-5
+HQ, HKV, D = 4, 2, 16
+
+
+def _aug(slots: list[int], n_base: int, num_slices: int, dtype: torch.dtype, seed: int = 0):
+    """y_aug (T, N + S*L*R) as a column window of a wider tensor, B (L, N, R) strided.
+
+    Slots no token uses get huge shrink columns and B rows: reading them shows up loudly."""
+    g = torch.Generator().manual_seed(seed)
+    t, width = len(slots), n_base + num_slices * L * R
+    big = torch.randn(t, width + 5, generator=g)
+    b = torch.randn(L, n_base, R + 3, generator=g) * R**-0.5
+    for unused in set(range(L)) - set(slots):
+        b[unused] = 1e3
+        for s in range(num_slices):
+            c = n_base + 2 + (s * L + unused) * R
+            big[:, c : c + R] = 1e3
+    y_aug = big.to(DEVICE, dtype)[:, 2 : 2 + width]
+    lora_b = b.to(DEVICE, dtype)[:, :, :R]
+    return y_aug, lora_b, torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+
+
+def _naive_proj(y_aug, n_base, lora_b, slots, s, lo, hi):
+    """Per-token loop: round(base + hA @ B[slot].T) for slice s (B rows lo..hi)."""
+    rows = []
+    for t, slot in enumerate(slots.tolist() if lora_b is not None else [-1] * len(y_aug)):
+        row = y_aug[t, lo:hi].float()
+        if slot >= 0:
+            c = n_base + (s * L + slot) * R
+            row = row + lora_b[slot, lo:hi].float() @ y_aug[t, c : c + R].float()
+        rows.append(row.to(y_aug.dtype))
+    return torch.stack(rows)
+
+
+def _hf_rmsnorm(x, w):
+    x32 = x.float()
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+def _rotate_half(x):
+    return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+def _close(got, want, tol):
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def _hf_close(got, want, dtype):
+    """Twin vs HF-style ops: close, and in 16 bits mostly bit-identical (same roundings)."""
+    _close(got, want, HALF_TOL[dtype])
+    if dtype != torch.float32:
+        assert (got != want).float().mean().item() <= 0.02
+
+
+# --- inputs and runners per op: fn(impl) -> tuple of outputs ---------------------------------
+
+
+def _run_add_rmsnorm(dtype, lora, impl, cfg=None):
+    h = 64
+    y_aug, lora_b, slots = _aug(SLOTS, h, 1, dtype)
+    g = torch.Generator().manual_seed(1)
+    res = torch.randn(len(SLOTS), h + 3, generator=g).to(DEVICE, dtype)[:, 1 : 1 + h]
+    w = torch.randn(h, generator=g).to(DEVICE, dtype)
+    out = torch.full((len(SLOTS), h + 4), float("nan"), dtype=dtype, device=DEVICE)[:, :h]
+    b, sl = (lora_b, slots) if lora else (None, None)
+    res0 = res.clone()
+    impl(y_aug, h, res, b, sl, L, R, w, EPS, out, **({"config": cfg} if cfg else {}))
+    if impl is K.lora_add_rmsnorm_torch:  # naive composition of the same inputs
+        want_res = res0 + _naive_proj(y_aug, h, b, slots, 0, 0, h)
+        _hf_close(res, want_res, dtype)
+        _hf_close(out, _hf_rmsnorm(want_res, w), dtype)
+    return res, out
+
+
+def _run_rmsnorm(dtype, lora, impl, cfg=None):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 96, generator=g).to(DEVICE, dtype)[:, :80]
+    w = torch.randn(80, generator=g).to(DEVICE, dtype)
+    out = torch.full((5, 80), float("nan"), dtype=dtype, device=DEVICE)
+    impl(x, w, EPS, out, **({"config": cfg} if cfg else {}))
+    _hf_close(out, _hf_rmsnorm(x, w), dtype)
+    return (out,)
+
+
+def _run_silu_mul(dtype, lora, impl, cfg=None):
+    inter = 128
+    y_aug, lora_b, slots = _aug(SLOTS, 2 * inter, 2, dtype)
+    out = torch.full((len(SLOTS), inter), float("nan"), dtype=dtype, device=DEVICE)
+    b, sl = (lora_b, slots) if lora else (None, None)
+    impl(y_aug, 2 * inter, b, sl, L, R, out, **({"config": cfg} if cfg else {}))
+    if impl is K.lora_silu_mul_torch:
+        gate = _naive_proj(y_aug, 2 * inter, b, slots, 0, 0, inter)
+        up = _naive_proj(y_aug, 2 * inter, b, slots, 1, inter, 2 * inter)
+        _hf_close(out, F.silu(gate) * up, dtype)
+    return (out,)
+
+
+def _qkv_inputs(dtype, lora, slot_mapping):
+    q_size, kv_size = HQ * D, HKV * D
+    n = q_size + 2 * kv_size
+    y_aug, lora_b, slots = _aug(SLOTS, n, 3, dtype)
+    t = len(SLOTS)
+    positions = torch.tensor([0, 5, 3, 17, 2, 9, 31][:t], device=DEVICE)
+    rope = RotaryEmbedding(D, 32, 10000.0, None, DEVICE)
+    g = torch.Generator().manual_seed(3)
+    caches = [
+        torch.randn(4, 4, HKV, D + 2, generator=g).to(DEVICE, dtype)[..., :D] for _ in range(2)
+    ]
+    q_out = torch.full((t, HQ, D + 1), float("nan"), dtype=dtype, device=DEVICE)[..., :D]
+    smap = torch.tensor(slot_mapping, dtype=torch.int64, device=DEVICE)
+    b, sl = (lora_b, slots) if lora else (None, None)
+    args = (y_aug, q_size, kv_size, D, b, sl, L, R, positions, rope.cos, rope.sin)
+    return args, caches, smap, q_out
+
+
+def _run_qkv_rope(dtype, lora, impl, cfg=None, slot_mapping=(3, -1, 0, 15, -1, 8, 9)):
+    args, (kc, vc), smap, q_out = _qkv_inputs(dtype, lora, list(slot_mapping))
+    kc0, vc0 = kc.clone(), vc.clone()
+    impl(*args, kc, vc, smap, q_out, **({"config": cfg} if cfg else {}))
+    if impl is K.lora_qkv_rope_torch:  # naive: per-slice projection, HF rotary, loop write
+        y_aug, q_size, kv_size, _, b, slots, *_ = args
+        n, t = q_size + 2 * kv_size, len(SLOTS)
+        q = _naive_proj(y_aug, n, b, slots, 0, 0, q_size).view(t, HQ, D)
+        k = _naive_proj(y_aug, n, b, slots, 1, q_size, q_size + kv_size).view(t, HKV, D)
+        v = _naive_proj(y_aug, n, b, slots, 2, q_size + kv_size, n).view(t, HKV, D)
+        cos = args[9][args[8]].unsqueeze(1).to(dtype)
+        sin = args[10][args[8]].unsqueeze(1).to(dtype)
+        _hf_close(q_out, q * cos + _rotate_half(q) * sin, dtype)
+        k = k * cos + _rotate_half(k) * sin
+        for ti, slot in enumerate(smap.tolist()):
+            if slot >= 0:
+                kc0[slot // 4, slot % 4], vc0[slot // 4, slot % 4] = k[ti], v[ti]
+        _hf_close(kc, kc0, dtype)
+        _hf_close(vc, vc0, dtype)
+    return q_out, kc, vc
+
+
+TRITON = {  # op: (module, function, config class)
+    "add_rmsnorm": ("add_rmsnorm", "lora_add_rmsnorm_triton", "NormConfig"),
+    "rmsnorm": ("add_rmsnorm", "rmsnorm_triton", "NormConfig"),
+    "silu_mul": ("silu_mul", "lora_silu_mul_triton", "SiluMulConfig"),
+    "qkv_rope": ("qkv_rope", "lora_qkv_rope_triton", "QKVRopeConfig"),
+}
+
+
+def _triton(op):
+    pytest.importorskip("triton")
+    mod, fn, config = TRITON[op]
+    module = importlib.import_module(f"loraplex.engine.model.kernels.{mod}")
+    return getattr(module, fn), getattr(module, config)
+
+
+RUNNERS = {
+    "add_rmsnorm": (_run_add_rmsnorm, K.lora_add_rmsnorm_torch),
+    "rmsnorm": (_run_rmsnorm, K.rmsnorm_torch),
+    "silu_mul": (_run_silu_mul, K.lora_silu_mul_torch),
+    "qkv_rope": (_run_qkv_rope, K.lora_qkv_rope_torch),
+}
+CONFIGS = {  # block_t 1 / 4: broadcast delta; 16: tensor-core dot
+    "add_rmsnorm": [(1, 32, 4), (4, 32, 4), (16, 16, 4)],
+    "rmsnorm": [(1, 32, 4), (4, 64, 4)],
+    "silu_mul": [(16, 32, 4), (1, 64, 4), (2, 128, 4)],
+    "qkv_rope": [(16, 4), (1, 4)],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("op", list(RUNNERS))
+def test_twin_matches_naive_composition(op: str, dtype: torch.dtype) -> None:
+    run, twin = RUNNERS[op]
+    for lora in (True, False):
+        outs = run(dtype, lora, twin)  # asserts against the naive composition inside
+        assert all(not o.isnan().any() for o in outs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", list(RUNNERS))
+def test_triton_matches_twin(op: str, dtype: torch.dtype) -> None:
+    run, twin = RUNNERS[op]
+    fn, config = _triton(op)
+    for lora in (True, False):
+        want = run(dtype, lora, twin)
+        for cfg in [None] + [config(*c) for c in CONFIGS[op]]:
+            got = run(dtype, lora, fn, cfg)
+            for g_, w_ in zip(got, want, strict=True):
+                assert not g_.isnan().any(), f"{op} {cfg}: a row was not written"
+                _close(g_, w_, TOL[dtype])
+                # Same roundings as the twin: 16-bit results agree bit for bit up to rare
+                # flips from fp32 summation order (a skipped rounding step changes many).
+                if dtype != torch.float32:
+                    assert (g_ != w_).float().mean().item() <= 0.02, f"{op} {cfg}: rounding"
+
+
+def test_qkv_rope_skips_padded_rows_and_writes_nothing_else() -> None:
+    fn, config = _triton("qkv_rope")
+    smap = (-1, 2, -1, -1, 7, -1, 11)
+    for impl, cfg in ((K.lora_qkv_rope_torch, None), (fn, config(16)), (fn, config(1))):
+        args, (kc, vc), sm, q_out = _qkv_inputs(torch.float32, True, list(smap))
+        kc0, vc0 = kc.clone(), vc.clone()
+        impl(*args, kc, vc, sm, q_out, **({"config": cfg} if cfg else {}))
+        written = torch.zeros(16, dtype=torch.bool, device=DEVICE)
+        written[[s for s in smap if s >= 0]] = True
+        untouched = ~written.view(4, 4)
+        assert torch.equal(kc[untouched], kc0[untouched])
+        assert torch.equal(vc[untouched], vc0[untouched])
+        assert not torch.equal(kc[~untouched], kc0[~untouched])
+        assert not q_out.isnan().any()
+
+
+def test_augmented_gemm_layout_matches_peft_style_math() -> None:
+    """y_aug from a real x @ [W; A].T against base + (x A^T) B^T per token (fp32)."""
+    g = torch.Generator().manual_seed(4)
+    t, hidden, inter = len(SLOTS), 32, 48
+    x = torch.randn(t, hidden, generator=g)
+    w = torch.randn(2 * inter, hidden, generator=g) / hidden**0.5
+    a = torch.randn(2, L, R, hidden, generator=g) / hidden**0.5  # (S, L, R, in)
+    b = torch.randn(L, 2 * inter, R, generator=g) / R**0.5
+    y_aug = x @ torch.cat([w, a.reshape(-1, hidden)]).T
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    out = torch.empty(t, inter)
+    K.lora_silu_mul_torch(y_aug, 2 * inter, b, slots, L, R, out)
+    gu = x @ w.T
+    for ti, slot in enumerate(SLOTS):
+        if slot >= 0:
+            for s, (lo, hi) in enumerate(((0, inter), (inter, 2 * inter))):
+                gu[ti, lo:hi] += (x[ti] @ a[s, slot].T) @ b[slot, lo:hi].T
+    _close(out, F.silu(gu[:, :inter]) * gu[:, inter:], 1e-5)
+
+
+def test_dispatch_backend_and_shape_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv(K.BACKEND_ENV, backend)
+        _close(_run_silu_mul(torch.float32, True, K.lora_silu_mul)[0],
+               _run_silu_mul(torch.float32, True, K.lora_silu_mul_torch)[0], 1e-5)  # fmt: skip
+        _run_rmsnorm(torch.float32, False, K.rmsnorm)
+        _run_add_rmsnorm(torch.float32, True, K.lora_add_rmsnorm)
+        _run_qkv_rope(torch.float32, True, K.lora_qkv_rope)
+    monkeypatch.setenv(K.BACKEND_ENV, "cuda")
+    with pytest.raises(ValueError, match="expected"):
+        _run_rmsnorm(torch.float32, False, K.rmsnorm)
+    monkeypatch.delenv(K.BACKEND_ENV)
+    y_aug, lora_b, slots = _aug(SLOTS, 64, 2, torch.float32)
+    out = torch.empty(len(SLOTS), 32, device=DEVICE)
+    with pytest.raises(ValueError, match="N \\+ S\\*L\\*R"):
+        K.lora_silu_mul(y_aug, 64, lora_b, slots, L + 5, R, out)
+    with pytest.raises(ValueError, match="lora_b"):
+        K.lora_silu_mul(y_aug, 64, lora_b[:, :32], slots, L, R, out)
+    with pytest.raises(ValueError, match="token_slots"):
+        K.lora_silu_mul(y_aug, 64, lora_b, slots[:3], L, R, out)
+
+
+# --- GPU: Llama-3-8B decode sizes, bfloat16 ----------------------------------------------------
+
+H8, I8, HQ8, HKV8, D8, L8, R8 = 4096, 14336, 32, 8, 128, 32, 16
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def _llama8b_inputs(t: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bf = {"device": "cuda", "dtype": torch.bfloat16}
+    slots = torch.randint(-1, L8, (t,), generator=g, device="cuda", dtype=torch.int32)
+    smap = torch.randperm(4096, generator=g, device="cuda")[:t]
+    smap[torch.rand(t, generator=g, device="cuda") < 0.1] = -1
+    pos = torch.randint(0, 8192, (t,), generator=g, device="cuda")
+
+    def ya(n: int, s: int) -> torch.Tensor:
+        return torch.randn(t, n + s * L8 * R8, generator=g, **bf)
+
+    def lb(n: int) -> torch.Tensor:
+        return torch.randn(L8, n, R8, generator=g, **bf) * 0.05
+
+    return slots, smap, pos, ya, lb
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 37, 512])
+def test_llama3_8b_decode_sizes_gpu(t: int) -> None:
+    from loraplex.engine.model.kernels.add_rmsnorm import lora_add_rmsnorm_triton
+    from loraplex.engine.model.kernels.qkv_rope import lora_qkv_rope_triton
+    from loraplex.engine.model.kernels.silu_mul import lora_silu_mul_triton
+
+    slots, smap, pos, ya, lb = _llama8b_inputs(t, seed=t)
+    res = torch.randn(t, H8, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(H8, device="cuda", dtype=torch.bfloat16)
+    y, b = ya(H8, 1), lb(H8)
+    outs = []
+    for fn in (K.lora_add_rmsnorm_torch, lora_add_rmsnorm_triton):
+        r, o = res.clone(), torch.full_like(res, float("nan"))
+        fn(y, H8, r, b, slots, L8, R8, w, EPS, o)
+        outs.append((r, o))
+    assert _rel(outs[1][0], outs[0][0]) < 1e-2 and _rel(outs[1][1], outs[0][1]) < 1e-2
+
+    y, b = ya(2 * I8, 2), lb(2 * I8)
+    o_ref = torch.full((t, I8), float("nan"), device="cuda", dtype=torch.bfloat16)
+    o = o_ref.clone()
+    K.lora_silu_mul_torch(y, 2 * I8, b, slots, L8, R8, o_ref)
+    lora_silu_mul_triton(y, 2 * I8, b, slots, L8, R8, o)
+    assert _rel(o, o_ref) < 1e-2
+
+    qs, ks = HQ8 * D8, HKV8 * D8
+    y, b = ya(qs + 2 * ks, 3), lb(qs + 2 * ks)
+    rope = RotaryEmbedding(D8, 8192, 500000.0, None, "cuda")
+    res_qkv = []
+    for fn in (K.lora_qkv_rope_torch, lora_qkv_rope_triton):
+        kc = torch.zeros(256, 16, HKV8, D8, device="cuda", dtype=torch.bfloat16)
+        vc, q = kc.clone(), torch.full((t, HQ8, D8), float("nan"), device="cuda", dtype=kc.dtype)
+        fn(y, qs, ks, D8, b, slots, L8, R8, pos, rope.cos, rope.sin, kc, vc, smap, q)
+        res_qkv.append((q, kc, vc))
+    for got, want in zip(res_qkv[1], res_qkv[0], strict=True):
+        assert _rel(got, want) < 1e-2
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_with_new_slots_gpu() -> None:
+    """Captured once; new slots / positions / slot_mapping contents on replay are honoured."""
+    t, h, inter, qs, ks = 64, 512, 1024, 4 * D8, 2 * D8
+    slots, smap, pos, ya, lb = _llama8b_inputs(t, seed=7)
+    bf = {"device": "cuda", "dtype": torch.bfloat16}
+    y_o, b_o, y_gu, b_gu = ya(h, 1), lb(h), ya(2 * inter, 2), lb(2 * inter)
+    y_qkv, b_qkv = ya(qs + 2 * ks, 3), lb(qs + 2 * ks)
+    res, w, normed = torch.randn(t, h, **bf), torch.randn(h, **bf), torch.empty(t, h, **bf)
+    act, q = torch.empty(t, inter, **bf), torch.empty(t, 4, D8, **bf)
+    kc, vc = torch.zeros(256, 16, 2, D8, **bf), torch.zeros(256, 16, 2, D8, **bf)
+    rope = RotaryEmbedding(D8, 8192, 500000.0, None, "cuda")
+
+    def step(fns) -> None:
+        fns[0](y_o, h, res, b_o, slots, L8, R8, w, EPS, normed)
+        fns[1](y_gu, 2 * inter, b_gu, slots, L8, R8, act)
+        fns[2](y_qkv, qs, ks, D8, b_qkv, slots, L8, R8, pos, rope.cos, rope.sin, kc, vc, smap, q)
+
+    fused = (K.lora_add_rmsnorm, K.lora_silu_mul, K.lora_qkv_rope)
+    twins = (K.lora_add_rmsnorm_torch, K.lora_silu_mul_torch, K.lora_qkv_rope_torch)
+    step(fused)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(fused)
+    for seed in (8, 9):
+        new_slots, new_smap, new_pos, *_ = _llama8b_inputs(t, seed=seed)
+        for dst, src in ((slots, new_slots), (smap, new_smap), (pos, new_pos)):
+            dst.copy_(src)
+        for y in (y_o, y_gu, y_qkv):
+            y.normal_()
+        kc.zero_(), vc.zero_()
+        res0 = res.clone()
+        graph.replay()
+        got = [x.clone() for x in (res, normed, act, q, kc, vc)]
+        res.copy_(res0), kc.zero_(), vc.zero_()
+        step(twins)
+        for g_, w_ in zip(got, (res, normed, act, q, kc, vc), strict=True):
+            assert _rel(g_, w_) < 1e-2
