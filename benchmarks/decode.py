@@ -186,13 +186,13 @@ def hf_peer(args, adapters: list[Path], rows: list[dict]) -> None:
     for batch in (8, 32):
         names = [f"a{i % 8}" for i in range(batch)]
         ids = torch.randint(1000, 100000, (batch, 128), device="cuda")
-        for _rep in range(2):  # first is warm-up
+        for new in (4, 64):  # the first is a short warm-up
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             with torch.no_grad():
                 out = model(input_ids=ids, use_cache=True, adapter_names=names)
                 past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-                for _ in range(63):
+                for _ in range(new - 1):
                     out = model(
                         input_ids=nxt, past_key_values=past, use_cache=True, adapter_names=names
                     )
