@@ -13,14 +13,16 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiofiles
-from s3fs import S3FileSystem
 
 from loraplex.engine.lora.errors import AdapterNotFoundError, AdapterSourceError
 from loraplex.plugins import hookimpl
 from loraplex.resolvers.base import AdapterSource, Report, Resolver, ResolverSettings
+
+if TYPE_CHECKING:
+    from s3fs import S3FileSystem
 
 __all__ = ["S3Resolver", "parse_s3_uri", "loraplex_resolvers"]
 
@@ -94,6 +96,8 @@ class S3Resolver(Resolver):
             "token": _env(s.s3_token, "AWS_SESSION_TOKEN"),
             "client_kwargs": {"region_name": region} if region else {},
         }
+        from s3fs import S3FileSystem  # lazy: the plugin loads without s3fs installed
+
         return S3FileSystem(**kwargs)
 
     async def open(self, uri: str) -> AdapterSource:
