@@ -71,8 +71,9 @@ async def run_batch(engine, batch: int, names: list[str | None], ctx: int, steps
     produced = sum(await asyncio.gather(*(one(i) for i in range(batch))))
     wall = time.perf_counter() - t0
     log = list(engine.core.step_log)
-    dec = [s for s, rows, _, decode, _ in log if decode and rows == batch][3:]  # skip capture
-    return {"wall": wall, "tokens": produced, "steps": dec, "log": log}
+    full = [e for e in log if e[3] and e[1] == batch][3:]  # decode steps, every row; skip capture
+    gpu = [e[5] / 1e3 for e in full if e[5] is not None]
+    return {"wall": wall, "tokens": produced, "steps": [e[0] for e in full], "gpu": gpu, "log": log}
 
 
 def kv_bytes(cfg: dict, batch: int, ctx: int) -> int:
@@ -122,8 +123,10 @@ async def engine_cases(args, bw, adapters: list[Path], model_dir: Path, rows: li
                     wbytes + a_bytes + kv_bytes(args.cfg, batch, args.ctx + args.steps // 2)
                 ) / bw
                 p50, p99 = statistics.median(r["steps"]), pct(r["steps"], 0.99)
+                gpu = statistics.median(r["gpu"]) if r["gpu"] else float("nan")
                 row = {
                     "adapters": n, "batch": batch, "floor_ms": floor * 1e3, "p50_ms": p50 * 1e3,
+                    "gpu_ms": gpu * 1e3,
                     "p99_ms": p99 * 1e3, "ratio": p50 / floor, "decode_tok_s": batch / p50,
                     "e2e_tok_s": r["tokens"] / r["wall"],
                 }  # fmt: skip
@@ -131,6 +134,8 @@ async def engine_cases(args, bw, adapters: list[Path], model_dir: Path, rows: li
                 print(fmt_row(row), flush=True)
             if args.coldload and n:
                 await coldload(engine, args, names, rows)
+            if args.profile:
+                await profile(engine, names, args)
         del model, engine
         gc.collect()
         torch.cuda.empty_cache()
@@ -152,8 +157,8 @@ async def coldload(engine, args, names, rows):
     task = asyncio.create_task(late())
     r = await run_batch(engine, batch, used, args.ctx, args.steps * 4, seed=3)
     await task
-    during = [s for s, rows_, _, d, loading in r["log"] if d and rows_ == batch and loading]
-    quiet = [s for s, rows_, _, d, loading in r["log"] if d and rows_ == batch and not loading][3:]
+    during = [e[0] for e in r["log"] if e[3] and e[1] == batch and e[4]]
+    quiet = [e[0] for e in r["log"] if e[3] and e[1] == batch and not e[4]][3:]
     loads = [v for v in engine.core.adapters.versions() if v.name == "cold"]
     t = loads[0].timings if loads else {}
     print(
@@ -165,6 +170,21 @@ async def coldload(engine, args, names, rows):
         "p99_without_ms": pct(quiet, 0.99) * 1e3, "h2d_ms": t.get("h2d", float("nan")) * 1e3,
     })  # fmt: skip
     print(rows[-1], flush=True)
+
+
+async def profile(engine, names, args) -> None:
+    """Eager (no graph) decode steps at batch 64 under the torch profiler: top GPU kernels."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    runner = engine.core.runner
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            await run_batch(engine, 64, names[: min(len(names), 64)], args.ctx, 6, seed=5)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18), flush=True)
+    finally:
+        runner.graphs = graphs
 
 
 def hf_peer(args, adapters: list[Path], rows: list[dict]) -> None:
@@ -209,8 +229,15 @@ def hf_peer(args, adapters: list[Path], rows: list[dict]) -> None:
 def fmt_row(r: dict) -> str:
     return (
         f"| {r['adapters']} | {r['batch']} | {r['floor_ms']:.2f} | {r['p50_ms']:.2f} | "
-        f"{r['p99_ms']:.2f} | {r['ratio']:.2f} | {r['decode_tok_s']:.0f} | {r['e2e_tok_s']:.0f} |"
+        f"{r['p99_ms']:.2f} | {r['gpu_ms']:.2f} | {r['ratio']:.2f} | {r['decode_tok_s']:.0f} | "
+        f"{r['e2e_tok_s']:.0f} |"
     )
+
+
+HEADER = (
+    "| adapters | batch | floor ms | p50 ms | p99 ms | graph GPU ms | p50/floor | decode tok/s "
+    "| e2e tok/s |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
 
 
 def main() -> None:
@@ -224,6 +251,7 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=int, default=24)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--coldload", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="torch profiler table of eager decode")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--append", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, few cases")
@@ -239,9 +267,7 @@ def main() -> None:
     model_dir = write_model_config(work / "model", args.cfg)
     n_adapters = max([*args.adapters, 8 if not args.no_hf else 0])
     t0 = time.perf_counter()
-    adapters = [
-        write_adapter(work / f"a{i}", args.cfg, rank=16, seed=i) for i in range(n_adapters)
-    ]
+    adapters = [write_adapter(work / f"a{i}", args.cfg, rank=16, seed=i) for i in range(n_adapters)]
     if adapters:
         args.adapter_bytes = (adapters[0] / "adapter_model.safetensors").stat().st_size
     else:
@@ -275,8 +301,7 @@ def report(rows: list[dict], bw: float) -> str:
         f"\n## Engine decode: {time.strftime('%Y-%m-%d %H:%M')}, commit {commit or 'unknown'}, "
         f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
         f"copy {bw / 1e12:.2f} TB/s\n",
-        "| adapters | batch | floor ms | p50 ms | p99 ms | p50/floor | decode tok/s | e2e tok/s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        HEADER,
     ]
     lines += [fmt_row(r) for r in rows if "floor_ms" in r]
     base = {r["batch"]: r["p50_ms"] for r in rows if r.get("adapters") == 0 and "p50_ms" in r}

@@ -77,9 +77,7 @@ class EngineCore:
         self.last_step_event: Any = None
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0, "steps": 0}
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
-        self.step_log: collections.deque[tuple[float, int, int, bool, bool]] = collections.deque(
-            maxlen=100_000
-        )
+        self.step_log: collections.deque[tuple] = collections.deque(maxlen=100_000)
 
     def emit(self, event: str, **data: Any) -> None:
         """Tell subscribers (metrics, studies) about ``event``; a failing one is logged, not raised."""
@@ -101,7 +99,9 @@ class EngineCore:
         if config.model is None and model is None:
             from loraplex.engine.demo import demo_model_dir
 
-            config = _replace(config, model=str(demo_model_dir()), extra={**config.extra, "demo": True})
+            config = _replace(
+                config, model=str(demo_model_dir()), extra={**config.extra, "demo": True}
+            )
         device = config.resolved_device
         path = Path(config.model) if config.model is not None else None
         if model is None:
@@ -181,6 +181,7 @@ class EngineCore:
         if trusted:
             self.loader.allow_static(uri)
         v = self.adapters.new_version(name, uri)
+        v.trusted = trusted
         await self.loader.fetch_verify(v, sha256, trusted=trusted)
         return self.adapters.register(v)
 
@@ -205,8 +206,11 @@ class EngineCore:
         t0 = time.perf_counter()
         info = {"name": v.name, "uri": v.uri}
         try:
+            if v.local_dir is not None and not await asyncio.to_thread(v.local_dir.is_dir):
+                log.warning("adapter_staging_lost", name=v.name, path=str(v.local_dir))
+                v.local_dir = None  # fetched again below; the digest must not change
             if v.local_dir is None:
-                await self.loader.fetch_verify(v)
+                await self.loader.fetch_verify(v, trusted=v.trusted)
             v.adapter = await self.loader.stage(v, self.model.dtype, pin=self.device.type == "cuda")
         except Exception as e:
             self.emit(
@@ -387,14 +391,13 @@ class EngineCore:
         # (seconds, rows, tokens, decode-only, a slot write in flight); sampling synced already
         loading = any(v.state is AdapterState.LOADING for v in self.adapters.versions())
         decode = all(len(it.token_ids) == 1 for it in items)
+        graph = self.runner.graphs
+        gpu_ms = (
+            graph.last_replay_ms() if graph is not None and self.runner.last_was_graph else None
+        )
+        tokens = sum(len(it.token_ids) for it in items)
         self.step_log.append(
-            (
-                time.perf_counter() - t0,
-                len(items),
-                sum(len(it.token_ids) for it in items),
-                decode,
-                loading,
-            )
+            (time.perf_counter() - t0, len(items), tokens, decode, loading, gpu_ms)
         )
         return out
 
@@ -469,7 +472,7 @@ class EngineCore:
             "prefix_cache_queries": b.stats.queries,
             "prefix_cache_hits": b.stats.hits,
             "adapter_refs": {
-                f"{v.name}@{v.digest[:12]}": {
+                f"{v.name}@{v.digest[:12]}#{v.version}": {  # unique: digests may be pending
                     "users": v.users,
                     "slot_refs": v.slot_refs,
                     "slot": v.slot,

@@ -8,7 +8,6 @@ read from these device buffers, never from host values, so the captured launches
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from loraplex.engine.model.attention import AttentionMetadata
@@ -47,6 +46,10 @@ class DecodeGraphs:
         self.token_slots = torch.full((n,), -1, dtype=i32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        # persistent pinned staging buffer: one async H2D copy per step, no allocation
+        self.host = torch.zeros(5 * n + n * max_blocks_per_seq, dtype=i64).pin_memory()
+        self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self.staged = torch.cuda.Event()
 
     def bucket(self, batch: int) -> int | None:
         for b in self.buckets:
@@ -78,7 +81,8 @@ class DecodeGraphs:
             self._forward(bs)  # warm-up: compiles kernels, sizes cuBLAS workspaces
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: adapter staging threads may pin memory / copy while we capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = self._forward(bs)
         if self.pool is None:
             self.pool = graph.pool()
@@ -100,14 +104,24 @@ class DecodeGraphs:
         assert bs is not None
         width = self.tables.shape[1]
         # one pinned host buffer, one async copy: no host sync inside the step
-        host = np.zeros(5 * bs + bs * width, dtype=np.int64)
+        self.staged.synchronize()  # the previous step's copy has left the buffer
+        n = 5 * bs + bs * width
+        host = self.host[:n].numpy()
+        host[:] = 0
         vec = host[: 5 * bs].reshape(5, bs)
-        vec[0, :b], vec[1, :b], vec[2, :b], vec[3, :b], vec[4, :b] = ids, pos, slots, ctx, token_slots
+        vec[0, :b], vec[1, :b], vec[2, :b], vec[3, :b], vec[4, :b] = (
+            ids,
+            pos,
+            slots,
+            ctx,
+            token_slots,
+        )
         vec[2, b:] = vec[4, b:] = -1
         rows = host[5 * bs :].reshape(bs, width)
         for i, t in enumerate(tables):
             rows[i, : len(t)] = t
-        dev = torch.from_numpy(host).pin_memory().to(self.model.device, non_blocking=True)
+        dev = self.host[:n].to(self.model.device, non_blocking=True)
+        self.staged.record()
         dvec = dev[: 5 * bs].view(5, bs)
         self.ids[:bs].copy_(dvec[0])
         self.pos[:bs].copy_(dvec[1])
@@ -118,5 +132,11 @@ class DecodeGraphs:
         if bs not in self.graphs:
             self.capture(bs)
         graph, logits = self.graphs[bs]
+        self.events[0].record()
         graph.replay()
+        self.events[1].record()
         return logits[:b]
+
+    def last_replay_ms(self) -> float:
+        """GPU time of the last replay (call after the step's results were read)."""
+        return self.events[0].elapsed_time(self.events[1])

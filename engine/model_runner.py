@@ -63,6 +63,7 @@ class ModelRunner:
         env = os.environ.get("LORAPLEX_FUSED")
         self.fused = self.device.type == "cuda" if env is None else env == "1"
         self.graphs: DecodeGraphs | None = None
+        self.last_was_graph = False
         if self.fused and self.device.type == "cuda" and use_cuda_graphs:
             self.graphs = DecodeGraphs(
                 model,
@@ -125,7 +126,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, items: list[StepItem]) -> torch.Tensor:
         """Run one step; returns float32 logits (one row per item with need_logits)."""
-        if self.graphs is not None and self._graphable(items):
+        self.last_was_graph = self.graphs is not None and self._graphable(items)
+        if self.last_was_graph:
             return self._execute_graph(items)
         ids, pos, meta, mapping, last = self._prepare(items)
         if self.fused:

@@ -60,7 +60,7 @@ MODEL_CONFIG: dict[str, Any] = {
 }
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ADAPTERS: dict[str, dict[str, Any]] = {
-    "pirate": {"r": 8, "lora_alpha": 16, "target_modules": ATTN},
+    "pirate": {"r": 8, "lora_alpha": 32, "target_modules": ATTN},
     "shakespeare": {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"},
     "sql": {"r": 8, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj", "up_proj", "down_proj"]},
     "emoji": {"r": 8, "lora_alpha": 16, "use_rslora": True, "target_modules": r".*\.(q_proj|v_proj|o_proj|gate_proj|down_proj)"},
@@ -78,7 +78,7 @@ class Schedule:
     warmup: int = 20
 
 
-FULL = {"base": Schedule(800, 3e-3), "adapter": Schedule(200, 4e-3)}
+FULL = {"base": Schedule(700, 3e-3), "adapter": Schedule(300, 4e-3)}
 QUICK = {"base": Schedule(3, 3e-3, 4, 1), "adapter": Schedule(2, 4e-3, 4, 1)}
 
 
@@ -185,7 +185,7 @@ def train(model: Any, data: list[list[int]], sched: Schedule, seed: int, tag: st
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss_val = float(loss)
+        loss_val = float(loss.detach())
         if (step + 1) % 100 == 0 or step + 1 == sched.steps:
             print(f"  {tag}: step {step + 1}/{sched.steps} loss {loss_val:.3f}", flush=True)
     model.eval()
@@ -223,6 +223,8 @@ def build_adapter(base: Any, name: str, tok: Any, out: Path, sched: Schedule, se
     (out / "README.md").unlink(missing_ok=True)
     cfg = json.loads((out / "adapter_config.json").read_text())
     cfg["base_model_name_or_path"] = "loraplex-demo"
+    if isinstance(cfg["target_modules"], list):  # PEFT writes a set: order varies per process
+        cfg["target_modules"] = sorted(cfg["target_modules"])
     _write_json(out / "adapter_config.json", cfg)
     return model
 
@@ -245,20 +247,48 @@ def greedy(model: Any, tok: Any, prompt: str, max_new: int = SAMPLE_TOKENS) -> s
 
 
 def file_hashes(out: Path) -> dict[str, str]:
+    """sha256 of every built file (but the manifest), which are also made world-readable."""
     files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != "manifest.json")
-    return {p.relative_to(out).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    for p in files:
+        p.chmod(0o644)
+    return {
+        p.relative_to(out).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in files
+    }
 
 
-def _prepare(out: Path) -> None:
-    """Empty ``out``; refuse a non-empty folder that is not a previous build."""
+def _staging(out: Path) -> Path:
+    """A fresh sibling folder to build into; refuses to ever replace a foreign ``out``."""
     if out.exists() and any(out.iterdir()) and not (out / "manifest.json").is_file():
-        raise SystemExit(f"{out} is not empty and holds no manifest.json: refusing to clear it")
-    shutil.rmtree(out, ignore_errors=True)
-    (out / "adapters").mkdir(parents=True)
+        raise SystemExit(f"{out} is not empty and holds no manifest.json: refusing to replace it")
+    stage = out.with_name(f".{out.name}.building")
+    shutil.rmtree(stage, ignore_errors=True)
+    (stage / "adapters").mkdir(parents=True)
+    return stage
+
+
+def _publish(stage: Path, out: Path) -> None:
+    """Swap the finished build in, so readers of ``out`` never see a half-written model."""
+    old = out.with_name(f".{out.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    stage.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def build(out: Path, *, quick: bool = False, threads: int = 1) -> dict[str, Any]:
-    """Build everything into ``out``; returns the manifest."""
+    """Build everything into ``out`` (replaced only once complete); returns the manifest."""
+    stage = _staging(out)
+    try:
+        manifest = _build_into(stage, quick=quick, threads=threads)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    _publish(stage, out)
+    return manifest
+
+
+def _build_into(out: Path, *, quick: bool, threads: int) -> dict[str, Any]:
     import peft
     import tokenizers
     import torch
@@ -268,7 +298,6 @@ def build(out: Path, *, quick: bool = False, threads: int = 1) -> dict[str, Any]
     torch.use_deterministic_algorithms(True)
     plan = QUICK if quick else FULL
     t0 = time.perf_counter()
-    _prepare(out)
     tok = train_tokenizer()
     write_tokenizer(tok, out)
     base = build_base(tok, out, plan["base"])
@@ -295,12 +324,16 @@ def build(out: Path, *, quick: bool = False, threads: int = 1) -> dict[str, Any]
         "files": file_hashes(out),
     }
     _write_json(out / "manifest.json", manifest)
-    print(f"built {out} in {time.perf_counter() - t0:.1f}s", flush=True)
+    print(f"built in {time.perf_counter() - t0:.1f}s", flush=True)
     return manifest
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loraplex.engine.demo.build", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m loraplex.engine.demo.build",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--out", type=Path, default=ASSETS_DIR, help="output folder (default: assets)")
     ap.add_argument("--quick", action="store_true", help="a few steps only (smoke test)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: reproducible)")
