@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.kv import BlockManager
@@ -40,6 +41,9 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     slot_writes: list[AdapterVersion] = field(default_factory=list)
+    # (version, slot, adapter) of each write, taken on the event loop before the step thread
+    # runs: a version dropped meanwhile (its last request cancelled) loses its slot and tensors
+    slot_jobs: list[tuple[AdapterVersion, int, Any]] = field(default_factory=list)
     failed: list[tuple[Request, BaseException]] = field(default_factory=list)
 
     @property

@@ -56,6 +56,7 @@ class AdapterVersion:
     users: int = 0  # requests in flight (waiting or running) on this version
     pinned: bool = False  # operator pin: never evicted from its slot
     dynamic: bool = False  # resolved from a name at request time (forgotten if its load fails)
+    trusted: bool = False  # an operator-configured source (a fetch again uses the same policy)
     pinned_uri: str | None = None  # the source at the exact revision fetched
     nbytes: int = 0
     progress: dict[str, tuple[int, int | None]] = field(default_factory=dict)
@@ -122,6 +123,8 @@ class AdapterManager:
             if v is not cur:
                 self._on_drop(v)
             return cur
+        if cur is not None:
+            v.pinned = v.pinned or cur.pinned  # the operator pinned the name, not a version
         self._current[v.name] = v
         self._versions.append(v)
         self._collect()
@@ -215,7 +218,7 @@ class AdapterManager:
         except asyncio.CancelledError:
             v.state = AdapterState.REGISTERED
             v.adapter = None
-            if v.dynamic:
+            if v.dynamic and v.users == 0:  # a request that joined meanwhile keeps the name
                 self.forget(v)
             raise
         except Exception as e:  # noqa: BLE001 - the error is handed to the waiting requests
@@ -267,12 +270,12 @@ class AdapterManager:
             idle = [
                 o
                 for o in self._slots
-                if o is not None and o.slot_refs == 0 and o.slot_ready and not o.pinned
+                if o is not None and o.slot_refs == 0 and o.slot_ready and not self._pinned(o)
             ]
             if not force:
                 idle = [o for o in idle if o.users == 0]
             if not idle:
-                if all(o is not None and o.pinned for o in self._slots):
+                if all(o is not None and self._pinned(o) for o in self._slots):
                     raise SlotFullError(
                         f"all {self.max_loras} GPU slots are pinned; adapter {v.name!r} cannot be served"
                     )
@@ -287,6 +290,11 @@ class AdapterManager:
         v.slot, v.slot_ready = slot, False
         v.last_used = time.monotonic()
         return slot
+
+    def _pinned(self, v: AdapterVersion) -> bool:
+        """A pin holds for the current version of its name; a superseded version that is
+        draining keeps its slot only while it is referenced."""
+        return v.pinned and self._current.get(v.name) is v
 
     def slot_owner(self, slot: int) -> AdapterVersion | None:
         return self._slots[slot]
