@@ -1,0 +1,101 @@
+"""Where one decode layer's GPU time goes (Llama-3-8B shapes, bf16): each launch of the fused
+GPU forward timed alone with CUDA graphs, with and without LoRA slots.
+
+    python -m benchmarks.layer_breakdown [--batches 1 32 64 128] [--loras 0 8 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench_cudagraph
+
+from benchmarks.synthetic import LLAMA3_8B, random_model
+from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul
+from loraplex.engine.model.paged_attention import paged_decode_attention
+
+
+def bench(fn) -> float:
+    return do_bench_cudagraph(fn, rep=50) * 1e3  # µs
+
+
+def case(model, loras: int, t: int, ctx_len: int) -> dict[str, float]:
+    """Time every launch of one decode layer at batch ``t``."""
+    mc = model.cfg
+    layer = model.layers[0]
+    dev = "cuda"
+    h = torch.randn(t, mc.hidden_size, dtype=torch.bfloat16, device=dev)
+    residual = torch.randn_like(h)
+    slots = torch.arange(t, device=dev, dtype=torch.int32) % max(loras, 1)
+    if loras == 0:
+        slots = torch.full((t,), -1, device=dev, dtype=torch.int32)
+    bs = 16
+    nblk = -(-(ctx_len + 1) // bs)
+    k_cache = torch.randn(
+        t * nblk + 1, bs, mc.num_kv_heads, mc.head_dim, dtype=torch.bfloat16, device=dev
+    )
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.arange(t * nblk, device=dev, dtype=torch.int32).view(t, nblk)
+    ctx = torch.full((t,), ctx_len + 1, device=dev, dtype=torch.int32)
+    pos = torch.full((t,), ctx_len, device=dev, dtype=torch.int64)
+    smap = (tables[:, -1].long() * bs + (ctx_len % bs)).contiguous()
+    q = torch.empty(t, mc.num_heads, mc.head_dim, dtype=torch.bfloat16, device=dev)
+    act = torch.empty(t, mc.intermediate_size, dtype=torch.bfloat16, device=dev)
+    out = torch.empty_like(h)
+    L, R = layer.qkv_proj.max_loras, layer.qkv_proj.max_rank
+    qkv = F.linear(h, layer.qkv_proj.weight_aug)
+    o = F.linear(q.view(t, -1), layer.o_proj.weight_aug)
+    gu = F.linear(h, layer.gate_up_proj.weight_aug)
+    d = F.linear(act, layer.down_proj.weight_aug)
+    w = layer.post_attention_layernorm.weight
+    parts = {
+        "qkv gemm": lambda: F.linear(h, layer.qkv_proj.weight_aug),
+        "qkv_rope": lambda: lora_qkv_rope(qkv, mc.q_size, mc.kv_size, mc.head_dim, layer.qkv_proj.lora_b, slots, L, R, pos, model.rope.cos, model.rope.sin, k_cache, v_cache, smap, q),
+        "attention": lambda: paged_decode_attention(q, k_cache, v_cache, tables, ctx, layer.scale),
+        "o gemm": lambda: F.linear(q.view(t, -1), layer.o_proj.weight_aug),
+        "add_rmsnorm": lambda: lora_add_rmsnorm(o, mc.hidden_size, residual, layer.o_proj.lora_b, slots, L, R, w, 1e-5, out),
+        "gate_up gemm": lambda: F.linear(h, layer.gate_up_proj.weight_aug),
+        "silu_mul": lambda: lora_silu_mul(gu, 2 * mc.intermediate_size, layer.gate_up_proj.lora_b, slots, L, R, act),
+        "down gemm": lambda: F.linear(act, layer.down_proj.weight_aug),
+        "add_rmsnorm(down)": lambda: lora_add_rmsnorm(d, mc.hidden_size, residual, layer.down_proj.lora_b, slots, L, R, w, 1e-5, out),
+    }  # fmt: skip
+    return {k: bench(fn) for k, fn in parts.items()}
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64, 128])
+    ap.add_argument("--loras", type=int, nargs="+", default=[0, 8, 32])
+    ap.add_argument("--ctx", type=int, default=512)
+    args = ap.parse_args()
+    cfg = dict(LLAMA3_8B, num_hidden_layers=1)
+    rows = []
+    for loras in args.loras:
+        model = random_model(cfg, max_loras=loras, max_lora_rank=16)
+        layer = model.layers[0]
+        for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            if lin.lora_b is not None:
+                lin.lora_a.normal_(0, 0.01)
+                lin.lora_b.normal_(0, 0.01)
+        for t in args.batches:
+            times = case(model, loras, t, args.ctx)
+            rows.append((loras, t, times))
+            total = sum(times.values())
+            print(
+                f"loras {loras} batch {t}: total {total:.1f} µs/layer (x32 = {total * 32 / 1e3:.2f} ms)"
+            )
+            print("   " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()), flush=True)
+        del model
+        torch.cuda.empty_cache()
+    names = list(rows[0][2])
+    print("\n| loras | batch | " + " | ".join(names) + " | total µs | x32 ms |")
+    print("|---:|---:|" + "---:|" * (len(names) + 2))
+    for loras, t, times in rows:
+        total = sum(times.values())
+        cells = " | ".join(f"{times[k]:.1f}" for k in names)
+        print(f"| {loras} | {t} | {cells} | {total:.1f} | {total * 32 / 1e3:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
