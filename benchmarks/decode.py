@@ -73,7 +73,9 @@ async def run_batch(engine, batch: int, names: list[str | None], ctx: int, steps
     log = list(engine.core.step_log)
     full = [e for e in log if e[3] and e[1] == batch][3:]  # decode steps, every row; skip capture
     gpu = [e[5] / 1e3 for e in full if e[5] is not None]
-    return {"wall": wall, "tokens": produced, "steps": [e[0] for e in full], "gpu": gpu, "log": log}
+    host = [e[6] for e in full]
+    steps = [e[0] for e in full]
+    return {"wall": wall, "tokens": produced, "steps": steps, "gpu": gpu, "host": host, "log": log}
 
 
 def kv_bytes(cfg: dict, batch: int, ctx: int) -> int:
@@ -124,6 +126,11 @@ async def engine_cases(args, bw, adapters: list[Path], model_dir: Path, rows: li
                 ) / bw
                 p50, p99 = statistics.median(r["steps"]), pct(r["steps"], 0.99)
                 gpu = statistics.median(r["gpu"]) if r["gpu"] else float("nan")
+                host = statistics.median(r["host"]) if r["host"] else float("nan")
+                loop = (r["wall"] - sum(e[0] for e in r["log"])) / max(len(r["log"]), 1)
+                print(
+                    f"   host before queueing {host * 1e3:.2f} ms; loop between steps {loop * 1e3:.2f} ms"
+                )
                 row = {
                     "adapters": n, "batch": batch, "floor_ms": floor * 1e3, "p50_ms": p50 * 1e3,
                     "gpu_ms": gpu * 1e3,

@@ -378,6 +378,7 @@ class EngineCore:
             return None
         t0 = time.perf_counter()
         logits = self.runner.execute(items)
+        t_launched = time.perf_counter()  # the forward is queued (async on CUDA)
         rows = [c.req for c in plan.chunks if c.need_logits]
         out = self.sampler.sample(
             logits,
@@ -388,7 +389,6 @@ class EngineCore:
         if self.device.type == "cuda":
             self.last_step_event = torch.cuda.Event()
             self.last_step_event.record()
-        # (seconds, rows, tokens, decode-only, a slot write in flight); sampling synced already
         loading = any(v.state is AdapterState.LOADING for v in self.adapters.versions())
         decode = all(len(it.token_ids) == 1 for it in items)
         graph = self.runner.graphs
@@ -396,8 +396,9 @@ class EngineCore:
             graph.last_replay_ms() if graph is not None and self.runner.last_was_graph else None
         )
         tokens = sum(len(it.token_ids) for it in items)
+        # (seconds, rows, tokens, decode-only, load in flight, graph GPU ms, host s to queue)
         self.step_log.append(
-            (time.perf_counter() - t0, len(items), tokens, decode, loading, gpu_ms)
+            (time.perf_counter() - t0, len(items), tokens, decode, loading, gpu_ms, t_launched - t0)
         )
         return out
 

@@ -125,7 +125,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, items: list[StepItem]) -> torch.Tensor:
-        """Run one step; returns float32 logits (one row per item with need_logits)."""
+        """Run one step; returns float32 logits (one row per item with need_logits).
+
+        On the fused path rows are grouped by adapter slot first: the fused LoRA epilogues
+        handle a block of rows per program and load one B tile per distinct slot in it.
+        """
+        if not self.fused:
+            return self._execute(items)
+        order = sorted(range(len(items)), key=lambda i: items[i].lora_slot)
+        if order == list(range(len(items))):
+            return self._execute(items)
+        logits = self._execute([items[i] for i in order])
+        rank = {i: j for j, i in enumerate(i for i in range(len(items)) if items[i].need_logits)}
+        sorted_rows = [rank[i] for i in order if items[i].need_logits]
+        inv = [0] * len(sorted_rows)
+        for k, orig in enumerate(sorted_rows):
+            inv[orig] = k
+        return logits.index_select(0, torch.tensor(inv, device=logits.device))
+
+    def _execute(self, items: list[StepItem]) -> torch.Tensor:
         self.last_was_graph = self.graphs is not None and self._graphable(items)
         if self.last_was_graph:
             return self._execute_graph(items)

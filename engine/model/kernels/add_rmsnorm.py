@@ -33,7 +33,9 @@ def norm_config(num_tokens: int) -> NormConfig:
     block). ptxas, sm_90, bf16, R = 16: 64 registers (1 x 256, 8 warps), 96 (4 x 64, 4 warps);
     16-row blocks (tensor-core delta) cost ~190 (16 x 128, 8 warps)."""
     if num_tokens <= 256:
-        return NormConfig(block_t=1, block_h=256, num_warps=8)
+        # NOTE: wide chunks: each chunk is a load -> store round trip in two serial passes;
+        # with 256-wide chunks a 4096 row took ~10 µs on the H200 (BENCHMARKS.md)
+        return NormConfig(block_t=1, block_h=1024, num_warps=8)
     return NormConfig(block_t=4, block_h=64, num_warps=4)
 
 

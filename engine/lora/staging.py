@@ -1,0 +1,171 @@
+"""Pack an adapter into one contiguous (pinned) CPU buffer, laid out for a one-copy slot write.
+
+Per layer, the targeted modules (in ``LORA_MODULES`` order) are laid out as
+
+    [B_m0 (out, R) | B_m1 (out, R) | ... | A_m0 (r, in) | A_m1 (r, in) | ...]
+
+B is zero-padded to R = max_lora_rank columns, so its block equals the slot's destination
+``lora_b[slot, lo:hi]`` (contiguous; the B blocks of consecutive slices of one fused layer are
+adjacent in the buffer and in the slot, so one copy covers them). A keeps its own r rows: its
+destination ``lora_a[s, slot, :r]`` is contiguous too and rows r..R are zero-filled on the
+device, so padding never costs pinned memory or H2D bytes. Modules the adapter does not target
+are not in the buffer either: their slot regions are zero-filled (see slots.py).
+
+``stage_packed`` (the loader's stage step) packs, pins the one buffer, re-points the adapter's
+tensors at views of it (no second copy) and remembers the packed form for ``write_slot``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from loraplex.engine.lora.adapter import LoRAWeights
+from loraplex.engine.model.config import LORA_MODULES
+
+if TYPE_CHECKING:
+    from loraplex.engine.lora.adapter import LoRAAdapter
+    from loraplex.engine.model.llama import LlamaForCausalLM
+
+__all__ = [
+    "PackEntry",
+    "PackedAdapter",
+    "pack_adapter",
+    "stage_packed",
+    "attach_packed",
+    "packed_for",
+    "model_max_rank",
+]
+
+_ALIGN = 64  # elements: block offsets stay 128-256 B aligned (vectorised copies)
+_ORDER = {m: i for i, m in enumerate(LORA_MODULES)}
+
+
+@dataclass(frozen=True)
+class PackEntry:
+    """One targeted module: where its blocks lie in ``PackedAdapter.buffer`` (in elements)."""
+
+    layer: int
+    module: str
+    rank: int  # r: rows of A
+    in_features: int
+    out_features: int
+    a_offset: int  # A: (r, in)
+    b_offset: int  # B: (out, R), columns r.. are zero
+
+
+@dataclass(frozen=True)
+class PackedAdapter:
+    buffer: torch.Tensor  # (numel,) flat, one dtype; pinned when it feeds a CUDA slot
+    entries: dict[tuple[int, str], PackEntry]  # (layer, module) -> blocks
+    max_rank: int  # R the B blocks are padded to (must equal the model's max_lora_rank)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one slot write moves host -> device."""
+        return self.buffer.numel() * self.buffer.element_size()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.buffer.dtype
+
+    def a(self, e: PackEntry) -> torch.Tensor:
+        """View of e's A block, (r, in)."""
+        return self.buffer[e.a_offset : e.a_offset + e.rank * e.in_features].view(
+            e.rank, e.in_features
+        )
+
+    def b(self, e: PackEntry) -> torch.Tensor:
+        """View of e's padded B block, (out, R)."""
+        n = e.out_features * self.max_rank
+        return self.buffer[e.b_offset : e.b_offset + n].view(e.out_features, self.max_rank)
+
+
+def model_max_rank(model: LlamaForCausalLM) -> int:
+    """R of the model's LoRA slots."""
+    for _, linears in model.lora_linears():
+        for linear in linears.values():
+            return linear.max_rank
+    raise ValueError("the model has no LoRA layers")
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@torch.no_grad()
+def pack_adapter(
+    adapter: LoRAAdapter,
+    model: LlamaForCausalLM | int,
+    *,
+    pin: bool = False,
+    dtype: torch.dtype | None = None,
+) -> PackedAdapter:
+    """Lay out ``adapter`` for a slot of R = ``model``'s max_lora_rank (or ``model`` if an int).
+
+    CPU work only (call it from a worker thread); ``dtype`` defaults to the adapter's.
+    """
+    max_rank = model if isinstance(model, int) else model_max_rank(model)
+    keys = sorted(adapter.weights, key=lambda k: (k[0], _ORDER[k[1]]))
+    if dtype is None:
+        dtype = adapter.weights[keys[0]].a.dtype if keys else torch.float32
+    entries: dict[tuple[int, str], PackEntry] = {}
+    off = 0
+    for layer in sorted({k[0] for k in keys}):
+        mods = [k for k in keys if k[0] == layer]
+        b_offs = {}
+        for k in mods:  # B blocks first, back to back (consecutive slices stay adjacent)
+            b_offs[k] = off
+            off += adapter.weights[k].b.shape[0] * max_rank
+        off = _align(off)
+        for k in mods:
+            w = adapter.weights[k]
+            r, d_in = w.a.shape
+            d_out = w.b.shape[0]
+            if r > max_rank or w.b.shape[1] != r:
+                raise ValueError(
+                    f"{k}: A {tuple(w.a.shape)} / B {tuple(w.b.shape)} do not fit rank {max_rank}"
+                )
+            entries[k] = PackEntry(layer, k[1], r, d_in, d_out, off, b_offs[k])
+            off = _align(off + r * d_in)
+    buffer = torch.empty(off, dtype=dtype, pin_memory=pin)
+    packed = PackedAdapter(buffer, entries, max_rank)
+    # NOTE: alignment gaps are never read; B's padding columns are (zeroed here, per block)
+    for k, e in entries.items():
+        w = adapter.weights[k]
+        packed.a(e).copy_(w.a)
+        b = packed.b(e)
+        b[:, : e.rank].copy_(w.b)
+        b[:, e.rank :].zero_()
+    return packed
+
+
+_PACKED: dict[int, PackedAdapter] = {}  # id(adapter) -> its packed form, while it lives
+
+
+def attach_packed(adapter: LoRAAdapter, packed: PackedAdapter) -> None:
+    """Remember ``packed`` as ``adapter``'s slot image (``write_slot(model, slot, adapter)`` uses
+    it). The caller must not change ``adapter.weights`` afterwards."""
+    key = id(adapter)
+    if key not in _PACKED:
+        weakref.finalize(adapter, _PACKED.pop, key, None)
+    _PACKED[key] = packed
+
+
+def packed_for(adapter: LoRAAdapter) -> PackedAdapter | None:
+    return _PACKED.get(id(adapter))
+
+
+@torch.no_grad()
+def stage_packed(adapter: LoRAAdapter, max_rank: int, *, pin: bool) -> PackedAdapter:
+    """Pack (pinned if ``pin``), point ``adapter.weights`` at views of the packed buffer (one
+    copy of the data in host memory: the tensors' values are unchanged, B becomes a column view
+    (out, r) of its (out, R) block) and attach the packed form to the adapter."""
+    packed = pack_adapter(adapter, max_rank, pin=pin)
+    for k, e in packed.entries.items():
+        adapter.weights[k] = LoRAWeights(a=packed.a(e), b=packed.b(e)[:, : e.rank])
+    attach_packed(adapter, packed)
+    return packed
