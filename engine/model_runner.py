@@ -141,7 +141,10 @@ class ModelRunner:
         inv = [0] * len(sorted_rows)
         for k, orig in enumerate(sorted_rows):
             inv[orig] = k
-        return logits.index_select(0, torch.tensor(inv, device=logits.device))
+        index = torch.tensor(inv)
+        if logits.device.type == "cuda":
+            index = index.pin_memory()  # NOTE: async copy; a pageable one would sync the step
+        return logits.index_select(0, index.to(logits.device, non_blocking=True))
 
     def _execute(self, items: list[StepItem]) -> torch.Tensor:
         self.last_was_graph = self.graphs is not None and self._graphable(items)

@@ -27,6 +27,7 @@ from loraplex.engine.lora.digest import adapter_digest
 from loraplex.engine.lora.errors import AdapterDigestError, AdapterNotFoundError
 from loraplex.engine.lora.manager import AdapterVersion
 from loraplex.engine.lora.preflight import preflight
+from loraplex.engine.lora.staging import stage_packed
 from loraplex.engine.model.config import ModelConfig
 from loraplex.plugins import PluginManager
 from loraplex.resolvers import ResolverSettings, SourcePolicy
@@ -152,10 +153,8 @@ class AdapterLoader:
                 name=v.name,
                 dtype=dtype,
             )
-            if pin:
-                for w in adapter.weights.values():
-                    object.__setattr__(w, "a", w.a.pin_memory())
-                    object.__setattr__(w, "b", w.b.pin_memory())
+            # one contiguous (pinned) slot image; write_slot copies it in one H2D transfer
+            stage_packed(adapter, self.config.max_lora_rank, pin=pin)
             v.timings["stage"] = time.perf_counter() - t0
             return adapter
 

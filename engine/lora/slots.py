@@ -130,7 +130,7 @@ def _plan(
             off = None
         else:
             found += 1
-            if e.in_features != in_f or e.out_features != site.hi - site.lo:
+            if e.in_features != in_f or e.out_features != site.hi - site.lo or e.rank > r_max:
                 raise ValueError(f"packed {site.module} of layer {site.layer} has other shapes")
             n = e.rank * in_f
             dst.append(a_full[:n] if n < a_full.numel() else a_full)
@@ -144,7 +144,7 @@ def _plan(
             if off is None and prev is None:
                 run[2] = site.hi
                 continue
-            if off is not None and prev is not None:
+            if off is not None and prev is not None and prev + (run[2] - run[1]) * r_max == off:
                 run[2] = site.hi
                 continue
         flush()
@@ -171,7 +171,9 @@ def _zero(ts: list[torch.Tensor]) -> None:
             t.zero_()
 
 
-def _source(c: _ModelCache, packed: PackedAdapter, device: torch.device, dtype: torch.dtype):
+def _source(
+    c: _ModelCache, packed: PackedAdapter, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     """The packed buffer on ``device`` in ``dtype``: one (async, if pinned) H2D copy."""
     buf = packed.buffer
     if buf.device == device:
