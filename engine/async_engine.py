@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -47,6 +48,11 @@ class AsyncEngine:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        interval = self.config.gil_switch_interval_s
+        if interval is not None and sys.getswitchinterval() > interval:
+            # NOTE: CPython hands the GIL over every 5 ms by default; a staging thread in
+            # Python code would then hold the step thread for 5 ms at a time (process-wide)
+            sys.setswitchinterval(interval)
         self.core = await loop.run_in_executor(
             self._executor, EngineCore.build, self.config, self._wake.set, self._model
         )

@@ -38,6 +38,8 @@ class EngineConfig:
     lora_name_template: str | None = None  # e.g. "s3://bucket/adapters/{name}": dynamic names
     enabled_plugins: tuple[str, ...] | None = None  # None: the built-in resolvers
     adapter_cache_dir: str | None = None  # where fetched adapters are staged (default: temp dir)
+    max_concurrent_loads: int = 2  # cold loads staged at once; others queue (decode stalls)
+    gil_switch_interval_s: float | None = 0.0005  # None: leave sys.getswitchinterval() alone
     seed: int = 0
     extra: dict = field(default_factory=dict, compare=False)
 

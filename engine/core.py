@@ -77,6 +77,7 @@ class EngineCore:
         self.last_step_event: Any = None
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0, "steps": 0}
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        self._load_gate: asyncio.Semaphore | None = None
         self.step_log: collections.deque[tuple] = collections.deque(maxlen=100_000)
 
     def emit(self, event: str, **data: Any) -> None:
@@ -203,7 +204,16 @@ class EngineCore:
             self.adapters.forget(v)
 
     async def _load_adapter(self, v: AdapterVersion) -> None:
+        # NOTE: loads beyond max_concurrent_loads queue here: each one's hashing, parsing and
+        # packing threads compete with the step thread for CPU and the GIL (decode stalls)
+        if self._load_gate is None:
+            self._load_gate = asyncio.Semaphore(max(1, self.config.max_concurrent_loads))
+        async with self._load_gate:
+            await self._load_adapter_now(v)
+
+    async def _load_adapter_now(self, v: AdapterVersion) -> None:
         t0 = time.perf_counter()
+        v.timings.clear()  # a re-stage must not report an earlier load's stages
         info = {"name": v.name, "uri": v.uri}
         try:
             if v.local_dir is not None and not await asyncio.to_thread(v.local_dir.is_dir):

@@ -8,10 +8,13 @@ heavy imports (torch, the engine) inside their ``run`` function.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = ["Subcommand", "BUILTIN_COMMANDS", "register", "build_parser", "main"]
 
@@ -39,8 +42,19 @@ def register(command: Subcommand) -> None:
 
 def _commands() -> dict[str, Subcommand]:
     found = {name: importlib.import_module(mod).COMMAND for name, mod in BUILTIN_COMMANDS.items()}
+    found.update(_source_checkout_commands())
     found.update(_EXTRA)
     return found
+
+
+def _source_checkout_commands() -> dict[str, Subcommand]:
+    """``loraplex bench``: benchmarks/ lives next to engine/ in a source checkout (not installed)."""
+    root = Path(__file__).resolve().parents[2]
+    if importlib.util.find_spec("benchmarks") is None and (root / "benchmarks").is_dir():
+        sys.path.append(str(root))
+    with contextlib.suppress(ImportError):
+        return {"bench": importlib.import_module("benchmarks.coldload.cli").COMMAND}
+    return {}
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -1,0 +1,158 @@
+"""Per-request TTFT split, ITL with / without loads in flight, and the run summary.
+
+TTFT split of one request (all parts add up to its TTFT):
+  wait = admission - arrival; each load stage / slot wait / h2d interval of the request's
+  adapter counts only where it overlaps the wait (clipped, never counted twice; none for a
+  GPU hit);
+  queue = wait - those parts; prefill = first token - admission.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from benchmarks.coldload.collect import STAGES, LoadRecord, WriteRecord
+
+__all__ = [
+    "PARTS",
+    "TIERS",
+    "pct",
+    "adapter_intervals",
+    "inflight_intervals",
+    "request_rows",
+    "itl_samples",
+    "split_stats",
+]
+
+PARTS = ("queue", *STAGES, "slot_wait", "h2d", "prefill")
+TIERS = ("gpu", "cpu", "cold", "base")
+
+
+def pct(xs: Sequence[float], q: float) -> float | None:
+    """The q-quantile (0..1) of ``xs`` (linear interpolation); None when empty."""
+    return float(np.percentile(np.asarray(xs, dtype=float), q * 100)) if len(xs) else None
+
+
+def adapter_intervals(
+    loads: Iterable[LoadRecord], writes: Iterable[WriteRecord]
+) -> dict[str, list[tuple[str, float, float]]]:
+    """Per adapter name: (part, start, end) of its load stages, slot waits and h2d writes.
+
+    A slot wait runs from the moment the adapter was last ready in the CPU tier (its load or
+    its previous slot write ended) to the start of its next slot write.
+    """
+    out: dict[str, list[tuple[str, float, float]]] = defaultdict(list)
+    ready: dict[str, list[float]] = defaultdict(list)
+    for ld in loads:
+        out[ld.name].extend(ld.intervals())
+        if ld.ok:
+            ready[ld.name].append(ld.t_end)
+    for w in sorted(writes, key=lambda w: w.t_start):
+        before = [t for t in ready[w.name] if t <= w.t_start]
+        if before and max(before) < w.t_start:
+            out[w.name].append(("slot_wait", max(before), w.t_start))
+        out[w.name].append(("h2d", w.t_start, w.t_end))
+        ready[w.name].append(w.t_end)
+    return out
+
+
+def _clipped(parts: list[tuple[str, float, float]], lo: float, hi: float) -> dict[str, float]:
+    """Seconds of each part inside [lo, hi], overlaps removed (earlier intervals win)."""
+    got: dict[str, float] = defaultdict(float)
+    cursor = lo
+    for kind, a, b in sorted(parts, key=lambda p: p[1]):
+        a, b = max(a, cursor), min(b, hi)
+        if b > a:
+            got[kind] += b - a
+            cursor = b
+    return got
+
+
+def request_rows(
+    requests: Iterable[Any],
+    intervals: dict[str, list[tuple[str, float, float]]],
+    t0: float,
+    errors: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per Request: tier, TTFT and its split, e2e, ITL figures (times relative to t0)."""
+    rows = []
+    errors = errors or {}
+    for r in requests:
+        times = r.token_times
+        name = r.adapter.name if r.adapter is not None else None
+        row: dict[str, Any] = {
+            "request_id": r.request_id,
+            "t_arrival": r.arrival - t0,
+            "adapter": name,
+            "tier": r.meta.get("tier", "base") if name else "base",
+            "prompt_tokens": len(r.prompt_ids),
+            "output_tokens": len(r.output_ids),
+            "finish_reason": r.finish_reason,
+            "preemptions": r.num_preemptions,
+            "ttft_s": times[0] - r.arrival if times else None,
+            "e2e_s": times[-1] - r.arrival if times else None,
+            "error": errors.get(r.request_id),
+        }
+        row.update(dict.fromkeys(f"{p}_s" for p in PARTS))
+        if times and r.scheduled_time is not None:
+            wait = r.scheduled_time - r.arrival
+            # a GPU hit waited on no load (a slot wait interval may span a time it was resident)
+            parts = intervals.get(name, []) if name and row["tier"] != "gpu" else []
+            got = _clipped(parts, r.arrival, r.scheduled_time)
+            for p in PARTS[1:-1]:
+                row[f"{p}_s"] = got.get(p, 0.0)
+            row["queue_s"] = max(wait - sum(got.values()), 0.0)
+            row["prefill_s"] = times[0] - r.scheduled_time
+        gaps = np.diff(times) if len(times) > 1 else np.empty(0)
+        row["itl_mean_s"] = float(gaps.mean()) if gaps.size else None
+        row["itl_max_s"] = float(gaps.max()) if gaps.size else None
+        rows.append(row)
+    return rows
+
+
+def inflight_intervals(
+    loads: Iterable[LoadRecord], writes: Iterable[WriteRecord]
+) -> list[tuple[float, float]]:
+    """Merged time intervals with an adapter load (resolve..stage) or slot write in flight."""
+    spans = sorted(
+        [(ld.t_start, ld.t_end) for ld in loads] + [(w.t_start, w.t_end) for w in writes]
+    )
+    merged: list[list[float]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def itl_samples(
+    requests: Iterable[Any], inflight: list[tuple[float, float]]
+) -> list[tuple[float, float, bool]]:
+    """(time of the token, gap since the previous token, a load in flight during the gap) for
+    every token after a stream's first one (streams already running)."""
+    starts = [a for a, _ in inflight]
+    out = []
+    for r in requests:
+        times = r.token_times
+        for prev, cur in zip(times, times[1:], strict=False):
+            i = bisect.bisect_left(starts, cur) - 1  # last interval starting before cur
+            loaded = i >= 0 and inflight[i][1] > prev
+            out.append((cur, cur - prev, loaded))
+    return out
+
+
+def split_stats(with_load: Sequence[float], without: Sequence[float]) -> dict[str, Any]:
+    """p50 / p99 of two samples and the with / without ratios (the stall figure)."""
+    out: dict[str, Any] = {}
+    for key, xs in (("with_load", with_load), ("without_load", without)):
+        out[key] = {"n": len(xs), "p50_s": pct(xs, 0.5), "p99_s": pct(xs, 0.99)}
+    for q in ("p50", "p99"):
+        a, b = out["with_load"][f"{q}_s"], out["without_load"][f"{q}_s"]
+        out[f"ratio_{q}"] = a / b if a is not None and b else None
+    return out

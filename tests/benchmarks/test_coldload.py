@@ -1,0 +1,195 @@
+"""The cold-load study (benchmarks/coldload) on a tiny random model on CPU: files, the TTFT
+split, tiers against the engine's counters, sweeps, and the S3 / Hub sources."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.coldload.adapters import TINY, write_adapter_set
+from benchmarks.coldload.config import Lengths, PointConfig, grid, label_of, parse_sweep
+from benchmarks.coldload.metrics import PARTS
+from benchmarks.coldload.sweep import run_study
+from benchmarks.coldload.workload import make_arrivals, zipf_cdf
+from loraplex.engine.server.cli import main as loraplex_main
+
+pytest.importorskip("matplotlib")
+
+FAST = dict(
+    synthetic="tiny",
+    device="cpu",
+    num_adapters=12,
+    rank=4,
+    prompt_len=Lengths(4, 24),
+    output_len=Lengths(3, 10),
+    rate=25.0,
+    duration=1.2,
+    alpha=1.0,
+    base_fraction=0.1,
+    max_loras=2,
+    max_cpu_loras=4,
+    max_num_seqs=8,
+    max_num_batched_tokens=256,
+    drain_timeout=30.0,
+)
+POINT_FILES = ("result.json", "requests.csv", "loads.csv", "slot_writes.csv")
+PLOTS = ("ttft_cdf.png", "itl_timeline.png")
+
+
+def _point(**kw: Any) -> PointConfig:
+    return PointConfig(**{**FAST, **kw})
+
+
+def _check_point_dir(folder: Path) -> dict[str, Any]:
+    for name in (*POINT_FILES, *PLOTS):
+        assert (folder / name).is_file() and (folder / name).stat().st_size > 0, name
+    doc = json.loads((folder / "result.json").read_text())
+    with open(folder / "requests.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(doc["requests"])
+    with open(folder / "loads.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(doc["loads"])
+    return doc
+
+
+def _check_consistent(doc: dict[str, Any]) -> None:
+    """Stage parts never exceed TTFT and add up to it; tiers match the engine's counters."""
+    rows = [r for r in doc["requests"] if r["ttft_s"] is not None]
+    assert rows and all(r["finish_reason"] == "length" for r in doc["requests"])
+    for r in rows:
+        stages = sum(r[f"{p}_s"] for p in PARTS if p not in ("queue", "prefill"))
+        assert stages <= r["ttft_s"] + 1e-9, r
+        assert sum(r[f"{p}_s"] for p in PARTS) == pytest.approx(r["ttft_s"], abs=1e-6)
+        assert min(r[f"{p}_s"] for p in PARTS) >= 0.0
+        if r["tier"] in ("gpu", "base"):
+            assert stages == 0.0, r
+    s = doc["summary"]
+    c, engine = s["consistency"], s["engine"]["adapters"]
+    assert c["ok"], c
+    tiers = {t: sum(r["tier"] == t for r in doc["requests"]) for t in ("gpu", "cpu", "cold")}
+    assert tiers["cold"] == engine["misses"] and tiers["cold"] > 0
+    assert tiers["gpu"] == engine["gpu_hits"] and tiers["cpu"] == engine["cpu_hits"]
+    cold_names = {r["adapter"] for r in doc["requests"] if r["tier"] == "cold"}
+    assert len(cold_names) <= engine["loads"] == len(doc["loads"]) <= tiers["cold"]
+    assert s["loads"]["fetched"] + s["loads"]["restaged"] == engine["loads"]
+    assert s["h2d"]["writes"] == len(doc["slot_writes"]) > 0
+    assert s["h2d"]["pinned_gbps"] is None  # CPU: n/a
+    itl = s["itl"]
+    assert itl["with_load"]["n"] + itl["without_load"]["n"] == sum(
+        max(r["output_tokens"] - 1, 0) for r in doc["requests"]
+    )
+
+
+def test_cli_short_local_study_writes_every_file(tmp_path: Path) -> None:
+    out, work = tmp_path / "out", tmp_path / "work"
+    argv = ["bench", "coldload", "--synthetic", "tiny", "--device", "cpu", "--num-adapters", "10",
+            "--rank", "4", "--targets", "q_proj,k_proj,v_proj,o_proj", "--distinct", "3",
+            "--prompt-len", "4-24", "--output-len", "3-10", "--rate", "25", "--duration", "1.2",
+            "--base-fraction", "0.1", "--max-loras", "2", "--max-cpu-loras", "16",
+            "--max-num-seqs", "8", "--out", str(out), "--workdir", str(work), "--no-progress",
+            "--quiet"]  # fmt: skip
+    assert loraplex_main(argv) == 0
+    doc = _check_point_dir(out)
+    assert (out / "summary.txt").read_text().startswith("[run]")
+    _check_consistent(doc)
+    assert doc["config"]["targets"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    # the CPU tier holds every adapter: each one is fetched once, never re-staged
+    s = doc["summary"]
+    cold = {r["adapter"] for r in doc["requests"] if r["tier"] == "cold"}
+    assert s["engine"]["adapters"]["loads"] == len(cold) == s["loads"]["fetched"]
+    assert s["engine"]["adapters"]["cpu_evictions"] == 0
+    folder = work / "set0" / "adapters" / "a0"
+    size = sum(f.stat().st_size for f in folder.iterdir())
+    assert s["loads"]["bytes_fetched"] == len(cold) * size
+    inodes = {p.stat().st_ino for p in (work / "set0" / "adapters").glob("*/*.safetensors")}
+    assert len(inodes) == 3  # --distinct 3
+
+
+def test_sweep_2x2_writes_points_table_and_plot(tmp_path: Path) -> None:
+    sweep = parse_sweep(["max_loras=1,2", "alpha=0.8,1.2"])
+    study = run_study(_point(), tmp_path, sweep=sweep, progress=False, quiet=True)
+    assert len(study.results) == 4
+    labels = [r.label for r in study.results]
+    assert labels[0] == "max_loras-1_alpha-0.8"
+    for label in labels:
+        _check_consistent(_check_point_dir(tmp_path / "points" / label))
+    for name in ("sweep.json", "sweep.csv", "sweep.png", "summary.txt"):
+        assert (tmp_path / name).is_file(), name
+    doc = json.loads((tmp_path / "sweep.json").read_text())
+    assert [p["values"] for p in doc["points"]] == [
+        {"max_loras": m, "alpha": a} for m in (1, 2) for a in (0.8, 1.2)
+    ]
+    with open(tmp_path / "sweep.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and {"gpu_hit_rate", "ttft_p99_s", "decode_stall_ratio"} <= set(rows[0])
+    # the workload is the same at every point of a given alpha (only the engine differs)
+    same = [r for r in study.results if r.values["alpha"] == 0.8]
+    assert [q["adapter"] for q in same[0].requests] == [q["adapter"] for q in same[1].requests]
+
+
+@pytest.mark.parametrize("source", ["s3", "hub"])
+def test_remote_sources(tmp_path: Path, source: str) -> None:
+    before = dict(os.environ)
+    study = run_study(
+        _point(source=source, num_adapters=6, duration=0.8), tmp_path, progress=False, quiet=True
+    )
+    doc = _check_point_dir(tmp_path)
+    _check_consistent(doc)
+    assert doc["summary"]["loads"]["fetched"] > 0 and doc["summary"]["loads"]["failed"] == 0
+    assert study.results[0].config.source == source
+    assert dict(os.environ) == before  # the source's environment is restored
+
+
+def test_distinct_hardlinks_and_full_peft_folders(tmp_path: Path) -> None:
+    aset = write_adapter_set(
+        tmp_path, TINY, num=7, rank=4, targets=("q_proj", "v_proj"), distinct=2
+    )
+    assert aset.names == [f"a{i}" for i in range(7)] and aset.distinct == 2
+    weights = [aset.folder(n) / "adapter_model.safetensors" for n in aset.names]
+    assert len({w.stat().st_ino for w in weights}) == 2
+    assert all(w.stat().st_nlink == 1 + (4 if i % 2 == 0 else 3) for i, w in enumerate(weights))
+    cfg = json.loads((aset.folder("a3") / "adapter_config.json").read_text())
+    assert cfg["r"] == 4 and cfg["target_modules"] == ["q_proj", "v_proj"]
+    with pytest.raises(ValueError, match="targets"):
+        write_adapter_set(tmp_path / "bad", TINY, num=1, rank=4, targets=("lm_head",))
+
+
+def test_workload_is_seeded_poisson_and_zipf() -> None:
+    p = _point(rate=200.0, duration=20.0, alpha=1.1, base_fraction=0.25, num_adapters=50)
+    names = [f"n{i}" for i in range(50)]
+    a, b = make_arrivals(p, names, 512), make_arrivals(p, names, 512)
+    assert [x.t for x in a] == [x.t for x in b] and [x.adapter for x in a] == [x.adapter for x in b]
+    assert abs(len(a) - 4000) < 4 * 4000**0.5  # Poisson count: mean rate * duration
+    base = sum(x.adapter is None for x in a) / len(a)
+    assert abs(base - 0.25) < 0.03
+    top = sum(x.adapter == "n0" for x in a) / sum(x.adapter is not None for x in a)
+    assert abs(top - zipf_cdf(50, 1.1)[0]) < 0.03
+    assert all(4 <= len(x.prompt) <= 24 and 3 <= x.max_tokens <= 10 for x in a)
+    other = make_arrivals(PointConfig(**{**p.__dict__, "alpha": 0.5}), names, 512)
+    assert [x.t for x in other] == [x.t for x in a]  # alpha changes only the adapter choice
+
+
+def test_sweep_parsing() -> None:
+    sweep = parse_sweep(
+        ["max_loras=8,32", "alpha=0.8,1.1", "targets=q_proj+v_proj,o_proj", "source=s3"]
+    )
+    assert sweep == {
+        "max_loras": [8, 32],
+        "alpha": [0.8, 1.1],
+        "targets": [("q_proj", "v_proj"), ("o_proj",)],
+        "source": ["s3"],
+    }
+    assert parse_sweep(["prompt_len=8-16,32"]) == {"prompt_len": [Lengths(8, 16), Lengths(32, 32)]}
+    points = grid(PointConfig(max_cpu_loras=16), {"max_loras": [8, 32]})
+    assert [p.max_cpu_loras for _, p in points] == [16, 32]  # bumped to back every slot
+    assert (
+        label_of({"max_loras": 8, "targets": ("q_proj", "v_proj")})
+        == "max_loras-8_targets-q_proj+v_proj"
+    )
+    for bad in (["nope=1"], ["max_loras"], ["max_loras=x"]):
+        with pytest.raises(ValueError):
+            parse_sweep(bad)
