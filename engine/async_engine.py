@@ -203,29 +203,40 @@ class AsyncEngine:
         core = self._core()
         loop = asyncio.get_running_loop()
         while True:
-            self._wake.clear()
-            core.poll_slot_events()
-            for req, err in core.drain_failed_adapters():
-                core.fail(req, err)
-            plan = core.scheduler.schedule()
-            for req, err in plan.failed:
-                core.fail(req, err)
-            if plan.empty:
-                if core.pending_slot_writes():
-                    await asyncio.sleep(0.0005)  # a side-stream write is landing
-                else:
-                    await self._wake.wait()
-                continue
-            items = core.prepare(plan)
             try:
-                result = await loop.run_in_executor(self._executor, core.execute, plan, items)
-            except Exception as e:  # noqa: BLE001 - one bad step must not stop the engine
-                log.exception("step_failed")
-                core.fail_step(plan, e)
-                continue
-            finally:
-                core.in_flight = set()
-            core.postprocess(plan, result)
-            for req in [r for r in self._requests.values() if r.is_finished]:
-                self._requests.pop(req.request_id, None)
-            await asyncio.sleep(0)
+                await self._iterate(core, loop)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a bug must fail requests, never hang them
+                log.exception("engine_loop_error")
+                core.fail_all(e)
+                self._requests = {k: r for k, r in self._requests.items() if not r.is_finished}
+
+    async def _iterate(self, core: EngineCore, loop: asyncio.AbstractEventLoop) -> None:
+        """One turn of the step loop: schedule, run the step in the worker thread, postprocess."""
+        self._wake.clear()
+        core.poll_slot_events()
+        for req, err in core.drain_failed_adapters():
+            core.fail(req, err)
+        plan = core.scheduler.schedule()
+        for req, err in plan.failed:
+            core.fail(req, err)
+        if plan.empty:
+            if core.pending_slot_writes():
+                await asyncio.sleep(0.0005)  # a side-stream write is landing
+            else:
+                await self._wake.wait()
+            return
+        items = core.prepare(plan)
+        try:
+            result = await loop.run_in_executor(self._executor, core.execute, plan, items)
+        except Exception as e:  # noqa: BLE001 - one bad step must not stop the engine
+            log.exception("step_failed")
+            core.fail_step(plan, e)
+            return
+        finally:
+            core.in_flight = set()
+        core.postprocess(plan, result)
+        for req in [r for r in self._requests.values() if r.is_finished]:
+            self._requests.pop(req.request_id, None)
+        await asyncio.sleep(0)

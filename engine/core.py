@@ -324,6 +324,12 @@ class EngineCore:
         self.counters["errors"] += 1
         self.finish(req, "error", error)
 
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every queued and running request (the step loop hit an unexpected error)."""
+        self.in_flight = set()
+        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+            self.fail(req, error)
+
     def fail_step(self, plan: SchedulerOutput, error: BaseException) -> None:
         for chunk in plan.chunks:
             self.fail(chunk.req, error)

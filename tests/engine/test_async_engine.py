@@ -217,3 +217,40 @@ async def test_typed_errors_keep_engine_serving(tiny):
         )
         assert len(tokens) == 3
         assert_idle(engine)
+
+
+async def test_unexpected_loop_error_fails_requests_instead_of_hanging(tiny, monkeypatch):
+    """A bug outside the step (here: schedule() raising once) fails the affected requests
+    with the error; the engine keeps serving afterwards."""
+    model_dir, _ = tiny
+    async with AsyncEngine(config(model_dir)) as engine:
+        sched = engine.core.scheduler
+        real = sched.schedule
+        calls = {"n": 0}
+
+        def broken():
+            if sched.waiting and calls["n"] == 0:
+                calls["n"] += 1
+                raise RuntimeError("scheduler bug")
+            return real()
+
+        monkeypatch.setattr(sched, "schedule", broken)
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        with pytest.raises(RuntimeError, match="scheduler bug"):
+            await asyncio.wait_for(collect(engine, [1, 2, 3], params), timeout=30)
+        tokens, _, _ = await asyncio.wait_for(collect(engine, [1, 2, 3], params), timeout=30)
+        assert len(tokens) == 3
+        assert_idle(engine)
+
+
+async def test_static_sources_do_not_widen_runtime_loads(tiny, tmp_path):
+    model_dir, adapters = tiny
+    async with AsyncEngine(config(model_dir)) as engine:
+        uri = f"file://{adapters['sql']}"
+        with pytest.raises(AdapterDigestError):
+            await engine.add_adapter("bad", uri, sha256="0" * 64)
+        # a static source (even one whose registration failed) is no runtime (untrusted) source
+        from loraplex.engine.lora.errors import AdapterPolicyError
+
+        with pytest.raises(AdapterPolicyError):
+            await engine.add_adapter("sneaky", uri, trusted=False)
