@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import itertools
-import os
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -26,22 +23,17 @@ from loraplex.engine.lora.errors import AdapterNotFoundError
 from loraplex.engine.lora.loader import AdapterLoader
 from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion
 from loraplex.engine.lora.slots import write_slot
-from loraplex.engine.model.config import ModelConfig
-from loraplex.engine.model.llama import LlamaForCausalLM
-from loraplex.engine.model.loader import load_model, resolve_dtype
 from loraplex.engine.model_runner import ModelRunner, StepItem
 from loraplex.engine.output import append_token, final_output
 from loraplex.engine.request import Request
 from loraplex.engine.sampler import Sampler, SamplerOutput, min_tokens_banned_ids
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
-from loraplex.engine.tokenizer import Tokenizer, TokenizerError
+from loraplex.engine.tokenizer import Tokenizer
 
 __all__ = ["EngineCore"]
 
 log = structlog.get_logger("loraplex.engine")
-CPU_KV_BYTES = 256 << 20
-GPU_HEADROOM = 2 << 30  # activations, CUDA-graph pool, cuBLAS workspaces
 
 
 class EngineCore:
@@ -89,83 +81,16 @@ class EngineCore:
                 log.exception("listener_failed", event=event)
 
     @staticmethod
-    def build(
-        config: EngineConfig, wake: Callable[[], None], model: LlamaForCausalLM | None = None
-    ) -> EngineCore:
-        """Load model, KV cache and tokenizer (blocking: call from a worker thread).
+    def build(config: EngineConfig, wake: Callable[[], None], model: Any = None) -> EngineCore:
+        """Load model, KV cache and tokenizer (blocking: call from a worker thread)."""
+        from loraplex.engine.startup import build_core
 
-        ``model``: an already built model (benchmarks, apps that make their own weights);
-        then ``config.model`` may name a folder with only config.json / tokenizer files.
-        """
-        if config.model is None and model is None:
-            from loraplex.engine.demo import demo_model_dir
-
-            config = _replace(
-                config, model=str(demo_model_dir()), extra={**config.extra, "demo": True}
-            )
-        device = config.resolved_device
-        path = Path(config.model) if config.model is not None else None
-        if model is None:
-            assert path is not None
-            mcfg = ModelConfig.from_dir(path)
-            model = load_model(
-                path,
-                dtype=resolve_dtype(config.dtype, mcfg, device),
-                device=device,
-                max_loras=config.max_loras,
-                max_lora_rank=config.max_lora_rank,
-            )
-        per_block = ModelRunner.kv_bytes_per_block(model, config.block_size)
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        elif config.kv_cache_bytes is not None:
-            num_blocks = config.kv_cache_bytes // per_block
-        elif model.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(model.device)
-            num_blocks = int(max(free - GPU_HEADROOM, 0) * config.kv_cache_fraction) // per_block
-        else:
-            num_blocks = CPU_KV_BYTES // per_block
-        if num_blocks < 2:
-            raise ValueError(f"KV cache too small: {num_blocks} blocks")
-        max_len = min(
-            config.max_model_len or model.cfg.max_position_embeddings,
-            model.cfg.max_position_embeddings,
-        )
-        runner = ModelRunner(
-            model,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            max_model_len=max_len,
-            use_cuda_graphs=config.cuda_graphs,
-            max_graph_batch=config.max_num_seqs,
-        )
-        tokenizer = None  # token-id prompts only
-        if path is not None:
-            with contextlib.suppress(TokenizerError):
-                tokenizer = Tokenizer.from_dir(path)
-        return EngineCore(config, model, runner, tokenizer, wake)
+        return build_core(config, wake, model)
 
     def capacity_report(self) -> dict[str, Any]:
-        cfg = self.config
-        mcfg = self.model.cfg
-        shapes = mcfg.lora_module_shapes()
-        elem = torch.empty((), dtype=self.model.dtype).element_size()
-        full_rank_bytes = (
-            mcfg.num_layers * sum(i + o for i, o in shapes.values()) * cfg.max_lora_rank * elem
-        )
-        return {
-            "model": self.model_name,
-            "device": str(self.device),
-            "dtype": str(self.model.dtype).removeprefix("torch."),
-            "kv_blocks": self.runner.num_blocks,
-            "kv_tokens": self.runner.num_blocks * cfg.block_size,
-            "gpu_slots": cfg.max_loras,
-            "max_lora_rank": cfg.max_lora_rank,
-            "slot_bytes": full_rank_bytes,
-            "cpu_tier_adapters": cfg.max_cpu_loras,
-            "cpu_tier_bytes_at_max_rank": full_rank_bytes * cfg.max_cpu_loras,
-            "adapters_fitting_host_memory": _host_bytes() // max(full_rank_bytes, 1),
-        }
+        from loraplex.engine.startup import capacity_report
+
+        return capacity_report(self)
 
     # -- adapters -------------------------------------------------------------------------------
 
@@ -213,7 +138,8 @@ class EngineCore:
 
     async def _load_adapter_now(self, v: AdapterVersion) -> None:
         t0 = time.perf_counter()
-        v.timings.clear()  # a re-stage must not report an earlier load's stages
+        if "stage" in v.timings:
+            v.timings.clear()  # a re-stage must not report an earlier load's stages
         info = {"name": v.name, "uri": v.uri}
         try:
             if v.local_dir is not None and not await asyncio.to_thread(v.local_dir.is_dir):
@@ -499,16 +425,3 @@ class EngineCore:
             "adapters": dict(self.adapters.stats),
             **self.counters,
         }
-
-
-def _host_bytes() -> int:
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def _replace(config: EngineConfig, **kw: Any) -> EngineConfig:
-    from dataclasses import replace
-
-    return replace(config, **kw)

