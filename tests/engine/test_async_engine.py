@@ -254,3 +254,32 @@ async def test_static_sources_do_not_widen_runtime_loads(tiny, tmp_path):
 
         with pytest.raises(AdapterPolicyError):
             await engine.add_adapter("sneaky", uri, trusted=False)
+
+
+async def test_starved_request_gets_a_slot_swap_under_constant_load(tiny):
+    """One GPU slot, a steady stream of requests on adapter "sql" keeps it referenced; a request
+    on "poem" that waits past starvation_timeout_s is admitted first: admissions pause until
+    the slot drains and is swapped."""
+    model_dir, adapters = tiny
+    cfg = config(model_dir, max_loras=1, max_cpu_loras=2, starvation_timeout_s=0.05)
+    async with AsyncEngine(cfg) as engine:
+        await register(engine, adapters)
+        stop = asyncio.Event()
+        served = []
+
+        async def sql_stream(i):
+            while not stop.is_set():
+                p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+                await collect(engine, [3 + i, 4, 5], p, adapter="sql")
+                served.append(i)
+
+        streams = [asyncio.create_task(sql_stream(i)) for i in range(3)]
+        while len(served) < 3:  # the slot is busy with "sql"
+            await asyncio.sleep(0.01)
+        p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        tokens, _, outs = await asyncio.wait_for(collect(engine, [9, 9, 9], p, adapter="poem"), 60)
+        assert len(tokens) == 4 and outs[-1].finish_reason == "length"
+        stop.set()
+        await asyncio.gather(*streams)
+        assert engine.stats()["adapters"]["gpu_evictions"] >= 1
+        assert_idle(engine)
