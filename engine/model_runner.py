@@ -110,9 +110,9 @@ class ModelRunner:
             block_size=bs,
             is_decode=all(len(it.token_ids) == 1 for it in items),
         )
-        mapping = (
+        mapping = (  # NOTE: the fused path reads token slots directly, no segments
             LoRAMapping.build(token_slots, self.slot_ranks, device=dev)
-            if any(s >= 0 for s in token_slots)
+            if not self.fused and any(s >= 0 for s in token_slots)
             else None
         )
         return (
