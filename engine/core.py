@@ -24,6 +24,7 @@ from loraplex.engine.lora.loader import AdapterLoader
 from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion
 from loraplex.engine.lora.slots import write_slot
 from loraplex.engine.model_runner import ModelRunner, StepItem
+from loraplex.engine.observe import engine_stats, request_summary
 from loraplex.engine.output import append_token, final_output
 from loraplex.engine.request import Request
 from loraplex.engine.sampler import Sampler, SamplerOutput, min_tokens_banned_ids
@@ -262,22 +263,9 @@ class EngineCore:
 
     def _log(self, req: Request) -> None:
         """The one canonical log line of a request, and the matching event for subscribers."""
-        now = time.monotonic()
-        times = req.token_times
-        summary = {
-            "request_id": req.request_id,
-            "adapter": req.adapter.name if req.adapter else None,
-            "adapter_digest": req.adapter.digest[:12] if req.adapter else None,
-            "prompt_tokens": len(req.prompt_ids),
-            "output_tokens": len(req.output_ids),
-            "cached_tokens": req.num_cached,
-            "finish_reason": req.finish_reason,
-            "preemptions": req.num_preemptions,
-            "queue_s": round(req.scheduled_time - req.arrival, 6) if req.scheduled_time else None,
-            "ttft_s": round(times[0] - req.arrival, 6) if times else None,
-            "e2e_s": round(now - req.arrival, 6),
-        }
+        summary = request_summary(req)
         log.info("request", **summary)
+        times = req.token_times
         self.emit(
             "request_finished", **summary, itl_s=[b - a for a, b in itertools.pairwise(times)]
         )
@@ -396,32 +384,4 @@ class EngineCore:
     # -- introspection --------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        b = self.blocks
-        sched = self.scheduler
-        return {
-            "max_loras": self.config.max_loras,
-            "running_adapters": sorted({r.adapter.name for r in sched.running if r.adapter}),
-            "waiting_adapters": sorted({r.adapter.name for r in sched.waiting if r.adapter}),
-            "gpu_resident": [v.name for v in self.adapters.resident],
-            "cpu_resident": [
-                v.name for v in self.adapters.versions() if v.state is AdapterState.CPU
-            ],
-            "num_blocks": b.num_blocks,
-            "num_free_blocks": b.num_free_blocks,
-            "num_used_blocks": b.num_used_blocks,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_queries": b.stats.queries,
-            "prefix_cache_hits": b.stats.hits,
-            "adapter_refs": {
-                f"{v.name}@{v.digest[:12]}#{v.version}": {  # unique: digests may be pending
-                    "users": v.users,
-                    "slot_refs": v.slot_refs,
-                    "slot": v.slot,
-                }
-                for v in self.adapters.versions()
-            },
-            "adapters": dict(self.adapters.stats),
-            **self.counters,
-        }
+        return engine_stats(self)
