@@ -6,6 +6,8 @@ sizes; each config is also checked against the torch twin.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.testing import do_bench_cudagraph
 
@@ -48,15 +50,11 @@ def main() -> None:
                         y, h, res, lb, slots, max(loras, 1), r, w, 1e-5, out, config=cfg
                     )
                     err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
-                    us = (
-                        do_bench_cudagraph(
-                            lambda cfg=cfg, res=res, out=out: lora_add_rmsnorm_triton(
-                                y, h, res, lb, slots, max(loras, 1), r, w, 1e-5, out, config=cfg
-                            ),
-                            rep=30,
-                        )
-                        * 1e3
-                    )
+                    fn = functools.partial(
+                        lora_add_rmsnorm_triton, y, h, res, lb, slots, max(loras, 1), r, w, 1e-5,
+                        out, config=cfg,
+                    )  # fmt: skip
+                    us = do_bench_cudagraph(fn, rep=30) * 1e3
                     cells.append(f"{us:.1f}us/{err:.0e}")
                 except Exception as e:  # noqa: BLE001
                     cells.append(f"fail:{type(e).__name__}")
