@@ -27,15 +27,15 @@ class NormConfig:
     num_warps: int = 4
 
 
-def norm_config(num_tokens: int) -> NormConfig:
-    """Untuned guess. Decode-sized batches: one row per program, so that distinct adapters read
-    their B matrices in parallel. Larger ones: 4-row blocks (one B tile load per slot and
-    block). ptxas, sm_90, bf16, R = 16: 64 registers (1 x 256, 8 warps), 96 (4 x 64, 4 warps);
-    16-row blocks (tensor-core delta) cost ~190 (16 x 128, 8 warps)."""
+def norm_config(num_tokens: int, hidden: int = 4096) -> NormConfig:
+    """Decode-sized batches: one row per program, the whole row in one chunk (up to 4096) so
+    each pass is a single load/store round trip; on the H200 at hidden 4096 that is 2.0-2.5 µs
+    plain / 5.0-5.7 µs with 8 LoRA slots, against 3.5-3.8 / 7.3-8.2 µs for 1024-wide chunks and
+    ~10 / ~14 µs for 256-wide ones (benchmarks/norm_configs.py, BENCHMARKS.md). Larger batches:
+    4-row blocks (one B tile load per slot and block)."""
     if num_tokens <= 256:
-        # NOTE: wide chunks: each chunk is a load -> store round trip in two serial passes;
-        # with 256-wide chunks a 4096 row took ~10 µs on the H200 (BENCHMARKS.md)
-        return NormConfig(block_t=1, block_h=1024, num_warps=8)
+        block_h = min(4096, triton.next_power_of_2(hidden))
+        return NormConfig(block_t=1, block_h=block_h, num_warps=16 if block_h >= 4096 else 8)
     return NormConfig(block_t=4, block_h=64, num_warps=4)
 
 
@@ -129,7 +129,7 @@ def _launch(
     t, h = residual.shape
     if t == 0:
         return
-    cfg = config or norm_config(t)
+    cfg = config or norm_config(t, h)
     use_dot = cfg.block_t >= 16
     has_lora = lora_b is not None
     ya = y_aug if y_aug is not None else residual
