@@ -24,7 +24,14 @@ from loraplex.engine.lora.errors import (
 from loraplex.engine.lora.peft_config import PeftLoRAConfig, parse_peft_config
 from loraplex.engine.model.config import LORA_MODULES, ModelConfig
 
-__all__ = ["LoRAWeights", "LoRAAdapter", "load_adapter", "base_module_name", "CONFIG_FILE"]
+__all__ = [
+    "LoRAWeights",
+    "LoRAAdapter",
+    "load_adapter",
+    "base_module_name",
+    "check_targets",
+    "CONFIG_FILE",
+]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -105,7 +112,8 @@ def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
     return layer, short, parts[i][-1]
 
 
-def _check_targets(config: PeftLoRAConfig, mc: ModelConfig) -> None:
+def check_targets(config: PeftLoRAConfig, mc: ModelConfig) -> None:
+    """Raise AdapterTargetError unless every target names a LoRA module / layer of the base."""
     names = [base_module_name(i, m) for i in range(mc.num_layers) for m in LORA_MODULES]
     tm = config.target_modules
     if isinstance(tm, str):
@@ -236,7 +244,7 @@ def load_adapter(
         raise AdapterNotFoundError(f"adapter folder {str(path)!r} does not exist")
     wfile = _weights_file(folder)
     config = _read_config(folder)
-    _check_targets(config, model_config)
+    check_targets(config, model_config)
     shapes = model_config.lora_module_shapes()
     weights: dict[tuple[int, str], LoRAWeights] = {}
     try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraplex.engine.lora.adapter import base_module_name
+from loraplex.engine.lora.adapter import base_module_name, check_targets
 from loraplex.engine.lora.errors import (
     AdapterConfigError,
     AdapterFormatError,
@@ -112,7 +112,7 @@ def preflight(
             field=WEIGHTS_FILE,
         )
     config = _read_config(cpath, csize)
-    _check_config_targets(config, model_config)
+    check_targets(config, model_config)
     header = read_safetensors_header(wpath, max_header_bytes=max_header_bytes)
     modules = _check_modules(header.tensors, config, model_config, max_lora_rank)
     return PreflightReport(
@@ -148,32 +148,6 @@ def _read_config(path: Path, size: int) -> PeftLoRAConfig:
             f"{CONFIG_FILE} is not valid JSON: {e}", field=CONFIG_FILE
         ) from None
     return parse_peft_config(raw)
-
-
-def _check_config_targets(config: PeftLoRAConfig, mc: ModelConfig) -> None:
-    names = [base_module_name(i, m) for i in range(mc.num_layers) for m in LORA_MODULES]
-    tm = config.target_modules
-    if isinstance(tm, str):
-        bad = [n for n in ("lm_head", "model.embed_tokens") if config.targets(n)]
-        if bad or not any(config.targets(n) for n in names):
-            why = f"matches {bad[0]!r}" if bad else "matches no LoRA module of the base"
-            raise AdapterTargetError(
-                f"{CONFIG_FILE}: target_modules regex {tm!r} {why}", field="target_modules"
-            )
-    else:
-        for t in tm:
-            if not any(n == t or n.endswith("." + t) for n in names):
-                raise AdapterTargetError(
-                    f"{CONFIG_FILE}: target_modules names {t!r}, which is not a LoRA module of "
-                    f"the base (supported: {', '.join(LORA_MODULES)})",
-                    field="target_modules",
-                )
-    for idx in config.layers_to_transform or ():
-        if idx >= mc.num_layers:
-            raise AdapterTargetError(
-                f"{CONFIG_FILE}: layers_to_transform has {idx} >= num_layers {mc.num_layers}",
-                field="layers_to_transform",
-            )
 
 
 def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
