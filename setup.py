@@ -15,4 +15,8 @@ for top in TOP:
     packages.append(f"loraplex.{top}")
     packages += [f"loraplex.{top}.{sub}" for sub in find_packages(top)]
 
-setup(packages=packages, package_dir=package_dir, package_data={"loraplex.engine": ["demo/assets/**/*"]})
+setup(
+    packages=packages,
+    package_dir=package_dir,
+    package_data={"loraplex.engine": ["demo/assets/**/*"]},
+)

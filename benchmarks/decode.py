@@ -100,14 +100,14 @@ def base_bytes(model) -> int:
 
 
 async def engine_cases(args, bw, adapters: list[Path], model_dir: Path, rows: list[dict]):
-    for n in args.adapters:
+    for n, pipelined in [(n, p) for n in args.adapters for p in args.modes]:
         model = random_model(args.cfg, max_loras=n, max_lora_rank=16, device=args.device)
         wbytes = base_bytes(model)
         cfg = EngineConfig(
             model=str(model_dir), device=args.device, dtype="bfloat16", max_loras=n,
             max_cpu_loras=max(n, 1), max_lora_rank=16, max_num_seqs=max(args.batches),
             max_num_batched_tokens=16384, kv_cache_bytes=args.kv_gb << 30, max_model_len=4096,
-            enable_prefix_caching=False,
+            enable_prefix_caching=False, async_scheduling=pipelined,
         )  # fmt: skip
         async with AsyncEngine(cfg, model=model) as engine:
             names: list[str | None] = [None]
@@ -132,14 +132,14 @@ async def engine_cases(args, bw, adapters: list[Path], model_dir: Path, rows: li
                     f"   host before queueing {host * 1e3:.2f} ms; loop between steps {loop * 1e3:.2f} ms"
                 )
                 row = {
-                    "adapters": n, "batch": batch, "floor_ms": floor * 1e3, "p50_ms": p50 * 1e3,
+                    "adapters": n, "batch": batch, "pipelined": pipelined, "floor_ms": floor * 1e3, "p50_ms": p50 * 1e3,
                     "gpu_ms": gpu * 1e3,
                     "p99_ms": p99 * 1e3, "ratio": p50 / floor, "decode_tok_s": batch / p50,
                     "e2e_tok_s": r["tokens"] / r["wall"],
                 }  # fmt: skip
                 rows.append(row)
                 print(fmt_row(row), flush=True)
-            if n == 8 and not args.no_hf:
+            if n == 8 and not args.no_hf and pipelined:
                 for batch in (8, 32):  # the HF PEFT peer's workload: ctx 128 + 64 new tokens
                     await run_batch(engine, batch, names, 128, 8, seed=6)
                     r = await run_batch(engine, batch, names, 128, 64, seed=7)
@@ -147,9 +147,9 @@ async def engine_cases(args, bw, adapters: list[Path], model_dir: Path, rows: li
                         {"hf_workload": True, "batch": batch, "tok_s": r["tokens"] / r["wall"]}
                     )
                     print(rows[-1], flush=True)
-            if args.coldload and n:
+            if args.coldload and n and pipelined:
                 await coldload(engine, args, names, rows)
-            if args.profile:
+            if args.profile and pipelined:
                 await profile(engine, names, args)
         del model, engine
         gc.collect()
@@ -263,15 +263,15 @@ def hf_peer(args, adapters: list[Path], rows: list[dict]) -> None:
 
 def fmt_row(r: dict) -> str:
     return (
-        f"| {r['adapters']} | {r['batch']} | {r['floor_ms']:.2f} | {r['p50_ms']:.2f} | "
+        f"| {r['adapters']} | {r['batch']} | {'on' if r['pipelined'] else 'off'} | {r['floor_ms']:.2f} | {r['p50_ms']:.2f} | "
         f"{r['p99_ms']:.2f} | {r['gpu_ms']:.2f} | {r['ratio']:.2f} | {r['decode_tok_s']:.0f} | "
         f"{r['e2e_tok_s']:.0f} |"
     )
 
 
 HEADER = (
-    "| adapters | batch | floor ms | p50 ms | p99 ms | graph GPU ms | p50/floor | decode tok/s "
-    "| e2e tok/s |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "| adapters | batch | pipelined | floor ms | p50 ms | p99 ms | graph GPU ms | p50/floor | decode tok/s "
+    "| e2e tok/s |\n|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -290,8 +290,12 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--append", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, few cases")
+    ap.add_argument(
+        "--sync-too", action="store_true", help="also run without pipelined decode (A/B)"
+    )
     args = ap.parse_args()
     args.cfg, args.device = LLAMA3_8B, "cuda"
+    args.modes = [True, False] if args.sync_too else [True]
     if args.smoke:
         args.cfg = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
@@ -313,10 +317,7 @@ def main() -> None:
     rows: list[dict] = []
     if not args.no_hf:
         hf_peer(args, adapters, rows)
-    print(
-        "| adapters | batch | floor ms | p50 ms | p99 ms | p50/floor | decode tok/s | e2e tok/s |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(HEADER)
     asyncio.run(engine_cases(args, bw, adapters, model_dir, rows))
     table = report(rows, bw)
     print(table)
@@ -339,14 +340,20 @@ def report(rows: list[dict], bw: float) -> str:
         HEADER,
     ]
     lines += [fmt_row(r) for r in rows if "floor_ms" in r]
-    base = {r["batch"]: r["p50_ms"] for r in rows if r.get("adapters") == 0 and "p50_ms" in r}
-    lines.append("\nLoRA overhead against base-only decode (p50):\n")
-    lines.append("| adapters | batch | overhead |")
-    lines.append("|---:|---:|---:|")
+    base = {
+        (r["batch"], r["pipelined"]): r["p50_ms"]
+        for r in rows
+        if r.get("adapters") == 0 and "p50_ms" in r
+    }
+    lines.append("\nLoRA overhead against base-only decode (p50, same pipelining):\n")
+    lines.append("| adapters | batch | pipelined | overhead |")
+    lines.append("|---:|---:|---|---:|")
     for r in rows:
-        if r.get("adapters") and "p50_ms" in r and r["batch"] in base:
+        key = (r.get("batch"), r.get("pipelined"))
+        if r.get("adapters") and "p50_ms" in r and key in base:
             lines.append(
-                f"| {r['adapters']} | {r['batch']} | {100 * (r['p50_ms'] / base[r['batch']] - 1):+.1f} % |"
+                f"| {r['adapters']} | {r['batch']} | {'on' if r['pipelined'] else 'off'} | "
+                f"{100 * (r['p50_ms'] / base[key] - 1):+.1f} % |"
             )
     for r in rows:
         if r.get("hf"):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one call: GPU-marked tests (kernels, PEFT oracle in bf16/fp16, CUDA graphs),
 # then benchmarks. Results land in $OUT (or ./out). Wheels missing on the GPU machine can be
-# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|decode ARGS...]...
+# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|decode ARGS...]
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -13,12 +13,15 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,n
 export PYTHONUNBUFFERED=1
 what=${1:-all}; shift || true
 if [[ $what == all || $what == tests ]]; then
-  python3 -m pytest -q -m gpu -p no:cacheprovider tests/lora/test_ops.py tests/model 2>&1 \
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/lora/test_ops.py tests/model tests/engine/test_pipelined.py 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|^E " | tail -25
 fi
 if [[ $what == all || $what == kernels ]]; then
   python3 benchmarks/lora_kernels.py --append "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -5 "$OUT/kernels.log"
   python3 benchmarks/attention.py --append "$OUT/attention.md" 2>&1 | tee "$OUT/attention.log" | tail -20
+fi
+if [[ $what == all || $what == epilogues ]]; then
+  python3 -m benchmarks.epilogue_configs --out "$OUT/epilogues.md" 2>&1 | tee "$OUT/epilogues.log" | tail -12
 fi
 if [[ $what == all || $what == decode ]]; then
   python3 -m benchmarks.decode --append "$OUT/decode.md" "$@" 2>&1 | grep -v "\[info" | tee "$OUT/decode.log" | tail -45

@@ -63,6 +63,7 @@ def case(model, loras: int, t: int, ctx_len: int) -> dict[str, float]:
     }  # fmt: skip
     return {k: bench(fn) for k, fn in parts.items()}
 
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64, 128])

@@ -213,7 +213,12 @@ class AsyncEngine:
                 self._requests = {k: r for k, r in self._requests.items() if not r.is_finished}
 
     async def _iterate(self, core: EngineCore, loop: asyncio.AbstractEventLoop) -> None:
-        """One turn of the step loop: schedule, run the step in the worker thread, postprocess."""
+        """One turn of the step loop: schedule, run the step in the worker thread, postprocess.
+
+        Pipelined decode: while a step is in flight, the next one (same requests, one token
+        further) is planned and launched behind it before its tokens are collected, for as
+        long as ``core.chain`` allows; then the loop schedules normally again.
+        """
         self._wake.clear()
         core.poll_slot_events()
         for req, err in core.drain_failed_adapters():
@@ -228,15 +233,42 @@ class AsyncEngine:
                 await self._wake.wait()
             return
         items = core.prepare(plan)
+        plans = [plan]
         try:
-            result = await loop.run_in_executor(self._executor, core.execute, plan, items)
+            step = await loop.run_in_executor(self._executor, core.launch, plan, items)
+            while not self._closed:
+                core.poll_slot_events()
+                nxt = core.chain(step)
+                if nxt is None:
+                    break
+                plans.append(nxt[0])
+                nstep, result = await loop.run_in_executor(
+                    self._executor, self._launch_collect, core, nxt, step
+                )
+                plans.pop(0)
+                core.in_flight = {c.req for c in nstep.plan.chunks}
+                core.postprocess(step.plan, result)
+                self._forget_finished()
+                step = nstep
+                await asyncio.sleep(0)  # let consumers take their outputs
+            result = await loop.run_in_executor(self._executor, core.collect, step)
         except Exception as e:  # noqa: BLE001 - one bad step must not stop the engine
             log.exception("step_failed")
-            core.fail_step(plan, e)
+            for p in plans:
+                core.fail_step(p, e)
             return
         finally:
             core.in_flight = set()
-        core.postprocess(plan, result)
+        core.postprocess(step.plan, result)
+        self._forget_finished()
+        await asyncio.sleep(0)
+
+    @staticmethod
+    def _launch_collect(core: EngineCore, nxt: tuple, step: Any) -> tuple[Any, Any]:
+        """Step thread: queue the next step behind ``step``, then wait for ``step``'s tokens."""
+        nstep = core.launch(nxt[0], nxt[1], step)
+        return nstep, core.collect(step)
+
+    def _forget_finished(self) -> None:
         for req in [r for r in self._requests.values() if r.is_finished]:
             self._requests.pop(req.request_id, None)
-        await asyncio.sleep(0)

@@ -32,6 +32,9 @@ class EngineConfig:
     kv_cache_fraction: float = 0.85  # of free GPU memory after weights
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # decode through captured CUDA graphs (GPU only)
+    # pipelined decode: queue the next decode step behind the running one, fed its sampled
+    # tokens on the device, so host work overlaps GPU time (steady decode only)
+    async_scheduling: bool = True
     # adapter sources
     local_roots: tuple[str, ...] = ()  # roots for file:// adapters (dynamic / admin loading)
     allow_sources: tuple[str, ...] = ()  # glob patterns of remote URIs dynamic names may use

@@ -22,14 +22,14 @@ from loraplex.engine.kv import BlockManager
 from loraplex.engine.lora.errors import AdapterNotFoundError
 from loraplex.engine.lora.loader import AdapterLoader
 from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion
-from loraplex.engine.lora.slots import write_slot
-from loraplex.engine.model_runner import ModelRunner, StepItem
+from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.observe import engine_stats, request_summary
-from loraplex.engine.output import append_token, final_output
+from loraplex.engine.output import final_output
 from loraplex.engine.request import Request
-from loraplex.engine.sampler import Sampler, SamplerOutput, min_tokens_banned_ids
+from loraplex.engine.sampler import Sampler
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.engine.step import StepMixin
 from loraplex.engine.tokenizer import Tokenizer
 
 __all__ = ["EngineCore"]
@@ -37,7 +37,7 @@ __all__ = ["EngineCore"]
 log = structlog.get_logger("loraplex.engine")
 
 
-class EngineCore:
+class EngineCore(StepMixin):
     def __init__(self, config: EngineConfig, model, runner: ModelRunner, tokenizer, wake) -> None:
         self.config = config
         self.model = model
@@ -68,6 +68,7 @@ class EngineCore:
         self.in_flight: set[Request] = set()
         self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.last_step_event: Any = None
+        self.last_result_time = 0.0  # perf_counter when the last step's tokens reached the host
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0, "steps": 0}
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self._load_gate: asyncio.Semaphore | None = None
@@ -259,7 +260,8 @@ class EngineCore:
 
     def fail_step(self, plan: SchedulerOutput, error: BaseException) -> None:
         for chunk in plan.chunks:
-            self.fail(chunk.req, error)
+            if not chunk.req.is_finished:  # pipelined steps share requests
+                self.fail(chunk.req, error)
 
     def _log(self, req: Request) -> None:
         """The one canonical log line of a request, and the matching event for subscribers."""
@@ -269,117 +271,6 @@ class EngineCore:
         self.emit(
             "request_finished", **summary, itl_s=[b - a for a, b in itertools.pairwise(times)]
         )
-
-    # -- the step -------------------------------------------------------------------------------
-
-    def prepare(self, plan: SchedulerOutput) -> list[StepItem]:
-        self.in_flight = {c.req for c in plan.chunks}
-        items = []
-        for c in plan.chunks:
-            r = c.req
-            items.append(
-                StepItem(
-                    token_ids=r.tokens[r.num_computed : r.num_computed + c.num_tokens],
-                    start_pos=r.num_computed,
-                    block_table=self.blocks.block_table(r.request_id),
-                    lora_slot=r.adapter.slot if r.adapter is not None else -1,
-                    need_logits=c.need_logits,
-                )
-            )
-        # NOTE: invariants of slot safety, checked every step (cheap): a scheduled row reads a
-        # slot its version owns and whose write completed; a slot being written has no reader.
-        read = set()
-        for c in plan.chunks:
-            v = c.req.adapter
-            if v is not None:
-                assert v.slot is not None and v.slot_ready and self.adapters.slot_owner(v.slot) is v
-                read.add(v.slot)
-        for v in plan.slot_writes:
-            assert v.slot not in read, f"slot {v.slot} written while a scheduled row reads it"
-            assert v.adapter is not None and v.slot is not None
-            v.slot_event = None
-        plan.slot_jobs = [(v, v.slot, v.adapter) for v in plan.slot_writes]
-        return items
-
-    def execute(self, plan: SchedulerOutput, items: list[StepItem]) -> SamplerOutput | None:
-        """Worker thread: slot writes (side stream), forward, sampling."""
-        self._write_slots(plan.slot_jobs)
-        if not items:
-            return None
-        t0 = time.perf_counter()
-        logits = self.runner.execute(items)
-        t_launched = time.perf_counter()  # the forward is queued (async on CUDA)
-        rows = [c.req for c in plan.chunks if c.need_logits]
-        out = self.sampler.sample(
-            logits,
-            [r.params for r in rows],
-            [r.generator for r in rows],
-            [min_tokens_banned_ids(r.params, len(r.output_ids), r.eos_ids) for r in rows],
-        )
-        if self.device.type == "cuda":
-            self.last_step_event = torch.cuda.Event()
-            self.last_step_event.record()
-        loading = any(v.state is AdapterState.LOADING for v in self.adapters.versions())
-        decode = all(len(it.token_ids) == 1 for it in items)
-        graph = self.runner.graphs
-        gpu_ms = (
-            graph.last_replay_ms() if graph is not None and self.runner.last_was_graph else None
-        )
-        tokens = sum(len(it.token_ids) for it in items)
-        # (seconds, rows, tokens, decode-only, load in flight, graph GPU ms, host s to queue)
-        self.step_log.append(
-            (time.perf_counter() - t0, len(items), tokens, decode, loading, gpu_ms, t_launched - t0)
-        )
-        return out
-
-    def _write_slots(self, jobs: list[tuple[AdapterVersion, int, Any]]) -> None:
-        """Worker thread. Uses the (slot, adapter) snapshot of ``prepare``, never the version's
-        live fields: the loop may drop the version meanwhile (its slot is then written for
-        nothing and the next owner's write, issued later on the same stream, replaces it)."""
-        for v, slot, adapter in jobs:
-            v.timings["h2d_start"] = time.perf_counter()
-            if self.side_stream is None:
-                write_slot(self.model, slot, adapter)
-                continue
-            with torch.cuda.stream(self.side_stream):
-                if self.last_step_event is not None:
-                    self.side_stream.wait_event(self.last_step_event)
-                write_slot(self.model, slot, adapter)
-                event = torch.cuda.Event()
-                event.record(self.side_stream)
-            v.slot_event = event
-
-    def postprocess(self, plan: SchedulerOutput, result: SamplerOutput | None) -> None:
-        self.counters["steps"] += 1
-        if self.side_stream is None:
-            for v, slot, _ in plan.slot_jobs:
-                if v.slot == slot and self.adapters.slot_owner(slot) is v:  # not dropped meanwhile
-                    self._slot_landed(v)
-        row = 0
-        now = time.monotonic()
-        for chunk in plan.chunks:
-            req = chunk.req
-            if req.is_finished:
-                continue
-            self.scheduler.mark_computed(chunk)
-            if req.aborted:
-                self.finish(req, "abort")
-                continue
-            if not chunk.need_logits:
-                continue
-            assert result is not None
-            tok = result.token_ids[row]
-            out = append_token(
-                req, tok, result.logprobs[row], result.top_logprobs[row], self.max_model_len
-            )
-            row += 1
-            req.token_times.append(now)
-            if out.finished:
-                self.scheduler.finish(req, out.finish_reason or "stop")
-                self.counters["finished"] += 1
-                self._log(req)
-            req.queue.put_nowait(out)
-        self.in_flight = set()
 
     # -- introspection --------------------------------------------------------------------------
 

@@ -20,6 +20,8 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
 
 
 class DecodeGraphs:
+    NVEC = 6  # per-row vectors staged each step: ids, pos, slots, ctx, token_slots, src
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -44,12 +46,18 @@ class DecodeGraphs:
         self.ctx = torch.zeros(n, dtype=i32, device=dev)
         self.qsl = torch.arange(n + 1, dtype=i32, device=dev)
         self.token_slots = torch.full((n,), -1, dtype=i32, device=dev)
+        # pipelined decode: row i's input token is feed[src[i]] where src[i] >= 0
+        self.src = torch.full((n,), -1, dtype=i64, device=dev)
+        self.feed = torch.zeros(n, dtype=i64, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
-        # persistent pinned staging buffer: one async H2D copy per step, no allocation
-        self.host = torch.zeros(5 * n + n * max_blocks_per_seq, dtype=i64).pin_memory()
-        self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        self.staged = torch.cuda.Event()
+        # two persistent pinned staging buffers, used in turn: one async H2D copy per step, no
+        # allocation, and the next step's inputs are written while this step's copy is queued
+        size = self.NVEC * n + n * max_blocks_per_seq
+        self.hosts = [torch.zeros(size, dtype=i64).pin_memory() for _ in range(2)]
+        self.staged = [torch.cuda.Event(), torch.cuda.Event()]
+        self.turn = 0
+        self.last_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
     def bucket(self, batch: int) -> int | None:
         for b in self.buckets:
@@ -69,8 +77,10 @@ class DecodeGraphs:
             context_lens_t=self.ctx[:bs],
             max_query_len=1,
         )
+        src = self.src[:bs]
+        ids = torch.where(src >= 0, self.feed[src.clamp(min=0)], self.ids[:bs])
         hidden = fused_forward(
-            self.model, self.ids[:bs], self.pos[:bs], self.kv_caches, meta, self.token_slots[:bs]
+            self.model, ids, self.pos[:bs], self.kv_caches, meta, self.token_slots[:bs]
         )
         return self.model.compute_logits(hidden)
 
@@ -96,19 +106,26 @@ class DecodeGraphs:
         tables: list[list[int]],
         ctx: list[int],
         token_slots: list[int],
+        src: list[int] | None = None,
+        feed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Replay the bucket's graph for this batch; returns logits (B, V) (a view: consume it
-        before the next replay)."""
+        before the next replay). Row i with ``src[i] >= 0`` reads its input token from
+        ``feed[src[i]]`` (device) instead of ``ids[i]``. ``last_events`` then holds CUDA events
+        around this replay."""
         b = len(ids)
         bs = self.bucket(b)
         assert bs is not None
         width = self.tables.shape[1]
-        # one pinned host buffer, one async copy: no host sync inside the step
-        self.staged.synchronize()  # the previous step's copy has left the buffer
-        n = 5 * bs + bs * width
-        host = self.host[:n].numpy()
+        nv = self.NVEC
+        # pinned host buffer, one async copy: no host sync inside the step
+        self.turn ^= 1
+        self.staged[self.turn].synchronize()  # this buffer's previous copy has left it
+        n = nv * bs + bs * width
+        host_t = self.hosts[self.turn][:n]
+        host = host_t.numpy()
         host[:] = 0
-        vec = host[: 5 * bs].reshape(5, bs)
+        vec = host[: nv * bs].reshape(nv, bs)
         vec[0, :b], vec[1, :b], vec[2, :b], vec[3, :b], vec[4, :b] = (
             ids,
             pos,
@@ -116,27 +133,29 @@ class DecodeGraphs:
             ctx,
             token_slots,
         )
-        vec[2, b:] = vec[4, b:] = -1
-        rows = host[5 * bs :].reshape(bs, width)
+        vec[5, :b] = src if src is not None else -1
+        vec[2, b:] = vec[4, b:] = vec[5, b:] = -1
+        rows = host[nv * bs :].reshape(bs, width)
         for i, t in enumerate(tables):
             rows[i, : len(t)] = t
-        dev = self.host[:n].to(self.model.device, non_blocking=True)
-        self.staged.record()
-        dvec = dev[: 5 * bs].view(5, bs)
+        dev = host_t.to(self.model.device, non_blocking=True)
+        self.staged[self.turn].record()
+        dvec = dev[: nv * bs].view(nv, bs)
         self.ids[:bs].copy_(dvec[0])
         self.pos[:bs].copy_(dvec[1])
         self.slots[:bs].copy_(dvec[2])
         self.ctx[:bs].copy_(dvec[3])
         self.token_slots[:bs].copy_(dvec[4])
-        self.tables[:bs].copy_(dev[5 * bs :].view(bs, width))
+        self.src[:bs].copy_(dvec[5])
+        self.tables[:bs].copy_(dev[nv * bs :].view(bs, width))
+        if feed is not None:
+            self.feed[: feed.shape[0]].copy_(feed)
         if bs not in self.graphs:
             self.capture(bs)
         graph, logits = self.graphs[bs]
-        self.events[0].record()
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        events[0].record()
         graph.replay()
-        self.events[1].record()
+        events[1].record()
+        self.last_events = events
         return logits[:b]
-
-    def last_replay_ms(self) -> float:
-        """GPU time of the last replay (call after the step's results were read)."""
-        return self.events[0].elapsed_time(self.events[1])

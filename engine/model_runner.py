@@ -29,6 +29,9 @@ class StepItem:
     block_table: list[int]
     lora_slot: int = -1  # NOTE: -1 = base model
     need_logits: bool = True  # chunk ends at the sequence's last known token
+    # >= 0: the (single) input token is row ``feed_row`` of the previous step's sampled ids,
+    # still on the device (pipelined decode); ``token_ids`` then holds a placeholder
+    feed_row: int = -1
 
 
 class ModelRunner:
@@ -64,6 +67,7 @@ class ModelRunner:
         self.fused = self.device.type == "cuda" if env is None else env == "1"
         self.graphs: DecodeGraphs | None = None
         self.last_was_graph = False
+        self.last_events: tuple | None = None  # CUDA events around the last graph replay
         if self.fused and self.device.type == "cuda" and use_cuda_graphs:
             self.graphs = DecodeGraphs(
                 model,
@@ -82,6 +86,7 @@ class ModelRunner:
     def _prepare(self, items: list[StepItem]) -> tuple[torch.Tensor, ...]:
         bs = self.block_size
         ids: list[int] = []
+        src: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         token_slots: list[int] = []
@@ -91,6 +96,7 @@ class ModelRunner:
         for it in items:
             n = len(it.token_ids)
             ids += it.token_ids
+            src += [it.feed_row] if n == 1 else [-1] * n
             for p in range(it.start_pos, it.start_pos + n):
                 pos.append(p)
                 slots.append(it.block_table[p // bs] * bs + p % bs)
@@ -117,6 +123,7 @@ class ModelRunner:
         )
         return (
             torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
+            torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True),
             torch.tensor(pos, dtype=torch.int64).to(dev, non_blocking=True),
             meta,
             mapping,
@@ -124,18 +131,23 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, items: list[StepItem]) -> torch.Tensor:
-        """Run one step; returns float32 logits (one row per item with need_logits).
+    def execute(self, items: list[StepItem], feed: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step; returns logits (one row per item with need_logits, in item order).
+
+        ``feed``: the previous step's sampled token ids on the device, read by items with a
+        ``feed_row`` (no host round trip between the two steps).
 
         On the fused path rows are grouped by adapter slot first: the fused LoRA epilogues
         handle a block of rows per program and load one B tile per distinct slot in it.
         """
+        if any(it.feed_row >= 0 for it in items) and feed is None:
+            raise ValueError("items read the previous step's tokens but no feed was given")
         if not self.fused:
-            return self._execute(items)
+            return self._execute(items, feed)
         order = sorted(range(len(items)), key=lambda i: items[i].lora_slot)
         if order == list(range(len(items))):
-            return self._execute(items)
-        logits = self._execute([items[i] for i in order])
+            return self._execute(items, feed)
+        logits = self._execute([items[i] for i in order], feed)
         rank = {i: j for j, i in enumerate(i for i in range(len(items)) if items[i].need_logits)}
         sorted_rows = [rank[i] for i in order if items[i].need_logits]
         inv = [0] * len(sorted_rows)
@@ -146,11 +158,14 @@ class ModelRunner:
             index = index.pin_memory()  # NOTE: async copy; a pageable one would sync the step
         return logits.index_select(0, index.to(logits.device, non_blocking=True))
 
-    def _execute(self, items: list[StepItem]) -> torch.Tensor:
+    def _execute(self, items: list[StepItem], feed: torch.Tensor | None) -> torch.Tensor:
         self.last_was_graph = self.graphs is not None and self._graphable(items)
         if self.last_was_graph:
-            return self._execute_graph(items)
-        ids, pos, meta, mapping, last = self._prepare(items)
+            return self._execute_graph(items, feed)
+        self.last_events = None
+        ids, src, pos, meta, mapping, last = self._prepare(items)
+        if feed is not None:
+            ids = torch.where(src >= 0, feed[src.clamp(min=0)], ids)
         if self.fused:
             dev = self.device
             slots = [it.lora_slot for it in items for _ in it.token_ids]
@@ -174,15 +189,19 @@ class ModelRunner:
             and len(items) <= self.graphs.max_batch
         )
 
-    def _execute_graph(self, items: list[StepItem]) -> torch.Tensor:
+    def _execute_graph(self, items: list[StepItem], feed: torch.Tensor | None) -> torch.Tensor:
         assert self.graphs is not None
         bs = self.block_size
         slots = [it.block_table[it.start_pos // bs] * bs + it.start_pos % bs for it in items]
-        return self.graphs.run(
+        logits = self.graphs.run(
             ids=[it.token_ids[0] for it in items],
             pos=[it.start_pos for it in items],
             slots=slots,
             tables=[it.block_table for it in items],
             ctx=[it.start_pos + 1 for it in items],
             token_slots=[it.lora_slot for it in items],
+            src=[it.feed_row for it in items],
+            feed=feed,
         )
+        self.last_events = self.graphs.last_events
+        return logits

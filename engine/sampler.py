@@ -9,7 +9,13 @@ import torch
 
 from loraplex.engine.sampling_params import SamplingParams
 
-__all__ = ["Sampler", "SamplerOutput", "make_generator", "min_tokens_banned_ids"]
+__all__ = [
+    "PendingSample",
+    "Sampler",
+    "SamplerOutput",
+    "make_generator",
+    "min_tokens_banned_ids",
+]
 
 _U64 = 2**64
 # Floor for the exponential noise so that probs / q never divides by zero.
@@ -45,6 +51,58 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
 
+class PendingSample:
+    """A sampled batch whose results are still on the device.
+
+    ``token_ids`` (B,) int64 stays on the device (the next decode step may read it without a
+    host round trip). The copy to the host is queued right after sampling, so ``fetch`` waits
+    for this step only, not for work queued on the stream after it.
+    """
+
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        rows: torch.Tensor,
+        params: Sequence[SamplingParams],
+        want: list[bool] | None,
+        n_top: int,
+    ) -> None:
+        self.token_ids = token_ids
+        self._params, self._want, self._n_top = params, want, n_top
+        self._event = None
+        if rows.device.type == "cuda":
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            rows = host
+        self._rows = rows
+
+    def fetch(self) -> SamplerOutput:
+        """Host results (blocks until this step's sampling is done)."""
+        if self._event is not None:
+            self._event.synchronize()
+        rows = self._rows.tolist()
+        batch = len(self._params)
+        if self._want is None:
+            return SamplerOutput(rows, [None] * batch, [None] * batch)
+        # rows: [token id, top ids..., token logprob, top logprobs...] as float64
+        width = 1 + self._n_top
+        out = SamplerOutput([int(row[0]) for row in rows])
+        for i, p in enumerate(self._params):
+            if not self._want[i]:
+                out.logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            row, n = rows[i], p.logprobs or 0
+            top_ids_i = [int(t) for t in row[1 : 1 + n]]
+            out.logprobs.append(row[width])
+            out.top_logprobs.append(
+                list(zip(top_ids_i, row[width + 1 : width + 1 + n], strict=True))
+            )
+        return out
+
+
 class Sampler:
     """Samples one token per row of a (B, V) logits batch.
 
@@ -74,7 +132,17 @@ class Sampler:
         generators: Sequence[torch.Generator | None] | None = None,
         banned: Sequence[Sequence[int]] | None = None,
     ) -> SamplerOutput:
-        """Sample one token per row of ``logits`` (B, V).
+        """Sample one token per row of ``logits`` (B, V); see ``launch``."""
+        return self.launch(logits, params, generators, banned).fetch()
+
+    def launch(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None = None,
+        banned: Sequence[Sequence[int]] | None = None,
+    ) -> PendingSample:
+        """Queue sampling of one token per row of ``logits`` (B, V); no host sync.
 
         ``generators[i]`` (optional) is row i's own generator; ``banned[i]`` lists token ids row i
         must not sample (used for ``min_tokens``). Logprobs are those of the raw model distribution
@@ -107,7 +175,7 @@ class Sampler:
                 token_ids = torch.where(mask, logits.argmax(dim=-1), token_ids)
 
         if raw_logprobs is None:
-            return SamplerOutput(token_ids.tolist(), [None] * batch, [None] * batch)
+            return PendingSample(token_ids, token_ids, params, None, 0)
         return self._gather_logprobs(raw_logprobs, token_ids, params, want_lp)
 
     # -- pieces ---------------------------------------------------------------------------------
@@ -193,7 +261,7 @@ class Sampler:
         token_ids: torch.Tensor,
         params: Sequence[SamplingParams],
         want: list[bool],
-    ) -> SamplerOutput:
+    ) -> PendingSample:
         ids = token_ids.unsqueeze(1)
         vals = raw.gather(1, ids)
         n_top = min(max((p.logprobs or 0) for p in params), raw.shape[1])
@@ -201,18 +269,5 @@ class Sampler:
             top_vals, top_ids = raw.topk(n_top, dim=-1)
             ids, vals = torch.cat([ids, top_ids], dim=1), torch.cat([vals, top_vals], dim=1)
         # One device->host transfer: ids (< 2**53) are exact in float64.
-        rows = torch.cat([ids.double(), vals.double()], dim=1).tolist()
-        width = 1 + n_top
-        out = SamplerOutput([int(row[0]) for row in rows])
-        for i, p in enumerate(params):
-            if not want[i]:
-                out.logprobs.append(None)
-                out.top_logprobs.append(None)
-                continue
-            row, n = rows[i], p.logprobs or 0
-            top_ids_i = [int(t) for t in row[1 : 1 + n]]
-            out.logprobs.append(row[width])
-            out.top_logprobs.append(
-                list(zip(top_ids_i, row[width + 1 : width + 1 + n], strict=True))
-            )
-        return out
+        rows = torch.cat([ids.double(), vals.double()], dim=1)
+        return PendingSample(token_ids, rows, params, want, n_top)

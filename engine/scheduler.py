@@ -35,6 +35,9 @@ class ScheduledChunk:
     req: Request
     num_tokens: int
     need_logits: bool  # the chunk reaches the last known token: sample after it
+    # pipelined decode: the one input token is the one the step in flight samples; the chunk
+    # starts at position ``req.num_tokens`` (as of scheduling) and reads it on the device
+    feed: bool = False
 
 
 @dataclass
@@ -125,6 +128,57 @@ class Scheduler:
             scheduled.append(req)
             budget -= n
         return out
+
+    def chain(self, plan: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
+        """The next decode step of ``plan``'s requests while ``plan`` is still in flight, or
+        None where a normal ``schedule`` could decide differently.
+
+        Each row decodes the token ``plan`` samples (unknown yet: ``feed``). Chains only in the
+        steady state: every chunk of ``plan`` samples, every running request is in it, no
+        waiting request could be admitted, failed or given a slot, and the rows' next KV
+        blocks are free without preemption. A request that ``plan``'s token ends by length is
+        left out; one that ends by EOS or a stop string costs one discarded row.
+        """
+        if not plan.chunks or plan.slot_writes or not all(c.need_logits for c in plan.chunks):
+            return None
+        in_plan = {id(c.req) for c in plan.chunks}
+        if any(id(r) not in in_plan for r in self.running) or self._admission_possible():
+            return None
+        out = SchedulerOutput()
+        for c in plan.chunks:
+            r = c.req
+            if r.is_finished or r.aborted or r.status is not RequestStatus.RUNNING:
+                continue
+            if len(r.output_ids) + 1 >= r.params.max_tokens or r.num_tokens + 1 >= max_model_len:
+                continue  # the token in flight is its last
+            if not self._grow(r, r.num_tokens + 1):
+                return None  # blocks it already took stay with it (the next step needs them)
+            out.chunks.append(ScheduledChunk(r, 1, True, feed=True))
+        return out if out.chunks else None
+
+    def _admission_possible(self) -> bool:
+        """Whether ``schedule`` could now admit, fail or assign a slot to a waiting request
+        (conservative). Starts the loads that ``schedule`` would start."""
+        now = time.monotonic()
+        for r in self.waiting:
+            v = r.adapter
+            if v is not None:
+                if v.state is AdapterState.FAILED:
+                    return True
+                if v.state is not AdapterState.CPU:
+                    self.adapters.ensure_loaded(v)
+                    continue
+                if v.slot is None:
+                    starved = now - r.arrival > self.config.starvation_timeout_s
+                    if self.adapters.can_assign_slot(force=starved):
+                        return True
+                    continue
+                if not v.slot_ready:
+                    continue  # its write lands first (poll_slot_events)
+            if len(self.running) >= self.config.max_num_seqs:
+                return False
+            return self.blocks.can_allocate(r.request_id, r.tokens, r.adapter_key)
+        return False
 
     def _collect_slot_writes(self, out: SchedulerOutput, head: Request | None) -> None:
         """Assign slots to loaded adapters that waiting requests need (writes run in the step)."""

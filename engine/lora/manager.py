@@ -291,6 +291,19 @@ class AdapterManager:
         v.last_used = time.monotonic()
         return slot
 
+    def can_assign_slot(self, *, force: bool = False) -> bool:
+        """Whether ``assign_slot`` would find a slot now (no side effects)."""
+        return any(
+            o is None
+            or (
+                o.slot_refs == 0
+                and o.slot_ready
+                and not self._pinned(o)
+                and (force or o.users == 0)
+            )
+            for o in self._slots
+        )
+
     def _pinned(self, v: AdapterVersion) -> bool:
         """A pin holds for the current version of its name; a superseded version that is
         draining keeps its slot only while it is referenced."""

@@ -138,7 +138,7 @@ class NamePlugin:
 
 
 class StepGate:
-    """Parks ``core.execute`` (the step thread) at the first step for which ``when(plan)`` holds,
+    """Parks ``core.launch`` (the step thread) at the first step for which ``when(plan)`` holds,
     until ``release()``; ``reached`` is set (on the loop) when it parks."""
 
     def __init__(self, core: Any, when: Callable[[Any], bool]) -> None:
@@ -147,15 +147,15 @@ class StepGate:
         self.reached = asyncio.Event()
         self.plan: Any = None
         self._go = threading.Event()
-        self._execute = core.execute
-        core.execute = self._gated
+        self._launch = core.launch
+        core.launch = self._gated
 
-    def _gated(self, plan: Any, items: Any) -> Any:
+    def _gated(self, plan: Any, items: Any, prev: Any = None) -> Any:
         if self.when is not None and self.when(plan):
             self.when, self.plan = None, plan
             self.loop.call_soon_threadsafe(self.reached.set)
             self._go.wait(timeout=30)  # a failing test must not hang the suite
-        return self._execute(plan, items)
+        return self._launch(plan, items, prev)
 
     def release(self) -> None:
         self._go.set()

@@ -42,13 +42,13 @@ def watch_slots(engine):
             assert not any(r.adapter is old for r in core.scheduler.running), old.key
         return slot
 
-    def checked_prepare(plan):
+    def checked_prepare(plan, prev=None):
         read = {c.req.adapter.slot for c in plan.chunks if c.req.adapter is not None}
         if plan.slot_writes:
             seen["writes"] += len(plan.slot_writes)
             if read:
                 seen["mixed_steps"] += 1
-        return prepare(plan)  # asserts the engine's own slot-safety invariants
+        return prepare(plan, prev)  # asserts the engine's own slot-safety invariants
 
     core.adapters.assign_slot = checked_assign
     core.prepare = checked_prepare

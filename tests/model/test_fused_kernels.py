@@ -188,11 +188,11 @@ RUNNERS = {
     "silu_mul": (_run_silu_mul, K.lora_silu_mul_torch),
     "qkv_rope": (_run_qkv_rope, K.lora_qkv_rope_torch),
 }
-CONFIGS = {  # block_t 1 / 4: broadcast delta; 16: tensor-core dot
+CONFIGS = {  # block_t 1 / 4: broadcast delta; 16: tensor-core dot; last 16 / 32: packed delta
     "add_rmsnorm": [(1, 32, 4), (4, 32, 4), (16, 16, 4)],
     "rmsnorm": [(1, 32, 4), (4, 64, 4)],
-    "silu_mul": [(16, 32, 4), (1, 64, 4), (2, 128, 4)],
-    "qkv_rope": [(16, 4), (1, 4)],
+    "silu_mul": [(16, 32, 4), (1, 64, 4), (2, 128, 4), (16, 32, 4, 16), (16, 64, 4, 32)],
+    "qkv_rope": [(16, 4), (1, 4), (16, 4, 16), (16, 4, 32)],
 }
 
 

@@ -50,14 +50,46 @@ def lora_delta(
     stride_br,
     BLOCK_R: tl.constexpr,
     USE_DOT: tl.constexpr,
+    BLOCK_K: tl.constexpr = 0,
 ):
     """``acc[i, j] += delta[tok[i], cols[j]]`` of slice ``s``; returns ``acc`` (fp32).
 
     tok: (BT,) int64 rows of ``y_aug``; slots: (BT,) int32, -1 for base or masked rows;
     cols: (BN,) rows of ``lora_b`` (= base columns of ``y_aug``), ``col_mask`` their validity.
+
+    ``BLOCK_K > 0`` (with ``USE_DOT``): "packed" form. The shrink columns of every slot of the
+    slice, ``k = slot * R + r``, are contiguous in ``y_aug``; each token keeps only its own
+    slot's columns (masked load) and the delta is a dot over ``k`` in chunks of ``BLOCK_K``
+    against ``lora_b`` viewed as (L * R, N): one dot per chunk instead of one per slot, the
+    slots a block spans only. Same products and fp32 sums as the per-slot loop (the masked
+    terms add exact zeros).
     """
     lo = tl.reduce(tl.where(slots >= 0, slots, L), 0, tl.standard._elementwise_min)
     hi = tl.reduce(slots, 0, tl.standard._elementwise_max) + 1
+    if BLOCK_K > 0:
+        h_rows = ya_ptr + tok[:, None] * stride_yt
+        k_base = n_base + s * L * R
+        offs = tl.arange(0, BLOCK_K)
+        k_start = (lo * R) // BLOCK_K * BLOCK_K
+        for k0 in range(k_start, hi * R, BLOCK_K):
+            k = k0 + offs
+            k_slot = k // R
+            k_ok = k < L * R
+            h = tl.load(
+                h_rows + (k_base + k)[None, :] * stride_yn,
+                mask=(slots[:, None] == k_slot[None, :]) & k_ok[None, :],
+                other=0.0,
+            )  # (BT, BLOCK_K)
+            b = tl.load(
+                b_ptr
+                + k_slot[:, None] * stride_bl
+                + (k % R)[:, None] * stride_br
+                + cols[None, :] * stride_bn,
+                mask=k_ok[:, None] & col_mask[None, :],
+                other=0.0,
+            )  # (BLOCK_K, BN)
+            acc += tl.dot(h, b.to(h.dtype), input_precision="ieee")
+        return acc
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
     h_rows = ya_ptr + tok[:, None] * stride_yt  # (BT, 1)

@@ -24,6 +24,7 @@ __all__ = ["QKVRopeConfig", "qkv_rope_config", "lora_qkv_rope_triton"]
 class QKVRopeConfig:
     block_t: int = 16
     num_warps: int = 4
+    block_k: int = 0  # > 0: packed LoRA delta (one dot per BLOCK_K rank columns, lora_delta)
 
 
 def qkv_rope_config(num_tokens: int) -> QKVRopeConfig:
@@ -51,6 +52,7 @@ def _qkv_rope_kernel(
     BLOCK_R: tl.constexpr,
     HAS_LORA: tl.constexpr,
     USE_DOT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     dt = ya_ptr.dtype.element_ty
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -76,12 +78,12 @@ def _qkv_rope_kernel(
         d1 = tl.full((BLOCK_T, BLOCK_HALF), 0.0, tl.float32)
         d1 = lora_delta(
             d1, ya_ptr, b_ptr, tok, slots, c1, h_mask, s, n_base, L, R,
-            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT,
+            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
         )  # fmt: skip
         d2 = tl.full((BLOCK_T, BLOCK_HALF), 0.0, tl.float32)
         d2 = lora_delta(
             d2, ya_ptr, b_ptr, tok, slots, c2, h_mask, s, n_base, L, R,
-            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT,
+            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
         )  # fmt: skip
         x1 = (x1 + d1).to(dt).to(tl.float32)
         x2 = (x2 + d2).to(dt).to(tl.float32)
@@ -127,7 +129,7 @@ def _qkv_rope_kernel(
             dv = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)
             dv = lora_delta(
                 dv, ya_ptr, b_ptr, tok, slots, cv, d_mask, 2, n_base, L, R,
-                stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT,
+                stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
             )  # fmt: skip
             v = (v + dv).to(dt)
         v_rows = vc_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vo + kvh * stride_vh
@@ -183,5 +185,6 @@ def lora_qkv_rope_triton(
         BLOCK_R=block_r(rank, use_dot),
         HAS_LORA=lora_b is not None,
         USE_DOT=use_dot,
+        BLOCK_K=cfg.block_k if use_dot else 0,
         num_warps=cfg.num_warps,
     )  # fmt: skip

@@ -25,6 +25,7 @@ class SiluMulConfig:
     block_t: int = 16
     block_n: int = 128
     num_warps: int = 4
+    block_k: int = 0  # > 0: packed LoRA delta (one dot per BLOCK_K rank columns, lora_delta)
 
 
 def silu_mul_config(num_tokens: int) -> SiluMulConfig:
@@ -58,6 +59,7 @@ def _silu_mul_kernel(
     BLOCK_R: tl.constexpr,
     HAS_LORA: tl.constexpr,
     USE_DOT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = tok < T
@@ -73,12 +75,12 @@ def _silu_mul_kernel(
         dg = tl.full((BLOCK_T, BLOCK_N), 0.0, tl.float32)
         dg = lora_delta(
             dg, ya_ptr, b_ptr, tok, slots, cols, c_mask, 0, 2 * inter, L, R,
-            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT,
+            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
         )  # fmt: skip
         du = tl.full((BLOCK_T, BLOCK_N), 0.0, tl.float32)
         du = lora_delta(
             du, ya_ptr, b_ptr, tok, slots, inter + cols, c_mask, 1, 2 * inter, L, R,
-            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT,
+            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
         )  # fmt: skip
         g = (g + dg).to(ya_ptr.dtype.element_ty).to(tl.float32)
         u = (u + du).to(ya_ptr.dtype.element_ty).to(tl.float32)
@@ -132,5 +134,6 @@ def lora_silu_mul_triton(
         BLOCK_R=block_r(rank, use_dot),
         HAS_LORA=lora_b is not None,
         USE_DOT=use_dot,
+        BLOCK_K=cfg.block_k if use_dot else 0,
         num_warps=cfg.num_warps,
     )

@@ -1,0 +1,217 @@
+"""The step half of EngineCore: build a step's inputs, launch it, collect it, apply it.
+
+A step is launched (inputs staged, forward and sampling queued on the GPU) and collected
+(sampled tokens copied to the host) separately, so that decode can be pipelined: while step N
+runs on the GPU, step N+1 (the same requests, one token further) is planned on the event loop
+and queued behind it, reading N's sampled tokens on the device. The host work of a step
+(scheduling, input staging, streaming outputs) then overlaps the previous step's GPU time.
+``Scheduler.chain`` decides when the next step may be planned before N's tokens are known.
+
+Threads: ``prepare``, ``chain`` and ``postprocess`` run on the event loop; ``launch``,
+``collect`` and ``execute`` in the step thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from loraplex.engine.lora.manager import AdapterState, AdapterVersion
+from loraplex.engine.lora.slots import write_slot
+from loraplex.engine.model_runner import StepItem
+from loraplex.engine.output import append_token
+from loraplex.engine.request import Request
+from loraplex.engine.sampler import PendingSample, SamplerOutput, min_tokens_banned_ids
+from loraplex.engine.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from loraplex.engine.core import EngineCore
+
+__all__ = ["InFlightStep", "StepMixin"]
+
+
+@dataclass(eq=False)
+class InFlightStep:
+    """A launched step: its plan, the requests of its sampled rows, results on the device."""
+
+    plan: SchedulerOutput
+    items: list[StepItem]
+    rows: list[Request]  # requests with a sampled row, in row order
+    sample: PendingSample | None
+    t_start: float  # perf_counter: the step thread began the launch
+    t_launched: float  # ... the forward was queued
+    events: tuple | None  # CUDA events around the graph replay
+    loading: bool  # an adapter load was in flight
+
+
+class StepMixin:
+    """EngineCore's step methods (see the module docstring)."""
+
+    def prepare(
+        self: EngineCore, plan: SchedulerOutput, prev: InFlightStep | None = None
+    ) -> list[StepItem]:
+        """Step items of ``plan``; ``prev``: the step in flight that ``feed`` chunks read."""
+        self.in_flight |= {c.req for c in plan.chunks}
+        row_of = {id(r): i for i, r in enumerate(prev.rows)} if prev is not None else {}
+        items = []
+        for c in plan.chunks:
+            r = c.req
+            table = self.blocks.block_table(r.request_id)
+            slot = r.adapter.slot if r.adapter is not None else -1
+            if c.feed:  # the token at position num_tokens is being sampled by ``prev``
+                items.append(StepItem([0], r.num_tokens, table, slot, True, row_of[id(r)]))
+                continue
+            items.append(
+                StepItem(
+                    token_ids=r.tokens[r.num_computed : r.num_computed + c.num_tokens],
+                    start_pos=r.num_computed,
+                    block_table=table,
+                    lora_slot=slot,
+                    need_logits=c.need_logits,
+                )
+            )
+        # NOTE: invariants of slot safety, checked every step (cheap): a scheduled row reads a
+        # slot its version owns and whose write completed; a slot being written has no reader.
+        read = set()
+        for c in plan.chunks:
+            v = c.req.adapter
+            if v is not None:
+                assert v.slot is not None and v.slot_ready and self.adapters.slot_owner(v.slot) is v
+                read.add(v.slot)
+        for v in plan.slot_writes:
+            assert v.slot not in read, f"slot {v.slot} written while a scheduled row reads it"
+            assert v.adapter is not None and v.slot is not None
+            v.slot_event = None
+        plan.slot_jobs = [(v, v.slot, v.adapter) for v in plan.slot_writes]
+        return items
+
+    def chain(
+        self: EngineCore, step: InFlightStep
+    ) -> tuple[SchedulerOutput, list[StepItem]] | None:
+        """Loop: plan the step after ``step`` while it is in flight (pipelined decode)."""
+        if not self.config.async_scheduling or step.sample is None:
+            return None
+        plan = self.scheduler.chain(step.plan, self.max_model_len)
+        if plan is None:
+            return None
+        return plan, self.prepare(plan, step)
+
+    def launch(
+        self: EngineCore,
+        plan: SchedulerOutput,
+        items: list[StepItem],
+        prev: InFlightStep | None = None,
+    ) -> InFlightStep:
+        """Worker thread: slot writes (side stream), then queue the forward and sampling."""
+        self._write_slots(plan.slot_jobs)
+        t0 = time.perf_counter()
+        if not items:
+            return InFlightStep(plan, items, [], None, t0, t0, None, False)
+        feed = prev.sample.token_ids if prev is not None and prev.sample is not None else None
+        logits = self.runner.execute(items, feed)
+        t_launched = time.perf_counter()  # the forward is queued (async on CUDA)
+        chunks = [c for c in plan.chunks if c.need_logits]
+        rows = [c.req for c in chunks]
+        sample = self.sampler.launch(
+            logits,
+            [r.params for r in rows],
+            [r.generator for r in rows],
+            [
+                min_tokens_banned_ids(r.params, len(r.output_ids) + c.feed, r.eos_ids)
+                for r, c in zip(rows, chunks, strict=True)
+            ],
+        )
+        if self.device.type == "cuda":
+            self.last_step_event = torch.cuda.Event()
+            self.last_step_event.record()
+        loading = any(v.state is AdapterState.LOADING for v in self.adapters.versions())
+        events = self.runner.last_events if self.runner.last_was_graph else None
+        return InFlightStep(plan, items, rows, sample, t0, t_launched, events, loading)
+
+    def collect(self: EngineCore, step: InFlightStep) -> SamplerOutput | None:
+        """Worker thread: wait for ``step``'s tokens (only this step's) and log its timing.
+
+        Step time: from the later of the launch and the previous step's results to this
+        step's results (pipelined steps overlap, so their launch-to-result spans would not).
+        """
+        if step.sample is None:
+            return None
+        out = step.sample.fetch()
+        t_end = time.perf_counter()
+        gpu_ms = step.events[0].elapsed_time(step.events[1]) if step.events else None
+        items = step.items
+        tokens = sum(len(it.token_ids) for it in items)
+        decode = all(len(it.token_ids) == 1 for it in items)
+        pipelined = any(it.feed_row >= 0 for it in items)
+        # (seconds, rows, tokens, decode-only, load in flight, graph GPU ms, host s to queue,
+        #  pipelined)
+        self.step_log.append(
+            (
+                t_end - max(step.t_start, self.last_result_time),
+                len(items),
+                tokens,
+                decode,
+                step.loading,
+                gpu_ms,
+                step.t_launched - step.t_start,
+                pipelined,
+            )
+        )
+        self.last_result_time = t_end
+        return out
+
+    def execute(self: EngineCore, plan: SchedulerOutput, items: list[StepItem]) -> Any:
+        """Worker thread: launch and collect one step (no pipelining)."""
+        return self.collect(self.launch(plan, items))
+
+    def _write_slots(self: EngineCore, jobs: list[tuple[AdapterVersion, int, Any]]) -> None:
+        """Worker thread. Uses the (slot, adapter) snapshot of ``prepare``, never the version's
+        live fields: the loop may drop the version meanwhile (its slot is then written for
+        nothing and the next owner's write, issued later on the same stream, replaces it)."""
+        for v, slot, adapter in jobs:
+            v.timings["h2d_start"] = time.perf_counter()
+            if self.side_stream is None:
+                write_slot(self.model, slot, adapter)
+                continue
+            with torch.cuda.stream(self.side_stream):
+                if self.last_step_event is not None:
+                    self.side_stream.wait_event(self.last_step_event)
+                write_slot(self.model, slot, adapter)
+                event = torch.cuda.Event()
+                event.record(self.side_stream)
+            v.slot_event = event
+
+    def postprocess(self: EngineCore, plan: SchedulerOutput, result: SamplerOutput | None) -> None:
+        """Loop: apply a collected step (tokens, finishes, streamed outputs)."""
+        self.counters["steps"] += 1
+        if self.side_stream is None:
+            for v, slot, _ in plan.slot_jobs:
+                if v.slot == slot and self.adapters.slot_owner(slot) is v:  # not dropped meanwhile
+                    self._slot_landed(v)
+        row = -1
+        now = time.monotonic()
+        for chunk in plan.chunks:
+            req = chunk.req
+            row += chunk.need_logits
+            if req.is_finished:
+                continue  # e.g. a pipelined row of a request that ended the step before
+            self.scheduler.mark_computed(chunk)
+            if req.aborted:
+                self.finish(req, "abort")
+                continue
+            if not chunk.need_logits:
+                continue
+            assert result is not None
+            tok = result.token_ids[row]
+            out = append_token(
+                req, tok, result.logprobs[row], result.top_logprobs[row], self.max_model_len
+            )
+            req.token_times.append(now)
+            if out.finished:
+                self.scheduler.finish(req, out.finish_reason or "stop")
+                self.counters["finished"] += 1
+                self._log(req)
+            req.queue.put_nowait(out)
