@@ -124,6 +124,11 @@ async def engine_cases(args, bw, adapters: list[Path], model_dir: Path, rows: li
                 floor = (
                     wbytes + a_bytes + kv_bytes(args.cfg, batch, args.ctx + args.steps // 2)
                 ) / bw
+                if args.dump_steps:
+                    slow = sorted(r["log"], key=lambda e: -e[0])[:8]
+                    print(f"   {len(r['log'])} steps, wall {r['wall']:.2f}s; slowest (ms, rows, "
+                          "tokens, decode, pipelined):",
+                          [(round(e[0] * 1e3, 1), e[1], e[2], e[3], e[7]) for e in slow])  # fmt: skip
                 p50, p99 = statistics.median(r["steps"]), pct(r["steps"], 0.99)
                 gpu = statistics.median(r["gpu"]) if r["gpu"] else float("nan")
                 host = statistics.median(r["host"]) if r["host"] else float("nan")
@@ -290,6 +295,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--append", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, few cases")
+    ap.add_argument("--dump-steps", action="store_true", help="print the slowest steps")
     ap.add_argument(
         "--sync-too", action="store_true", help="also run without pipelined decode (A/B)"
     )
