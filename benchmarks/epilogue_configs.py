@@ -129,7 +129,7 @@ def main() -> None:
     ap.add_argument("--loras", type=int, nargs="+", default=[8, 32])
     args = ap.parse_args()
     lines = [
-        "| op | loras | T | fastest (block_t, block_n, warps, block_k) | µs | per-slot default µs | rel err | top 3 |",
+        "| op | loras | T | fastest (block_t, block_n, warps, block_k) | µs | engine default µs | rel err | top 3 |",
         "|---|---:|---:|---|---:|---:|---:|---|",
     ]
     for op, case in (("silu_mul", silu_case), ("qkv_rope", qkv_case)):
@@ -137,7 +137,7 @@ def main() -> None:
             rows = case(t, loras)
             bad = [r for r in rows if r[2] > 2e-2]
             ok = sorted((r for r in rows if r[2] <= 2e-2), key=lambda r: r[1])
-            d = silu_mul_config(t) if op == "silu_mul" else qkv_rope_config(t)
+            d = silu_mul_config(t, loras) if op == "silu_mul" else qkv_rope_config(t, loras)
             key = f"({d.block_t}, {getattr(d, 'block_n', '-')}, {d.num_warps}, {d.block_k})"
             default = next((r[1] for r in rows if r[0] == key), float("nan"))
             best = ok[0]

@@ -12,6 +12,7 @@ import torch
 
 from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.fused import fused_forward
+from loraplex.engine.model.gemm import linear, tune
 from loraplex.engine.model.llama import LlamaForCausalLM
 
 __all__ = ["DecodeGraphs", "BUCKETS"]
@@ -82,9 +83,21 @@ class DecodeGraphs:
         hidden = fused_forward(
             self.model, ids, self.pos[:bs], self.kv_caches, meta, self.token_slots[:bs]
         )
-        return self.model.compute_logits(hidden)
+        return linear(hidden, self.model.lm_head).float()  # = model.compute_logits
+
+    def gemm_weights(self) -> list[torch.Tensor]:
+        layer = self.model.layers[0]
+        mods = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        return [m.weight_aug for m in mods] + [self.model.lm_head]
+
+    def capture_all(self) -> None:
+        """Capture every bucket now (startup), not on a bucket's first use mid-serving."""
+        for bs in self.buckets:
+            if bs not in self.graphs:
+                self.capture(bs)
 
     def capture(self, bs: int) -> None:
+        tune(self.gemm_weights(), bs)  # BLAS backend per GEMM shape, recorded by the capture
         stream = torch.cuda.Stream(self.model.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 
 from loraplex.engine.config import EngineConfig
@@ -18,6 +20,8 @@ from loraplex.engine.model.llama import LlamaForCausalLM
 from loraplex.engine.model.loader import load_model, resolve_dtype
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.tokenizer import Tokenizer, TokenizerError
+
+log = structlog.get_logger("loraplex.engine")
 
 __all__ = ["build_core", "capacity_report"]
 
@@ -73,6 +77,11 @@ def build_core(
         use_cuda_graphs=config.cuda_graphs,
         max_graph_batch=config.max_num_seqs,
     )
+    if runner.graphs is not None:
+        t0 = time.perf_counter()
+        runner.graphs.capture_all()  # NOTE: a bucket captured mid-serving stalls its step 1-3 s
+        log.info("cuda_graphs_captured", buckets=list(runner.graphs.buckets),
+                 seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
     tokenizer = None  # token-id prompts only
     if path is not None:
         with contextlib.suppress(TokenizerError):

@@ -2,7 +2,7 @@
 
 Per decoder layer, eight launches and no separate LoRA launch:
 
-    qkv_aug = h @ [Wqkv; A_qkv].T                     cuBLAS: base qkv + every slot's shrink
+    qkv_aug = h @ [Wqkv; A_qkv].T                     BLAS: base qkv + every slot's shrink
     q       = qkv_rope(qkv_aug)                        + LoRA delta, RoPE, K/V into the cache
     attn    = paged_attention(q, cache)
     o_aug   = attn @ [Wo; A_o].T
@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine.model.attention import AttentionMetadata
+from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul, rmsnorm
 from loraplex.engine.model.llama import LlamaForCausalLM
 from loraplex.engine.model.paged_attention import paged_attention
@@ -53,24 +54,24 @@ def fused_forward(
     act = torch.empty(t, cfg.intermediate_size, dtype=h.dtype, device=h.device)
     for i, layer in enumerate(layers):
         k_cache, v_cache = kv_caches[i]
-        qkv = F.linear(h, layer.qkv_proj.weight_aug, layer.qkv_proj.bias_aug)
+        qkv = linear(h, layer.qkv_proj.weight_aug, layer.qkv_proj.bias_aug)
         lora_qkv_rope(
             qkv, cfg.q_size, cfg.kv_size, cfg.head_dim, layer.qkv_proj.lora_b, token_slots,
             num_slots, rank, positions, model.rope.cos, model.rope.sin, k_cache, v_cache,
             meta.slot_mapping, q,
         )  # fmt: skip
         attn = paged_attention(q, k_cache, v_cache, meta, layer.scale, cfg.sliding_window)
-        o = F.linear(attn.view(t, cfg.q_size), layer.o_proj.weight_aug, layer.o_proj.bias_aug)
+        o = linear(attn.view(t, cfg.q_size), layer.o_proj.weight_aug, layer.o_proj.bias_aug)
         lora_add_rmsnorm(
             o, cfg.hidden_size, residual, layer.o_proj.lora_b, token_slots, num_slots, rank,
             layer.post_attention_layernorm.weight, eps, h,
         )  # fmt: skip
-        gu = F.linear(h, layer.gate_up_proj.weight_aug, layer.gate_up_proj.bias_aug)
+        gu = linear(h, layer.gate_up_proj.weight_aug, layer.gate_up_proj.bias_aug)
         lora_silu_mul(
             gu, 2 * cfg.intermediate_size, layer.gate_up_proj.lora_b, token_slots, num_slots,
             rank, act,
         )  # fmt: skip
-        d = F.linear(act, layer.down_proj.weight_aug, layer.down_proj.bias_aug)
+        d = linear(act, layer.down_proj.weight_aug, layer.down_proj.bias_aug)
         norm_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.norm.weight
         lora_add_rmsnorm(
             d, cfg.hidden_size, residual, layer.down_proj.lora_b, token_slots, num_slots, rank,

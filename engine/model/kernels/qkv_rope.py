@@ -27,12 +27,18 @@ class QKVRopeConfig:
     block_k: int = 0  # > 0: packed LoRA delta (one dot per BLOCK_K rank columns, lora_delta)
 
 
-def qkv_rope_config(num_tokens: int) -> QKVRopeConfig:
-    """Untuned guess: one token per program for small batches (adapters in parallel), 16-token
-    blocks (tensor-core delta, B tiles shared within a block) beyond. ptxas, sm_90, bf16,
+def qkv_rope_config(num_tokens: int, num_slots: int = 0) -> QKVRopeConfig:
+    """One token per program for small batches (adapters in parallel), 16-token blocks
+    (tensor-core delta, B tiles shared within a block) beyond; the packed delta where the
+    H200 sweep (``benchmarks/epilogue_configs.py``, BENCHMARKS.md) found it faster: 6.0 vs
+    6.4 µs at T = 64 with 8 slots, 7.6 vs 13.0 µs at T = 64 with 32. ptxas, sm_90, bf16,
     D = 128, R = 16: 86 registers (1 token, 4 warps), 128 (16 tokens, 8 warps)."""
     if num_tokens <= 32:
         return QKVRopeConfig(block_t=1, num_warps=4)
+    if num_slots >= 16:
+        return QKVRopeConfig(block_t=16, num_warps=4, block_k=64 if num_tokens <= 64 else 32)
+    if num_tokens <= 64 and num_slots > 0:
+        return QKVRopeConfig(block_t=16, num_warps=4, block_k=32)
     return QKVRopeConfig(block_t=16, num_warps=8)
 
 
@@ -163,7 +169,7 @@ def lora_qkv_rope_triton(
     t = y_aug.shape[0]
     if t == 0:
         return
-    cfg = config or qkv_rope_config(t)
+    cfg = config or qkv_rope_config(t, num_slots if lora_b is not None else 0)
     use_dot = cfg.block_t >= 16
     min_n = 16 if use_dot else 1
     hq, hkv = q_size // head_dim, kv_size // head_dim

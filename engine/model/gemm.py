@@ -1,0 +1,73 @@
+"""Projection GEMMs of the fused GPU path, with the BLAS backend picked per shape by measurement.
+
+For the skinny GEMMs of decode (T = 1..256 rows against 30 MB - 1 GB weights) cuBLAS and
+cuBLASLt pick different kernels, and neither wins at every shape (on the H200 at T = 64,
+cuBLASLt reads the gate_up / down weights 7-12 % faster, cuBLAS is faster for down at T = 128;
+BENCHMARKS.md). ``tune`` times both on the real weights for one batch size and remembers the
+faster per (T, N, K); ``linear`` runs ``F.linear`` under that choice, so a CUDA graph captured
+afterwards records the chosen kernel. Shapes never tuned (prefill, CPU) use torch's default.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["BACKENDS", "linear", "tune", "choices"]
+
+BACKENDS = ("cublas", "cublaslt")
+_choice: dict[tuple[int, int, int], str] = {}
+_lock = threading.Lock()
+
+
+def choices() -> dict[tuple[int, int, int], str]:
+    """(T, N, K) -> backend picked by ``tune`` so far."""
+    return dict(_choice)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, b)`` under the backend ``tune`` picked for this shape, if any."""
+    backend = _choice.get((x.shape[0], w.shape[0], w.shape[1])) if x.is_cuda else None
+    if backend is None:
+        return F.linear(x, w, b)
+    with _lock:  # NOTE: the preference is process-wide; restore it at once
+        prev = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library(backend)
+        try:
+            return F.linear(x, w, b)
+        finally:
+            torch.backends.cuda.preferred_blas_library(prev)
+
+
+def _time_ms(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def tune(weights: list[torch.Tensor], num_tokens: int, reps: int = 10) -> None:
+    """Pick the faster backend for ``x (num_tokens, K) @ w.T`` of every weight (CUDA only)."""
+    for w in weights:
+        key = (num_tokens, w.shape[0], w.shape[1])
+        if not w.is_cuda or key in _choice:
+            continue
+        x = torch.randn(num_tokens, w.shape[1], dtype=w.dtype, device=w.device)
+        times = {}
+        prev = torch.backends.cuda.preferred_blas_library()
+        try:
+            for backend in BACKENDS:
+                torch.backends.cuda.preferred_blas_library(backend)
+                times[backend] = _time_ms(lambda x=x, w=w: F.linear(x, w), reps)
+        except RuntimeError:  # a backend this build or device lacks
+            continue
+        finally:
+            torch.backends.cuda.preferred_blas_library(prev)
+        _choice[key] = min(times, key=times.__getitem__)
