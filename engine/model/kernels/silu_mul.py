@@ -29,14 +29,19 @@ class SiluMulConfig:
 
 
 def silu_mul_config(num_tokens: int, num_slots: int = 0) -> SiluMulConfig:
-    """Narrower column tiles for small batches, to spread them over more SMs; 64-token blocks
-    with the packed delta for many slots at T > 64 (13.4 vs 16.3 µs at T = 128 with 32 slots
-    on the H200, ``benchmarks/epilogue_configs.py``). ptxas, sm_90, bf16, R = 16: 114
-    registers (16 x 64, 4 warps), 126 (16 x 128, 8 warps)."""
+    """From the H200 sweep (``benchmarks/epilogue_configs.py``, BENCHMARKS.md), rows grouped
+    by slot: the packed delta up to 32 tokens (8 slots: 5.1 vs 8.1 µs at T = 8, 5.4 vs 6.1 at
+    T = 32), the per-slot loop at T = 64 (5.5 µs), 64-token packed blocks for many slots beyond
+    (13.6 vs 16.3 µs at T = 128 with 32 slots). ptxas, sm_90, bf16, R = 16: 114 registers
+    (16 x 64, 4 warps), 126 (16 x 128, 8 warps)."""
+    if num_slots and num_tokens <= 32:
+        return SiluMulConfig(block_t=16, block_n=64, num_warps=4, block_k=64)
     if num_tokens <= 64:
         return SiluMulConfig(block_t=16, block_n=64, num_warps=4)
     if num_slots >= 16:
         return SiluMulConfig(block_t=64, block_n=128, num_warps=4, block_k=64)
+    if num_slots:
+        return SiluMulConfig(block_t=16, block_n=64, num_warps=4)
     return SiluMulConfig(block_t=16, block_n=128, num_warps=8)
 
 
