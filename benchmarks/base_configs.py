@@ -1,7 +1,7 @@
 """The base path's big launches at decode sizes (Llama-3-8B shapes, bf16): the four projection
 GEMMs under each BLAS backend torch offers, and paged decode attention per split-K factor
 and key tile. Each timed alone in a CUDA graph (L2 not warm across replays of large weights);
-GB/s against the copy bandwidth of the same run.
+floor = bytes moved at the copy bandwidth of the same run.
 
     python -m benchmarks.base_configs [--out FILE]
 """
@@ -28,10 +28,11 @@ GEMMS = {  # name: (N, K) of the augmented weight with 8 slots of rank 16
 
 
 def copy_bw() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    ms = do_bench_cudagraph(lambda: y.copy_(x), rep=50)
-    return 2 * x.numel() / (ms / 1e3)
+    """Device copy bandwidth, timed like benchmarks/decode.py (event-timed back-to-back 1 GiB
+    copies; a graph benchmark's cache flush between replays would halve it)."""
+    from benchmarks.decode import copy_bandwidth
+
+    return copy_bandwidth()
 
 
 def gemms(bw: float, batches: list[int]) -> list[str]:

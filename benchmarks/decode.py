@@ -295,6 +295,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--append", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, few cases")
+    ap.add_argument("--commit", default=None, help="commit to report (copies without git)")
     ap.add_argument("--dump-steps", action="store_true", help="print the slowest steps")
     ap.add_argument(
         "--sync-too", action="store_true", help="also run without pipelined decode (A/B)"
@@ -325,18 +326,21 @@ def main() -> None:
         hf_peer(args, adapters, rows)
     print(HEADER)
     asyncio.run(engine_cases(args, bw, adapters, model_dir, rows))
-    table = report(rows, bw)
+    table = report(rows, bw, args.commit)
     print(table)
     if args.append:
         with open(args.append, "a") as f:
             f.write(table)
 
 
-def report(rows: list[dict], bw: float) -> str:
+def report(rows: list[dict], bw: float, commit: str | None = None) -> str:
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
+        commit = (
+            commit
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ).stdout.strip()
+        )
     except OSError:
         commit = "unknown"
     lines = [
