@@ -73,6 +73,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, help="largest adapter rank served")
     p.add_argument("--max-num-seqs", type=int, help="running requests per step")
     p.add_argument("--max-model-len", type=int, help="context length (prompt + output)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    p.add_argument(
+        "--no-async-scheduling", action="store_true",
+        help="no pipelined decode (the next step waits for the previous step's tokens)",
+    )  # fmt: skip
     p.add_argument(
         "--admin-token-file", metavar="FILE",
         help="enables POST /v1/load_lora_adapter and /v1/unload_lora_adapter with this token",
@@ -106,6 +111,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "allow_sources": tuple(args.lora_allow),
         "local_roots": tuple(str(Path(r).expanduser().resolve()) for r in args.lora_local_root),
         "enabled_plugins": tuple(args.plugins) if args.plugins is not None else None,
+        "cuda_graphs": not args.enforce_eager,
+        "async_scheduling": not args.no_async_scheduling,
     }
     for name in ("max_loras", "max_cpu_loras", "max_lora_rank", "max_num_seqs", "max_model_len"):
         if getattr(args, name) is not None:

@@ -95,6 +95,11 @@ def test_flags_map_onto_engine_config(tmp_path):
     demo = config_from_args(build_parser().parse_args(["serve"]))
     assert demo.model is None and demo.served_model_name == "demo"
     assert demo.enabled_plugins is None
+    assert demo.cuda_graphs and demo.async_scheduling
+    eager = config_from_args(
+        build_parser().parse_args(["serve", "--enforce-eager", "--no-async-scheduling"])
+    )
+    assert not eager.cuda_graphs and not eager.async_scheduling
 
 
 def test_configure_logging_json_lines():
