@@ -144,17 +144,23 @@ class Scheduler:
         in_plan = {id(c.req) for c in plan.chunks}
         if any(id(r) not in in_plan for r in self.running) or self._admission_possible():
             return None
-        out = SchedulerOutput()
-        for c in plan.chunks:
-            r = c.req
-            if r.is_finished or r.aborted or r.status is not RequestStatus.RUNNING:
-                continue
-            if len(r.output_ids) + 1 >= r.params.max_tokens or r.num_tokens + 1 >= max_model_len:
-                continue  # the token in flight is its last
-            if not self._grow(r, r.num_tokens + 1):
-                return None  # blocks it already took stay with it (the next step needs them)
-            out.chunks.append(ScheduledChunk(r, 1, True, feed=True))
-        return out if out.chunks else None
+        rows = [
+            c.req
+            for c in plan.chunks
+            if not (c.req.is_finished or c.req.aborted or c.req.status is not RequestStatus.RUNNING)
+            # a request whose token in flight is its last is left out
+            and len(c.req.output_ids) + 1 < c.req.params.max_tokens
+            and c.req.num_tokens + 1 < max_model_len
+        ]
+        extra = sum(
+            self.blocks.blocks_needed(r.num_tokens + 1) - len(self.blocks.block_table(r.request_id))
+            for r in rows
+        )
+        if not rows or extra > self.blocks.num_free_blocks:
+            return None  # (checked first: no request takes a block it would hold idle)
+        for r in rows:
+            self.blocks.append(r.request_id, r.num_tokens + 1)
+        return SchedulerOutput([ScheduledChunk(r, 1, True, feed=True) for r in rows])
 
     def _admission_possible(self) -> bool:
         """Whether ``schedule`` could now admit, fail or assign a slot to a waiting request

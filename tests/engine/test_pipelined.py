@@ -175,3 +175,4 @@ def test_chain_only_in_the_steady_state():
     assert blocks.num_free_blocks == 0
     assert s.chain(plan, max_model_len=100) is None
     assert all(r.status is RequestStatus.RUNNING for r in (a, b)) and s.num_preemptions == 0
+    assert len(blocks.block_table("a")) == 2  # a refused chain takes no block
