@@ -1,5 +1,6 @@
 """Where one decode layer's GPU time goes (Llama-3-8B shapes, bf16): each launch of the fused
-GPU forward timed alone with CUDA graphs, with and without LoRA slots.
+GPU forward timed alone with CUDA graphs, with and without LoRA slots; GEMMs under the BLAS
+backend the engine picks (``model/gemm.py``), rows grouped by slot; the LM head once per step.
 
     python -m benchmarks.layer_breakdown [--batches 1 32 64 128] [--loras 0 8 32]
 """
@@ -9,10 +10,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 from benchmarks.synthetic import LLAMA3_8B, random_model
+from loraplex.engine.model import gemm
+from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul
 from loraplex.engine.model.paged_attention import paged_decode_attention
 
@@ -28,7 +30,8 @@ def case(model, loras: int, t: int, ctx_len: int) -> dict[str, float]:
     dev = "cuda"
     h = torch.randn(t, mc.hidden_size, dtype=torch.bfloat16, device=dev)
     residual = torch.randn_like(h)
-    slots = torch.arange(t, device=dev, dtype=torch.int32) % max(loras, 1)
+    # rows grouped by slot, as the engine sends them
+    slots = (torch.arange(t, device=dev, dtype=torch.int32) * max(loras, 1) // t).to(torch.int32)
     if loras == 0:
         slots = torch.full((t,), -1, device=dev, dtype=torch.int32)
     bs = 16
@@ -44,24 +47,28 @@ def case(model, loras: int, t: int, ctx_len: int) -> dict[str, float]:
     q = torch.empty(t, mc.num_heads, mc.head_dim, dtype=torch.bfloat16, device=dev)
     act = torch.empty(t, mc.intermediate_size, dtype=torch.bfloat16, device=dev)
     out = torch.empty_like(h)
+    mods = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     L, R = layer.qkv_proj.max_loras, layer.qkv_proj.max_rank
-    qkv = F.linear(h, layer.qkv_proj.weight_aug)
-    o = F.linear(q.view(t, -1), layer.o_proj.weight_aug)
-    gu = F.linear(h, layer.gate_up_proj.weight_aug)
-    d = F.linear(act, layer.down_proj.weight_aug)
+    qkv = linear(h, layer.qkv_proj.weight_aug)
+    o = linear(q.view(t, -1), layer.o_proj.weight_aug)
+    gu = linear(h, layer.gate_up_proj.weight_aug)
+    d = linear(act, layer.down_proj.weight_aug)
     w = layer.post_attention_layernorm.weight
+    gemm.tune([m.weight_aug for m in mods] + [model.lm_head], t)  # as at graph capture
     parts = {
-        "qkv gemm": lambda: F.linear(h, layer.qkv_proj.weight_aug),
+        "qkv gemm": lambda: linear(h, layer.qkv_proj.weight_aug),
         "qkv_rope": lambda: lora_qkv_rope(qkv, mc.q_size, mc.kv_size, mc.head_dim, layer.qkv_proj.lora_b, slots, L, R, pos, model.rope.cos, model.rope.sin, k_cache, v_cache, smap, q),
         "attention": lambda: paged_decode_attention(q, k_cache, v_cache, tables, ctx, layer.scale),
-        "o gemm": lambda: F.linear(q.view(t, -1), layer.o_proj.weight_aug),
+        "o gemm": lambda: linear(q.view(t, -1), layer.o_proj.weight_aug),
         "add_rmsnorm": lambda: lora_add_rmsnorm(o, mc.hidden_size, residual, layer.o_proj.lora_b, slots, L, R, w, 1e-5, out),
-        "gate_up gemm": lambda: F.linear(h, layer.gate_up_proj.weight_aug),
+        "gate_up gemm": lambda: linear(h, layer.gate_up_proj.weight_aug),
         "silu_mul": lambda: lora_silu_mul(gu, 2 * mc.intermediate_size, layer.gate_up_proj.lora_b, slots, L, R, act),
-        "down gemm": lambda: F.linear(act, layer.down_proj.weight_aug),
+        "down gemm": lambda: linear(act, layer.down_proj.weight_aug),
         "add_rmsnorm(down)": lambda: lora_add_rmsnorm(d, mc.hidden_size, residual, layer.down_proj.lora_b, slots, L, R, w, 1e-5, out),
     }  # fmt: skip
-    return {k: bench(fn) for k, fn in parts.items()}
+    times = {k: bench(fn) for k, fn in parts.items()}
+    times["lm_head (per step)"] = bench(lambda: linear(h, model.lm_head).float())
+    return times
 
 
 def main() -> None:
@@ -82,7 +89,7 @@ def main() -> None:
         for t in args.batches:
             times = case(model, loras, t, args.ctx)
             rows.append((loras, t, times))
-            total = sum(times.values())
+            total = sum(v for k, v in times.items() if "per step" not in k)
             print(
                 f"loras {loras} batch {t}: total {total:.1f} µs/layer (x32 = {total * 32 / 1e3:.2f} ms)"
             )
@@ -93,7 +100,7 @@ def main() -> None:
     print("\n| loras | batch | " + " | ".join(names) + " | total µs | x32 ms |")
     print("|---:|---:|" + "---:|" * (len(names) + 2))
     for loras, t, times in rows:
-        total = sum(times.values())
+        total = sum(v for k, v in times.items() if "per step" not in k)
         cells = " | ".join(f"{times[k]:.1f}" for k in names)
         print(f"| {loras} | {t} | {cells} | {total:.1f} | {total * 32 / 1e3:.2f} |")
 
