@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -30,7 +30,22 @@ from loraplex.engine.scheduler import SchedulerOutput
 if TYPE_CHECKING:
     from loraplex.engine.core import EngineCore
 
-__all__ = ["InFlightStep", "StepMixin"]
+__all__ = ["InFlightStep", "StepMixin", "StepRecord"]
+
+
+class StepRecord(NamedTuple):
+    """One collected step, as kept in ``EngineCore.step_log`` (a tuple: old readers index it)."""
+
+    seconds: float  # from the later of its launch and the previous step's results to its own
+    rows: int
+    tokens: int
+    decode: bool  # every row decodes one token
+    loading: bool  # an adapter load was in flight
+    gpu_ms: float | None  # CUDA-graph replay time (graph steps only)
+    host_s: float  # step-thread seconds to queue the step
+    pipelined: bool  # some row read the previous step's tokens on the device
+    t_end: float  # perf_counter when its results reached the host
+    slot_writes: int  # slot writes issued before its launch
 
 
 @dataclass(eq=False)
@@ -146,10 +161,8 @@ class StepMixin:
         tokens = sum(len(it.token_ids) for it in items)
         decode = all(len(it.token_ids) == 1 for it in items)
         pipelined = any(it.feed_row >= 0 for it in items)
-        # (seconds, rows, tokens, decode-only, load in flight, graph GPU ms, host s to queue,
-        #  pipelined)
         self.step_log.append(
-            (
+            StepRecord(
                 t_end - max(step.t_start, self.last_result_time),
                 len(items),
                 tokens,
@@ -158,6 +171,8 @@ class StepMixin:
                 gpu_ms,
                 step.t_launched - step.t_start,
                 pipelined,
+                t_end,
+                len(step.plan.slot_jobs),
             )
         )
         self.last_result_time = t_end

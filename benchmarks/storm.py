@@ -1,0 +1,398 @@
+"""Cold-load storm: do running streams keep their pace while a burst of adapters loads?
+
+Scenario (issue "storm-proof loads"): ``--streams`` requests decode steadily on the base model
+and ``--resident`` adapters; then, for each storm size N in ``--storms``, N new adapters
+(distinct files, local source) are registered at once with ``add_adapter`` (fetch + sha256 +
+preflight), and then one short request is sent on each of them at once (stage, slot write,
+prefill). The running streams' inter-token gaps are measured per window (quiet, registration,
+requests, after), next to the asyncio loop's lag, Triton compiles and the storm requests' TTFT
+split by load stage.
+
+    python -m benchmarks.storm                      # H200: Llama-3-8B shape, 32 streams, 24 + 64
+    python -m benchmarks.storm --smoke              # CPU: tiny model, a few seconds
+
+Gaps are measured where a client sees them: the time between two consecutive outputs of one
+stream, read by the stream's consumer on the event loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from benchmarks.coldload.adapters import TINY
+from benchmarks.synthetic import LLAMA3_8B, random_model, write_model_config
+from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
+from loraplex.engine.model.config import LORA_MODULES, ModelConfig
+
+_PARENT = {
+    m: "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn" for m in LORA_MODULES
+}
+
+
+def write_adapters(root: Path, cfg: dict, names: list[str], rank: int, device: str) -> None:
+    """Distinct rank-``rank`` all-module bf16 PEFT adapters, one folder per name (random
+    weights drawn on ``device``: writing 88 x 84 MB from CPU randn would take minutes)."""
+    mcfg = ModelConfig.from_dict(cfg)
+    shapes = mcfg.lora_module_shapes()
+    g = torch.Generator(device=device).manual_seed(1234)
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": list(LORA_MODULES),
+        "bias": "none",
+        "lora_dropout": 0.0,
+        "task_type": "CAUSAL_LM",
+    }
+    for name in names:
+        tensors = {}
+        for i in range(mcfg.num_layers):
+            for m in LORA_MODULES:
+                fan_in, fan_out = shapes[m]
+                key = f"base_model.model.model.layers.{i}.{_PARENT[m]}.{m}"
+                a = torch.randn(rank, fan_in, generator=g, device=device) * fan_in**-0.5
+                b = torch.randn(fan_out, rank, generator=g, device=device) * 0.01
+                tensors[f"{key}.lora_A.weight"] = a.to(torch.bfloat16).cpu()
+                tensors[f"{key}.lora_B.weight"] = b.to(torch.bfloat16).cpu()
+        folder = root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
+
+
+@dataclass
+class Window:
+    name: str
+    t0: float
+    t1: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class LagProbe:
+    """How late a due callback runs on the event loop (sampled every ``interval`` s)."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval = interval
+        self.samples: list[tuple[float, float]] = []  # (perf_counter, lag s)
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        while True:
+            due = time.perf_counter() + self.interval
+            await asyncio.sleep(self.interval)
+            now = time.perf_counter()
+            self.samples.append((now, max(0.0, now - due)))
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+class CompileCounter:
+    """Triton kernels compiled (or loaded from its disk cache) in this process, with times."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, str]] = []
+        try:
+            from triton import knobs
+        except ImportError:  # triton < 3.4 or absent: nothing to count
+            return
+        prev = knobs.runtime.jit_post_compile_hook
+
+        def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002
+            self.events.append((time.perf_counter(), getattr(fn, "name", "?")))
+            if prev is not None:
+                return prev(
+                    key=key, repr=repr, fn=fn, compile=compile,
+                    is_manual_warmup=is_manual_warmup, already_compiled=already_compiled,
+                )  # fmt: skip
+            return None
+
+        knobs.runtime.jit_post_compile_hook = hook
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    cfg = dict(TINY if args.smoke else LLAMA3_8B)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="storm-"))
+    model_dir = write_model_config(work / "model", cfg)
+    resident = [f"r{i}" for i in range(args.resident)]
+    storms = [[f"s{n}_{i}" for i in range(n)] for n in args.storms]
+    t0 = time.perf_counter()
+    write_adapters(work / "adapters", cfg, resident + [n for s in storms for n in s], args.rank,
+                   device)  # fmt: skip
+    print(f"adapters written in {time.perf_counter() - t0:.1f} s", flush=True)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = random_model(
+        cfg, max_loras=args.max_loras, max_lora_rank=args.rank, device=device, dtype=dtype
+    )
+    config = EngineConfig(
+        model=str(model_dir),
+        device=device,
+        dtype="float32" if device == "cpu" else "bfloat16",
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+        max_lora_rank=args.rank,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.prompt_len + args.max_tokens + 64,
+        kv_cache_bytes=args.kv_cache_gb << 30 if args.kv_cache_gb else None,
+        local_roots=(str(work / "adapters"),),
+        adapter_cache_dir=str(work / "staging"),
+        **({"loader_processes": args.loader_processes} if args.loader_processes is not None
+           else {}),
+    )  # fmt: skip
+    compiles = CompileCounter()
+    g = torch.Generator().manual_seed(0)
+    vocab = cfg["vocab_size"]
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(10, vocab - 1, (n,), generator=g).tolist()
+
+    async with AsyncEngine(config, model=model) as engine:
+        t_ready = time.perf_counter()
+        compiles_at_start = len(compiles.events)
+        loads: list[dict] = []
+        engine.subscribe(lambda ev, d: loads.append(d) if ev == "adapter_load" else None)
+        for name in resident:
+            await engine.add_adapter(name, str(work / "adapters" / name))
+        probe = LagProbe()
+        probe.start()
+        times: list[list[float]] = [[] for _ in range(args.streams)]
+        stop = asyncio.Event()
+
+        async def stream(i: int) -> None:
+            adapter = (
+                None if i % (len(resident) + 1) == 0 else resident[i % (len(resident) + 1) - 1]
+            )
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+            gen = engine.generate(prompt(args.prompt_len), params, adapter=adapter)
+            try:
+                async for _ in gen:
+                    times[i].append(time.perf_counter())
+                    if stop.is_set():
+                        break
+            finally:
+                await gen.aclose()
+
+        streams = [asyncio.create_task(stream(i)) for i in range(args.streams)]
+        # wait until every stream decodes (prefills done), then a quiet window
+        while min(len(t) for t in times) < 8:
+            await asyncio.sleep(0.05)
+        windows: list[Window] = []
+
+        async def window(name: str, coro=None, seconds: float = 0.0) -> Window:
+            w = Window(name, time.perf_counter())
+            if coro is not None:
+                w.info = await coro
+            if seconds:
+                await asyncio.sleep(seconds)
+            w.t1 = time.perf_counter()
+            windows.append(w)
+            print(f"  window {name}: {w.t1 - w.t0:.2f} s", flush=True)
+            return w
+
+        await window("quiet", seconds=args.quiet_s)
+        short = SamplingParams(max_tokens=args.storm_tokens, temperature=0.0, ignore_eos=True)
+
+        async def register(names: list[str]) -> dict:
+            t = time.perf_counter()
+            await asyncio.gather(
+                *(engine.add_adapter(n, str(work / "adapters" / n)) for n in names)
+            )
+            return {"seconds": time.perf_counter() - t}
+
+        async def requests(names: list[str]) -> dict:
+            async def one(n: str) -> tuple[float, float]:
+                t = time.perf_counter()
+                first = None
+                async for _ in engine.generate(prompt(args.storm_prompt_len), short, adapter=n):
+                    first = first or time.perf_counter()
+                return (first or t) - t, time.perf_counter() - t
+
+            res = await asyncio.gather(*(one(n) for n in names))
+            ttft = [r[0] for r in res]
+            return {
+                "ttft_p50_s": statistics.median(ttft),
+                "ttft_max_s": max(ttft),
+                "seconds": max(r[1] for r in res),
+            }
+
+        for n, names in zip(args.storms, storms, strict=True):
+            await window(f"register {n}", register(names))
+            await window(f"settle {n}", seconds=args.settle_s)
+            nloads = len(loads)
+            w = await window(f"requests {n}", requests(names))
+            w.info["loads"] = loads[nloads:]
+            await window(f"after {n}", seconds=args.settle_s)
+        stop.set()
+        for t in streams:
+            t.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        await probe.stop()
+        stats = engine.stats()
+        step_log = list(engine.core.step_log)
+    rows = []
+    for w in windows:
+        gaps = [b - a for ts in times for a, b in itertools.pairwise(ts) if a >= w.t0 and b <= w.t1]
+        lag = [s for t, s in probe.samples if w.t0 <= t <= w.t1]
+        comp = [name for t, name in compiles.events if w.t0 <= t <= w.t1]
+        row = {
+            "window": w.name,
+            "seconds": w.t1 - w.t0,
+            "gaps": len(gaps),
+            "gap_p50_ms": pct(gaps, 50) * 1e3,
+            "gap_p99_ms": pct(gaps, 99) * 1e3,
+            "gap_max_ms": max(gaps, default=float("nan")) * 1e3,
+            "loop_lag_p99_ms": pct(lag, 99) * 1e3,
+            "loop_lag_max_ms": max(lag, default=float("nan")) * 1e3,
+            "compiles": len(comp),
+            "compiled": sorted(set(comp)),
+        }
+        steps = [e for e in step_log if w.t0 <= e.t_end <= w.t1]
+        row["slowest_steps"] = [
+            {k: (round(v, 5) if isinstance(v, float) else v) for k, v in e._asdict().items()}
+            for e in sorted(steps, key=lambda e: -e.seconds)[:6]
+        ]
+        for k in ("ttft_p50_s", "ttft_max_s", "seconds"):
+            if k in w.info:
+                row[k] = w.info[k]
+        if "loads" in w.info and w.info["loads"]:
+            ok = [d for d in w.info["loads"] if d.get("ok")]
+            for stage in ("fetch", "verify", "preflight", "stage"):
+                vals = [d["timings"].get(stage, 0.0) for d in ok]
+                row[f"{stage}_p50_ms"] = pct(vals, 50) * 1e3 if vals else None
+        rows.append(row)
+    return {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "commit": _commit(),
+        "date": time.strftime("%Y-%m-%d"),
+        "args": vars(args),
+        "startup_s": t_ready - t0,
+        "compiles_during_startup": compiles_at_start,
+        "compiles_while_serving": len(compiles.events) - compiles_at_start,
+        "rows": rows,
+        "adapter_stats": stats.get("adapters"),
+    }
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def table(result: dict[str, Any]) -> str:
+    rows = result["rows"]
+    quiet = next(r for r in rows if r["window"] == "quiet")
+    lines = [
+        f"{result['date']}, commit {result['commit']}, {result['device']}; "
+        f"compiles while serving: {result['compiles_while_serving']}",
+        "",
+        "| window | s | gaps | gap p50 / p99 / max (ms) | p99 / quiet p99 | max / quiet p50 "
+        "| loop lag p99 / max (ms) | compiles | TTFT p50 / max (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ttft = f"{r['ttft_p50_s']:.2f} / {r['ttft_max_s']:.2f}" if "ttft_p50_s" in r else ""
+        lines.append(
+            f"| {r['window']} | {r['seconds']:.1f} | {r['gaps']} | {r['gap_p50_ms']:.2f} / "
+            f"{r['gap_p99_ms']:.2f} / {r['gap_max_ms']:.2f} | "
+            f"{r['gap_p99_ms'] / quiet['gap_p99_ms']:.2f} | "
+            f"{r['gap_max_ms'] / quiet['gap_p50_ms']:.2f} | "
+            f"{r['loop_lag_p99_ms']:.2f} / {r['loop_lag_max_ms']:.2f} | {r['compiles']} | {ttft} |"
+        )
+    stages = [r for r in rows if "stage_p50_ms" in r]
+    if stages:
+        lines += ["", "Load stages of the storm requests (p50 ms): " + "; ".join(
+            f"{r['window']}: fetch {r['fetch_p50_ms']:.0f}, verify {r['verify_p50_ms']:.0f}, "
+            f"preflight {r['preflight_p50_ms']:.0f}, stage {r['stage_p50_ms']:.0f}"
+            for r in stages if r.get("stage_p50_ms") is not None
+        )]  # fmt: skip
+    for r in rows:
+        if r["window"] == "quiet" or not r.get("slowest_steps"):
+            continue
+        lines.append(f"slowest steps in {r['window']}: " + "; ".join(
+            f"{e['seconds'] * 1e3:.1f} ms (rows {e['rows']}, tokens {e['tokens']}, "
+            f"host {e['host_s'] * 1e3:.1f} ms, writes {e['slot_writes']})"
+            for e in r["slowest_steps"][:4]
+        ))  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few seconds")
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--resident", type=int, default=4)
+    ap.add_argument("--storms", type=int, nargs="+", default=[24, 64])
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--max-loras", type=int, default=8)
+    ap.add_argument("--max-cpu-loras", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--loader-processes", type=int, default=None)
+    ap.add_argument("--kv-cache-gb", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=6000)
+    ap.add_argument("--storm-prompt-len", type=int, default=16)
+    ap.add_argument("--storm-tokens", type=int, default=8)
+    ap.add_argument("--quiet-s", type=float, default=3.0)
+    ap.add_argument("--settle-s", type=float, default=1.5)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--out", default=None, help="write the JSON result here")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        for k, v in dict(
+            streams=4,
+            resident=2,
+            storms=[3],
+            rank=8,
+            max_loras=4,
+            max_cpu_loras=6,
+            prompt_len=16,
+            max_tokens=400,
+            quiet_s=0.5,
+            settle_s=0.3,
+        ).items():
+            if getattr(args, k) == ap.get_default(k):
+                setattr(args, k, v)  # fmt: skip
+    result = asyncio.run(run(args))
+    print(table(result), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
