@@ -4,7 +4,9 @@ Remote URIs (``hf://``, ``s3://``, plugin schemes) must match an allowlist glob 
 sensitive, ``*`` also matches ``/``) or be one of the exact URIs the operator configured.
 Local sources (``file://`` URIs and plain paths) must lie under an operator root, checked on
 the real path (``os.path.realpath``), so ``..`` and symlinks cannot escape. Allow patterns do
-not apply to local sources: the roots are their allowlist.
+not apply to local sources: the roots are their allowlist. The check alone does not stop a
+path from changing after it (a directory swapped for a symlink): the local resolver opens the
+checked real path component by component without following links (resolvers/local.py).
 """
 
 from __future__ import annotations
@@ -51,6 +53,15 @@ def local_path_of(uri: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
+def _realpath(path: str | Path) -> str:
+    try:
+        return os.path.realpath(path)
+    except OSError as e:  # a component changed between lstat and readlink
+        raise AdapterSourceError(
+            f"local path {str(path)!r} changed while it was being resolved: {e}", field="uri"
+        ) from None
+
+
 def _inside(path: str, root: str) -> bool:
     return path == root or os.path.commonpath([path, root]) == root
 
@@ -91,12 +102,25 @@ class SourcePolicy:
         )
 
     def real_roots(self) -> list[str]:
-        return [os.path.realpath(os.path.abspath(os.path.expanduser(r))) for r in self.local_roots]
+        return [_realpath(os.path.abspath(os.path.expanduser(r))) for r in self.local_roots]
+
+    def real_path(self, path: str | Path) -> str:
+        """``os.path.realpath``, with a typed error when the path changes while it is resolved
+        (e.g. ``readlink`` of a link that was just swapped back for a directory: EINVAL)."""
+        return _realpath(path)
 
     def contains(self, path: str | Path) -> bool:
         """Whether the real path of ``path`` lies under one of the local roots."""
-        real = os.path.realpath(path)
-        return any(_inside(real, root) for root in self.real_roots())
+        return self.contains_real(_realpath(path))
+
+    def contains_real(self, real: str) -> bool:
+        """Whether ``real``, already a real path, lies under one of the local roots."""
+        return self.root_of(real) is not None
+
+    def root_of(self, real: str) -> str | None:
+        """The real path of the innermost local root that holds ``real`` (a real path)."""
+        roots = [r for r in self.real_roots() if _inside(real, r)]
+        return max(roots, key=len) if roots else None
 
     def local_path(self, uri: str) -> Path:
         """The real path of a local source, after checking it lies under a root."""
@@ -105,7 +129,7 @@ class SourcePolicy:
             raise AdapterPolicyError(
                 f"local adapter source {uri!r} refused: no local roots are configured", field="uri"
             )
-        real = os.path.realpath(path)
+        real = _realpath(path)
         if not any(_inside(real, root) for root in self.real_roots()):
             via = "" if real == path else f" (it resolves to {real!r})"
             raise AdapterPolicyError(
