@@ -33,13 +33,22 @@ def find_stop(text: str, stops: Iterable[str]) -> tuple[int, str] | None:
 
 
 def stop_prefix_len(text: str, stops: Iterable[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string.
+
+    NOTE: runs per generated token, so it only visits the places where a stop string's first
+    character occurs in the last ``len(stop) - 1`` characters (C-level ``find`` / compare), not
+    every suffix length in Python.
+    """
     longest = 0
+    n = len(text)
     for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:k]):
-                longest = k
+        first = stop[:1]
+        i = text.find(first, max(n - len(stop) + 1, 0)) if first else -1
+        while i != -1 and n - i > longest:
+            if stop.startswith(text[i:]):
+                longest = n - i  # the earliest match is this stop's longest
                 break
+            i = text.find(first, i + 1)
     return longest
 
 
