@@ -14,8 +14,8 @@ import structlog
 from aiohttp import web
 
 from loraplex.engine.lora.loader import valid_adapter_name
+from loraplex.engine.server.body import read_json
 from loraplex.engine.server.errors import APIError, from_exception
-from loraplex.engine.server.protocol import parse_json
 from loraplex.engine.server.state import ADMIN_TOKEN_KEY, ENGINE_KEY
 
 __all__ = ["add_admin_routes", "check_token"]
@@ -47,7 +47,7 @@ def _str_field(body: dict, name: str, *, required: bool = True) -> str | None:
 async def load_lora_adapter(request: web.Request) -> web.Response:
     check_token(request)
     engine = request.app[ENGINE_KEY]
-    body = parse_json(await request.read())
+    body = await read_json(request)
     name = _str_field(body, "lora_name")
     uri = _str_field(body, "lora_path")
     sha256 = _str_field(body, "sha256", required=False)
@@ -84,7 +84,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
 async def unload_lora_adapter(request: web.Request) -> web.Response:
     check_token(request)
     engine = request.app[ENGINE_KEY]
-    body = parse_json(await request.read())
+    body = await read_json(request)
     name = _str_field(body, "lora_name")
     try:
         await engine.remove_adapter(name)  # type: ignore[arg-type]

@@ -6,8 +6,10 @@ app = create_app_from_config(config, ...)    # the app starts / closes its own e
 
 from __future__ import annotations
 
+import hmac
 import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import structlog
@@ -21,8 +23,18 @@ from loraplex.engine.metrics import Metrics
 from loraplex.engine.server.admin import add_admin_routes
 from loraplex.engine.server.chat import create_chat_completion
 from loraplex.engine.server.completions import create_completion
+from loraplex.engine.server.drain import Drain
 from loraplex.engine.server.errors import APIError, error_middleware
-from loraplex.engine.server.state import ENGINE_KEY, METRICS_KEY, base_model_root
+from loraplex.engine.server.limits import ServerLimits
+from loraplex.engine.server.state import (
+    ADMIN_TOKEN_KEY,
+    DRAIN_KEY,
+    ENGINE_KEY,
+    LIMITS_KEY,
+    METRICS_KEY,
+    PREP_POOL_KEY,
+    base_model_root,
+)
 
 if TYPE_CHECKING:
     from loraplex.engine.server.launch import LoraModule
@@ -31,7 +43,7 @@ __all__ = ["create_app", "create_app_from_config"]
 
 log = structlog.get_logger("loraplex.server")
 
-MAX_BODY_BYTES = 32 << 20  # token-id prompts are verbose JSON
+_PREP_THREADS = 2  # tokenization / chat-template threads per app
 _QUIET_PATHS = frozenset({"/health", "/metrics"})  # scraped often: logged at debug level
 
 
@@ -73,17 +85,29 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+def _is_admin(request: web.Request) -> bool:
+    """The request carries the admin bearer token (no error otherwise: clients send API keys)."""
+    token = request.app.get(ADMIN_TOKEN_KEY)
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if token is None or scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(given.strip().encode(), token.encode())
+
+
 async def list_models(request: web.Request) -> web.Response:
+    """Model cards; where adapters and the base model come from (local paths, bucket URIs) is
+    operator information, shown only to a request with the admin token."""
     engine = request.app[ENGINE_KEY]
     base = engine.model_name
     created = int(time.time())
+    admin = _is_admin(request)
     cards = [
         {
             "id": base,
             "object": "model",
             "created": created,
             "owned_by": "loraplex",
-            "root": base_model_root(engine),
+            "root": base_model_root(engine) if admin else base,
             "parent": None,
             "max_model_len": engine.max_model_len,
         }
@@ -95,7 +119,7 @@ async def list_models(request: web.Request) -> web.Response:
                 "object": "model",
                 "created": created,
                 "owned_by": "loraplex",
-                "root": a["uri"],
+                "root": a["uri"] if admin else a["name"],
                 "parent": base,
                 "max_model_len": engine.max_model_len,
                 "digest": a["digest"],
@@ -104,10 +128,24 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": cards})
 
 
-def _build(admin_token: str | None, metrics_top_k: int) -> web.Application:
+async def _prep_pool(app: web.Application) -> AsyncIterator[None]:
+    pool = ThreadPoolExecutor(_PREP_THREADS, thread_name_prefix="loraplex-prep")
+    app[PREP_POOL_KEY] = pool
+    yield
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _build(
+    admin_token: str | None, metrics_top_k: int, limits: ServerLimits | None
+) -> web.Application:
+    limits = limits or ServerLimits()
     app = web.Application(
-        middlewares=[access_log, error_middleware], client_max_size=MAX_BODY_BYTES
+        middlewares=[access_log, error_middleware],
+        client_max_size=limits.max_request_body_bytes,
     )
+    app[LIMITS_KEY] = limits
+    app[DRAIN_KEY] = Drain()
+    app.cleanup_ctx.append(_prep_pool)
     metrics = Metrics(top_k=metrics_top_k)
     app[METRICS_KEY] = metrics
     app.router.add_get("/health", health)
@@ -126,15 +164,20 @@ def _bind(app: web.Application, engine: AsyncEngine) -> None:
 
 
 def create_app(
-    engine: AsyncEngine, *, admin_token: str | None = None, metrics_top_k: int = 16
+    engine: AsyncEngine,
+    *,
+    admin_token: str | None = None,
+    metrics_top_k: int = 16,
+    limits: ServerLimits | None = None,
 ) -> web.Application:
     """An app serving a running ``engine`` (its lifetime stays with the caller).
 
-    ``admin_token``: enables the load / unload routes (None: they do not exist). Run it with
-    ``start_server`` (or an ``AppRunner(handler_cancellation=True)``) so that a client hanging
-    up also aborts a non-streamed request; streams notice on their next write anyway.
+    ``admin_token``: enables the load / unload routes (None: they do not exist). ``limits``:
+    what one request may cost (default ``ServerLimits()``). Run it with ``start_server`` (or an
+    ``AppRunner(handler_cancellation=True)``) so that a client hanging up also aborts a
+    non-streamed request; streams notice on their next write anyway.
     """
-    app = _build(admin_token, metrics_top_k)
+    app = _build(admin_token, metrics_top_k, limits)
     _bind(app, engine)
     return app
 
@@ -145,13 +188,14 @@ def create_app_from_config(
     admin_token: str | None = None,
     lora_modules: Sequence[LoraModule] = (),
     metrics_top_k: int = 16,
+    limits: ServerLimits | None = None,
 ) -> web.Application:
     """An app that starts the engine on start-up and closes it on clean-up.
 
     ``lora_modules`` are registered at start-up (after the demo adapters when ``config.model`` is
-    None); a bad one fails the start-up.
+    None); a bad one (or one whose name is taken) fails the start-up.
     """
-    app = _build(admin_token, metrics_top_k)
+    app = _build(admin_token, metrics_top_k, limits)
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
         engine = AsyncEngine(config)
@@ -162,6 +206,10 @@ def create_app_from_config(
 
                 names = await register_demo_adapters(engine)
                 log.info("demo_adapters_registered", names=names)
+            from loraplex.engine.server.launch import check_lora_modules
+
+            taken = [engine.model_name, *(a["name"] for a in engine.list_adapters())]
+            check_lora_modules(lora_modules, taken)
             for m in lora_modules:
                 info = await engine.add_adapter(m.name, m.uri, m.sha256)
                 log.info("adapter_registered", name=m.name, uri=m.uri, digest=info["digest"])

@@ -8,19 +8,31 @@ from aiohttp import web
 
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.request import RequestOutput
+from loraplex.engine.server.body import read_json
 from loraplex.engine.server.errors import APIError
-from loraplex.engine.server.generation import Job, Reply, adapter_for, make_jobs, new_id, usage
+from loraplex.engine.server.generation import (
+    Job,
+    Reply,
+    adapter_for,
+    make_jobs,
+    new_id,
+    off_loop,
+    usage,
+)
 from loraplex.engine.server.logprobs import TokenNamer, chat_logprobs
-from loraplex.engine.server.protocol import GenerationRequest, parse_chat, parse_json
+from loraplex.engine.server.protocol import GenerationRequest, parse_chat
 from loraplex.engine.server.respond import respond
-from loraplex.engine.server.state import ENGINE_KEY
+from loraplex.engine.server.state import DRAIN_KEY, ENGINE_KEY, LIMITS_KEY
 from loraplex.engine.tokenizer import TokenizerError
 
 __all__ = ["create_chat_completion", "render_chat"]
 
 
 def render_chat(engine: AsyncEngine, req: GenerationRequest) -> list[int]:
-    """Prompt token ids of the chat (the template's text already holds BOS)."""
+    """Prompt token ids of the chat (the template's text already holds BOS).
+
+    Blocking: call it through ``off_loop``.
+    """
     tok = engine.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer, so it cannot chat", param="messages")
@@ -29,7 +41,7 @@ def render_chat(engine: AsyncEngine, req: GenerationRequest) -> list[int]:
         text = tok.apply_chat_template(req.messages, **req.chat_kwargs)
     except TokenizerError as e:
         raise APIError(400, str(e), param="messages") from e
-    ids = tok.encode(text, add_special_tokens=False)
+    ids = tok.encode_batch([text], add_special_tokens=False)[0]
     if not ids:
         raise APIError(400, "the rendered chat prompt is empty", param="messages")
     return ids
@@ -108,9 +120,11 @@ class ChatShape:
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
-    req = parse_chat(parse_json(await request.read()))
+    request.app[DRAIN_KEY].check_open()
+    req = parse_chat(await read_json(request), request.app[LIMITS_KEY])
     adapter = adapter_for(engine, req.model)
     reply_id = new_id("chatcmpl")
-    jobs = make_jobs(engine, req, [render_chat(engine, req)], reply_id)
+    prompt = await off_loop(request, render_chat, engine, req)
+    jobs = make_jobs(engine, req, [prompt], reply_id)
     reply = Reply(reply_id, req.model or engine.model_name, jobs)
     return await respond(request, engine, req, reply, ChatShape(engine, req), adapter)

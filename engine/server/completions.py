@@ -8,6 +8,7 @@ from aiohttp import web
 
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.request import RequestOutput
+from loraplex.engine.server.body import read_json
 from loraplex.engine.server.errors import APIError
 from loraplex.engine.server.generation import (
     Job,
@@ -15,27 +16,31 @@ from loraplex.engine.server.generation import (
     adapter_for,
     make_jobs,
     new_id,
+    off_loop,
     usage,
 )
 from loraplex.engine.server.logprobs import CompletionLogprobs, TokenNamer
-from loraplex.engine.server.protocol import GenerationRequest, parse_completion, parse_json
+from loraplex.engine.server.protocol import GenerationRequest, parse_completion
 from loraplex.engine.server.respond import respond
-from loraplex.engine.server.state import ENGINE_KEY
+from loraplex.engine.server.state import DRAIN_KEY, ENGINE_KEY, LIMITS_KEY
 
 __all__ = ["create_completion", "encode_prompts"]
 
 
 def encode_prompts(engine: AsyncEngine, prompts: list[str | list[int]]) -> list[list[int]]:
-    """Token ids of every prompt (text is encoded with the model's special tokens)."""
-    out = []
-    for p in prompts:
-        if isinstance(p, str):
-            if engine.tokenizer is None:
-                raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
-            p = engine.tokenizer.encode(p)
-            if not p:
-                raise APIError(400, "the prompt is empty", param="prompt")
-        out.append(p)
+    """Token ids of every prompt (text is encoded with the model's special tokens).
+
+    Blocking: call it through ``off_loop``.
+    """
+    texts = [p for p in prompts if isinstance(p, str)]
+    if not texts:
+        return list(prompts)  # type: ignore[arg-type]
+    if engine.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
+    encoded = iter(engine.tokenizer.encode_batch(texts))
+    out = [next(encoded) if isinstance(p, str) else p for p in prompts]
+    if any(not ids for ids in out):
+        raise APIError(400, "the prompt is empty", param="prompt")
     return out
 
 
@@ -99,9 +104,11 @@ class CompletionShape:
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
-    req = parse_completion(parse_json(await request.read()))
+    request.app[DRAIN_KEY].check_open()
+    req = parse_completion(await read_json(request), request.app[LIMITS_KEY])
     adapter = adapter_for(engine, req.model)
     reply_id = new_id("cmpl")
-    jobs = make_jobs(engine, req, encode_prompts(engine, req.prompts), reply_id)
+    prompts = await off_loop(request, encode_prompts, engine, req.prompts)
+    jobs = make_jobs(engine, req, prompts, reply_id)
     reply = Reply(reply_id, req.model or engine.model_name, jobs)
     return await respond(request, engine, req, reply, CompletionShape(engine, req, reply), adapter)

@@ -9,16 +9,33 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from aiohttp import web
 
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.request import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.server.drain import Drain
 from loraplex.engine.server.errors import APIError, from_exception
 from loraplex.engine.server.protocol import GenerationRequest
+from loraplex.engine.server.state import PREP_POOL_KEY
 
-__all__ = ["Job", "FanOut", "Choice", "Reply", "adapter_for", "make_jobs", "usage"]
+__all__ = ["Job", "FanOut", "Choice", "Reply", "adapter_for", "make_jobs", "usage", "off_loop"]
+
+T = TypeVar("T")
+
+
+async def off_loop(request: web.Request, fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(*args)`` in the app's preparation threads (tokenization, chat templates).
+
+    NOTE: a small pool: a burst of huge prompts queues there instead of taking every thread,
+    and the event loop keeps streaming meanwhile.
+    """
+    pool = request.app.get(PREP_POOL_KEY)
+    return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
 
 @dataclass
@@ -127,19 +144,26 @@ def usage(reply: Reply) -> dict[str, Any]:
 class FanOut:
     """``async with FanOut(engine, jobs, adapter) as fan: async for job, out in fan: ...``
 
-    Yields outputs of all jobs in arrival order; the first engine error is raised.
+    Yields outputs of all jobs in arrival order; the first engine error is raised. With a
+    ``drain``, shutdown may abort the jobs (``shut_down`` then tells the consumer why).
     """
 
-    def __init__(self, engine: AsyncEngine, jobs: list[Job], adapter: str | None) -> None:
+    def __init__(
+        self, engine: AsyncEngine, jobs: list[Job], adapter: str | None, drain: Drain | None = None
+    ) -> None:
         self.engine = engine
         self.jobs = jobs
         self.adapter = adapter
+        self.drain = drain
+        self.shut_down = False
         self._queue: asyncio.Queue[tuple[Job, RequestOutput | None, BaseException | None]]
         self._queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
 
     async def _pump(self, job: Job) -> None:
         try:
+            if self.shut_down:  # aborted before this job reached the engine
+                raise APIError(503, "the server is shutting down")
             async for out in self.engine.generate(
                 job.prompt_ids, job.params, adapter=self.adapter, request_id=job.request_id
             ):
@@ -150,11 +174,21 @@ class FanOut:
             self._queue.put_nowait((job, None, e))
         self._queue.put_nowait((job, None, None))  # this job is done
 
+    def abort_for_shutdown(self) -> None:
+        self.shut_down = True
+        for j in self.jobs:
+            self.engine.abort(j.request_id)
+
     async def __aenter__(self) -> FanOut:
+        if self.drain is not None:
+            self.drain.check_open()
+            self.drain.add(self)
         self._tasks = [asyncio.create_task(self._pump(j)) for j in self.jobs]
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self.drain is not None:
+            self.drain.discard(self)
         for t in self._tasks:
             t.cancel()
         for j in self.jobs:

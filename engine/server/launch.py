@@ -5,20 +5,33 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import signal
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraplex.engine.logging import LEVELS
 from loraplex.engine.server.cli import Subcommand
+from loraplex.engine.server.limits import ServerLimits, add_limit_arguments, limits_from_args
 
 if TYPE_CHECKING:
     from aiohttp import web
 
     from loraplex.engine.config import EngineConfig
 
-__all__ = ["COMMAND", "LoraModule", "parse_lora_module", "config_from_args", "start_server"]
+__all__ = [
+    "COMMAND",
+    "LoraModule",
+    "parse_lora_module",
+    "check_lora_modules",
+    "config_from_args",
+    "start_server",
+    "shutdown_server",
+]
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -44,11 +57,37 @@ def parse_lora_module(text: str) -> LoraModule:
             )
         if sha is not None and not isinstance(sha, str):
             raise argparse.ArgumentTypeError(f"--lora-modules: sha256 of {name!r} is not a string")
-        return LoraModule(name, uri, sha.lower().removeprefix("sha256:") if sha else None)
+        sha = sha.lower().removeprefix("sha256:") if sha else None
+        if sha is not None and not _SHA256.match(sha):
+            raise argparse.ArgumentTypeError(f"--lora-modules: sha256 of {name!r} is not 64 hex")
+        return _named(LoraModule(name, uri, sha))
     name, sep, uri = text.partition("=")
     if not sep or not name or not uri:
         raise argparse.ArgumentTypeError(f"--lora-modules: expected name=URI, got {text!r}")
-    return LoraModule(name, uri)
+    return _named(LoraModule(name, uri))
+
+
+def _named(m: LoraModule) -> LoraModule:
+    """The name rule of the admin load route: clients choose adapters by these names."""
+    from loraplex.engine.lora.loader import valid_adapter_name
+
+    if not valid_adapter_name(m.name):
+        raise argparse.ArgumentTypeError(
+            f"--lora-modules: bad adapter name {m.name!r} (letters, digits, '._-' and one '/')"
+        )
+    return m
+
+
+def check_lora_modules(modules: Sequence[LoraModule], taken: Iterable[str] = ()) -> None:
+    """Refuse a name listed twice, or one already taken (the base model, demo adapters)."""
+    seen = set(taken)
+    for m in modules:
+        _named(m)
+        if m.name in seen:
+            raise ValueError(
+                f"--lora-modules: the name {m.name!r} is used twice (or is the base model's name)"
+            )
+        seen.add(m.name)
 
 
 def _names(text: str) -> list[str]:
@@ -97,6 +136,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-top-k", type=int, default=16, help="adapters with own metric labels")
     p.add_argument("--log-level", choices=LEVELS, default="info", help="log level")
     p.add_argument("--log-json", action="store_true", help="JSON logs even on a TTY")
+    add_limit_arguments(p.add_argument_group("request limits and timeouts"))
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -128,25 +168,67 @@ def read_admin_token(path: str) -> str:
 
 
 async def start_server(
-    app: web.Application, host: str = "127.0.0.1", port: int = 0, *, shutdown_timeout: float = 10.0
+    app: web.Application,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    limits: ServerLimits | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Start ``app`` (engine start-up included) on host:port; returns the runner and the port.
 
-    Handlers are cancelled when their client disconnects, so generation stops at once.
+    Handlers are cancelled when their client disconnects, so generation stops at once. The app
+    decodes request bodies itself (``auto_decompress=False``), within its limits. Timeouts:
+    ``limits`` (default: the app's own).
     """
     from aiohttp import web
 
+    from loraplex.engine.server.slow_clients import HeaderDeadline
+    from loraplex.engine.server.state import BODY_DECODED_KEY, LIMITS_KEY
+
+    limits = limits or app.get(LIMITS_KEY) or ServerLimits()
+    app[BODY_DECODED_KEY] = True
     runner = web.AppRunner(
-        app, access_log=None, handler_cancellation=True, shutdown_timeout=shutdown_timeout
+        app,
+        access_log=None,
+        handler_cancellation=True,
+        auto_decompress=False,
+        keepalive_timeout=limits.keep_alive_timeout,
+        # after our own drain (shutdown_server) only replies being written are left
+        shutdown_timeout=5.0,
     )
     await runner.setup()
     try:
+        HeaderDeadline.attach(runner, limits.header_timeout)
         site = web.TCPSite(runner, host, port)
         await site.start()
     except BaseException:
         await runner.cleanup()
         raise
     return runner, int(runner.addresses[0][1])
+
+
+async def shutdown_server(runner: web.AppRunner, timeout: float | None = None) -> None:
+    """Graceful stop: no new connections or generations, running ones get ``timeout`` seconds
+    (default: the app's ``shutdown_timeout``), the rest are aborted, then the runner cleans up
+    (engine included when the app owns it)."""
+    import structlog
+
+    from loraplex.engine.server.state import DRAIN_KEY, LIMITS_KEY
+
+    log = structlog.get_logger("loraplex.server")
+    app = runner.app
+    drain = app[DRAIN_KEY]
+    drain.close()
+    for site in list(runner.sites):
+        await site.stop()  # the listening socket closes: nothing new connects
+    if timeout is None:
+        timeout = app[LIMITS_KEY].shutdown_timeout
+    log.info("shutting_down", running=drain.active, timeout_s=timeout)
+    if not await drain.wait(timeout):
+        aborted = drain.abort_all()
+        log.warning("shutdown_aborted_requests", count=aborted, timeout_s=timeout)
+        await drain.wait(5.0)  # the aborted replies write their last chunks
+    await runner.cleanup()
 
 
 async def _serve(app: web.Application, host: str, port: int) -> None:
@@ -161,7 +243,7 @@ async def _serve(app: web.Application, host: str, port: int) -> None:
     try:
         await stop.wait()
     finally:
-        await runner.cleanup()
+        await shutdown_server(runner)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -174,12 +256,18 @@ def run(args: argparse.Namespace) -> int:
     log = structlog.get_logger("loraplex.server")
     try:
         config = config_from_args(args)
+        limits = limits_from_args(args)
+        check_lora_modules(args.lora_modules, [config.served_model_name or ""])
         token = read_admin_token(args.admin_token_file) if args.admin_token_file else None
     except (ValueError, OSError) as e:
         log.error("bad_configuration", error=str(e))
         return 2
     app = create_app_from_config(
-        config, admin_token=token, lora_modules=args.lora_modules, metrics_top_k=args.metrics_top_k
+        config,
+        admin_token=token,
+        lora_modules=args.lora_modules,
+        metrics_top_k=args.metrics_top_k,
+        limits=limits,
     )
     try:
         asyncio.run(_serve(app, args.host, args.port))

@@ -3,16 +3,19 @@
 Field names follow the OpenAI API plus vLLM's extra sampling fields (``top_k``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``return_token_ids``, ``return_tokens_as_token_ids``).
 Unknown fields are ignored, as vLLM does; features we do not implement are refused (400).
+The work a request may cause is bounded here, before anything is tokenized (``ServerLimits``);
+every string that reaches the tokenizer or a reply must be valid UTF-8 (no lone surrogates).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from loraplex.engine.server.body import check_depth, parse_json
 from loraplex.engine.server.errors import APIError
+from loraplex.engine.server.limits import ServerLimits, flag
 
 __all__ = ["GenerationRequest", "parse_json", "parse_completion", "parse_chat", "MAX_N"]
 
@@ -70,14 +73,66 @@ class GenerationRequest:
         return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **kw)
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    return body
+def utf8(value: str, param: str) -> str:
+    """``value`` if it encodes as UTF-8 (JSON allows lone surrogates such as ``"\\ud800"``)."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            msg = f"{param} holds a lone UTF-16 surrogate (not valid Unicode text)"
+            raise bad(msg, param) from None
+    return value
+
+
+def _tree_chars(value: Any, param: str) -> int:
+    """Characters of every string (keys included) in a JSON tree, checked as UTF-8."""
+    total = 0
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(utf8(v, param))
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return total
+
+
+def _check_chars(chars: int, limits: ServerLimits, param: str) -> None:
+    if chars > limits.max_prompt_chars:
+        raise bad(
+            f"the prompt text is {chars} characters, more than {limits.max_prompt_chars} "
+            f"({flag('max_prompt_chars')})",
+            param,
+        )
+
+
+def _check_stops(body: dict[str, Any], limits: ServerLimits) -> None:
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if isinstance(stops, list):
+        if len(stops) > limits.max_stop_strings:
+            raise bad(
+                f"stop holds {len(stops)} strings, more than {limits.max_stop_strings} "
+                f"({flag('max_stop_strings')})",
+                "stop",
+            )
+        for s in stops:
+            if isinstance(s, str) and len(utf8(s, "stop")) > limits.max_stop_string_chars:
+                raise bad(
+                    f"a stop string is {len(s)} characters, more than "
+                    f"{limits.max_stop_string_chars} ({flag('max_stop_string_chars')})",
+                    "stop",
+                )
+    ids = body.get("stop_token_ids")
+    if isinstance(ids, list) and len(ids) > limits.max_stop_strings:
+        raise bad(
+            f"stop_token_ids holds {len(ids)} ids, more than {limits.max_stop_strings} "
+            f"({flag('max_stop_strings')})",
+            "stop_token_ids",
+        )
 
 
 def _is_int(v: Any) -> bool:
@@ -115,11 +170,12 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
             raise bad(f"{name} is not supported by this server", name)
 
 
-def _common(body: dict[str, Any]) -> GenerationRequest:
+def _common(body: dict[str, Any], limits: ServerLimits) -> GenerationRequest:
     _refuse_unsupported(body)
     n = _get(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise bad(f"n must be in [1, {MAX_N}], got {n}", "n")
+    _check_stops(body, limits)
     best_of = _get(body, "best_of", int)
     if best_of is not None and best_of != n:
         raise bad("best_of other than n is not supported", "best_of")
@@ -132,6 +188,8 @@ def _common(body: dict[str, Any]) -> GenerationRequest:
     if max_tokens is not None and max_tokens < 1:
         raise bad(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
     model = _get(body, "model", str)
+    if model is not None:
+        utf8(model, "model")
     sampling = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
     return GenerationRequest(
         model=model,
@@ -163,11 +221,30 @@ def _prompt_list(value: Any) -> list[str | list[int]]:
     )
 
 
-def parse_completion(body: dict[str, Any]) -> GenerationRequest:
-    req = _common(body)
+def _check_fan_out(prompts: int, n: int, limits: ServerLimits, param: str) -> None:
+    if prompts * n > limits.max_prompts_times_n:
+        raise bad(
+            f"{prompts} prompt(s) × n={n} is {prompts * n} generations, more than "
+            f"{limits.max_prompts_times_n} ({flag('max_prompts_times_n')})",
+            param,
+        )
+
+
+def parse_completion(body: dict[str, Any], limits: ServerLimits | None = None) -> GenerationRequest:
+    limits = limits or ServerLimits()
+    req = _common(body, limits)
     if "prompt" not in body:
         raise bad("prompt is required", "prompt")
-    req.prompts = _prompt_list(body["prompt"])
+    prompt = body["prompt"]
+    # checked before any per-element work: a list of strings or of id lists is one prompt each
+    many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    count = len(prompt) if many else 1
+    _check_fan_out(count, req.n, limits, "prompt" if count > 1 else "n")
+    req.prompts = _prompt_list(prompt)
+    texts = [p for p in req.prompts if isinstance(p, str)]
+    _check_chars(sum(len(p) for p in texts), limits, "prompt")
+    for p in texts:
+        utf8(p, "prompt")
     logprobs = _get(body, "logprobs", int)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
@@ -179,6 +256,7 @@ def _message(i: int, m: Any) -> dict[str, Any]:
     param = f"messages[{i}]"
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise bad("each message must be an object with a string role", param)
+    utf8(m["role"], f"{param}.role")
     content = m.get("content")
     if isinstance(content, list):
         texts = []
@@ -194,11 +272,20 @@ def _message(i: int, m: Any) -> dict[str, Any]:
     return {**m, "content": content if content is not None else ""}
 
 
-def parse_chat(body: dict[str, Any]) -> GenerationRequest:
-    req = _common(body)
+# Names the renderer binds itself; a template kwarg may not replace them.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"self", "messages", "add_generation_prompt"})
+
+
+def parse_chat(body: dict[str, Any], limits: ServerLimits | None = None) -> GenerationRequest:
+    limits = limits or ServerLimits()
+    req = _common(body, limits)
+    _check_fan_out(1, req.n, limits, "n")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty list", "messages")
+    # NOTE: every part of a message reaches the chat template, so all of it is bounded here.
+    check_depth(messages, limits.max_json_depth, "messages")
+    chars = _tree_chars(messages, "messages")
     req.messages = [_message(i, m) for i, m in enumerate(messages)]
     mct = _get(body, "max_completion_tokens", int)
     if mct is not None:
@@ -213,6 +300,14 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
         raise bad(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
     req.logprobs = (top or 0) if want else None
     kwargs = _get(body, "chat_template_kwargs", dict, {})
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise bad(
+            f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets them)",
+            "chat_template_kwargs",
+        )
+    check_depth(kwargs, limits.max_json_depth, "chat_template_kwargs")
+    _check_chars(chars + _tree_chars(kwargs, "chat_template_kwargs"), limits, "messages")
     req.chat_kwargs = {
         **kwargs,
         "add_generation_prompt": _get(body, "add_generation_prompt", bool, True),

@@ -14,10 +14,13 @@ from aiohttp import web
 
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.request import RequestOutput
-from loraplex.engine.server.errors import from_exception
+from loraplex.engine.server.drain import SHUTDOWN_MESSAGE
+from loraplex.engine.server.errors import APIError, from_exception
 from loraplex.engine.server.generation import FanOut, Job, Reply, usage
+from loraplex.engine.server.limits import flag
 from loraplex.engine.server.protocol import GenerationRequest
 from loraplex.engine.server.sse import CLIENT_GONE, SSEWriter
+from loraplex.engine.server.state import DRAIN_KEY, LIMITS_KEY
 
 __all__ = ["ReplyShape", "respond"]
 
@@ -40,6 +43,16 @@ class ReplyShape(Protocol):
         ...
 
 
+def _fan(request: web.Request, engine: AsyncEngine, reply: Reply, adapter: str | None) -> FanOut:
+    return FanOut(engine, reply.jobs, adapter, request.app.get(DRAIN_KEY))
+
+
+def _shutdown_error(request: web.Request) -> APIError:
+    limits = request.app.get(LIMITS_KEY)
+    waited = f" after {limits.shutdown_timeout:g} s ({flag('shutdown_timeout')})" if limits else ""
+    return APIError(503, f"{SHUTDOWN_MESSAGE}: the request was aborted{waited}")
+
+
 def _chunk(reply: Reply, shape: ReplyShape, choices: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "id": reply.id,
@@ -59,12 +72,16 @@ async def respond(
     adapter: str | None,
 ) -> web.StreamResponse:
     if not req.stream:
-        async with FanOut(engine, reply.jobs, adapter) as fan:
+        async with _fan(request, engine, reply, adapter) as fan:
             try:
                 async for job, out in fan:
                     reply.choices[job.index].add(out)
             except Exception as e:  # noqa: BLE001
+                if fan.shut_down:
+                    raise _shutdown_error(request) from e
                 raise from_exception(e, model=req.model) from e
+        if fan.shut_down:
+            raise _shutdown_error(request)
         return web.json_response(shape.body(reply))
     return await _stream(request, engine, req, reply, shape, adapter)
 
@@ -79,7 +96,7 @@ async def _stream(
 ) -> web.StreamResponse:
     sse = SSEWriter(request)
     try:
-        async with FanOut(engine, reply.jobs, adapter) as fan:
+        async with _fan(request, engine, reply, adapter) as fan:
             try:
                 async for job, out in fan:
                     if not sse.started:
@@ -95,7 +112,11 @@ async def _stream(
             except CLIENT_GONE:
                 raise
             except Exception as e:  # noqa: BLE001
-                err = from_exception(e, model=req.model)
+                err = (
+                    _shutdown_error(request)
+                    if fan.shut_down
+                    else from_exception(e, model=req.model)
+                )
                 if not sse.started:
                     raise err from e
                 await sse.send(err.body())  # headers are out: the error travels in the stream
@@ -103,6 +124,8 @@ async def _stream(
                 return sse.response  # type: ignore[return-value]
         if req.include_usage:
             await sse.send({**_chunk(reply, shape, []), "usage": usage(reply)})
+        if fan.shut_down:  # the choices ended with finish_reason "abort"; say why
+            await sse.send(_shutdown_error(request).body())
         await sse.done()
     except CLIENT_GONE:
         log.info("client_disconnected", path=request.path, reply_id=reply.id)
