@@ -5,7 +5,6 @@ Only safetensors are read: pickle-based weight files are refused, never opened.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from loraplex.engine.lora.errors import (
     AdapterShapeError,
     AdapterTargetError,
 )
-from loraplex.engine.lora.peft_config import PeftLoRAConfig, parse_peft_config
+from loraplex.engine.lora.peft_config import PeftLoRAConfig, parse_peft_config_json
 from loraplex.engine.model.config import LORA_MODULES, ModelConfig
 
 __all__ = [
@@ -144,13 +143,7 @@ def _read_config(folder: Path) -> PeftLoRAConfig:
     p = folder / CONFIG_FILE
     if not p.is_file():
         raise AdapterConfigError(f"no {CONFIG_FILE} in {folder}", field=CONFIG_FILE)
-    try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise AdapterConfigError(
-            f"{CONFIG_FILE} is not valid JSON: {e}", field=CONFIG_FILE
-        ) from None
-    return parse_peft_config(raw)
+    return parse_peft_config_json(p.read_bytes())
 
 
 def _weights_file(folder: Path) -> Path:

@@ -15,8 +15,10 @@ its backtracking work against a module name of ``MAX_MODULE_NAME_CHARS`` is at m
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +37,7 @@ __all__ = [
     "MAX_REGEX_STEPS",
     "PeftLoRAConfig",
     "parse_peft_config",
+    "parse_peft_config_json",
     "regex_work",
 ]
 
@@ -150,6 +153,16 @@ def _pattern_key(patterns: dict[str, Any], module_name: str) -> str | None:
         if re.match(_key_regex(key), _match_name(module_name)):
             return key
     return None
+
+
+# Values quoted in error messages are cut short: the file is untrusted and up to 1 MiB.
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 3, 8, 8
+
+
+def _show(value: Any) -> str:
+    return _REPR.repr(value)
 
 
 def _fail(name: str, why: str) -> AdapterConfigError:
@@ -273,19 +286,19 @@ def _match_name(module_name: str) -> str:
 
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise _fail(name, f"must be a positive integer, got {value!r}")
+        raise _fail(name, f"must be a positive integer, got {_show(value)}")
     return value
 
 
 def _finite_number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _fail(name, f"must be a finite number, got {value!r}")
+        raise _fail(name, f"must be a finite number, got {_show(value)}")
     return float(value)
 
 
 def _str_list(name: str, value: Any) -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise _fail(name, f"must be a string or a list of strings, got {value!r}")
+        raise _fail(name, f"must be a string or a list of strings, got {_show(value)}")
     return tuple(value)
 
 
@@ -297,9 +310,9 @@ def _patterns(name: str, value: Any, conv: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in value.items():
         if not isinstance(k, str):  # pragma: no cover - JSON object keys are strings
-            raise _fail(name, f"has a non-string key {k!r}")
-        _check_regex(f"{name}[{k!r}]", _key_regex(k))
-        out[k] = conv(f"{name}[{k!r}]", v)
+            raise _fail(name, f"has a non-string key {_show(k)}")
+        _check_regex(f"{name}[{_show(k)}]", _key_regex(k))
+        out[k] = conv(f"{name}[{_show(k)}]", v)
     return out
 
 
@@ -326,7 +339,9 @@ def _layers(raw: dict[str, Any], targets: tuple[str, ...] | str) -> tuple[int, .
     if not isinstance(items, list) or any(
         isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in items
     ):
-        raise _fail("layers_to_transform", f"must be a layer index or a list of them, got {lt!r}")
+        raise _fail(
+            "layers_to_transform", f"must be a layer index or a list of them, got {_show(lt)}"
+        )
     return tuple(items) or None  # PEFT treats [] as "all layers"
 
 
@@ -350,21 +365,37 @@ def _excludes(raw: dict[str, Any]) -> tuple[str, ...] | str | None:
     return _str_list("exclude_modules", ex)
 
 
+def parse_peft_config_json(data: bytes) -> PeftLoRAConfig:
+    """Parse the bytes of an adapter_config.json; every failure is an AdapterConfigError (the
+    one parser of admin loads, dynamic loads and ``--lora-modules`` at start-up)."""
+    try:
+        raw: Any = json.loads(data.decode("utf-8"))
+    except RecursionError:  # e.g. 100k nested '[': the decoder recurses per level
+        raise AdapterConfigError(
+            "adapter_config.json is nested too deeply", field="adapter_config.json"
+        ) from None
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError; ints over 4300 digits
+        raise AdapterConfigError(
+            f"adapter_config.json is not valid JSON: {str(e)[:200]}", field="adapter_config.json"
+        ) from None
+    return parse_peft_config(raw)
+
+
 def parse_peft_config(raw: dict[str, Any]) -> PeftLoRAConfig:
     """Check an adapter_config.json dict; raise AdapterConfigError naming the offending field."""
     if not isinstance(raw, dict):
         raise AdapterConfigError("adapter_config.json must hold a JSON object")
     if raw.get("peft_type") != "LORA":
-        raise _fail("peft_type", f"must be 'LORA', got {raw.get('peft_type')!r}")
+        raise _fail("peft_type", f"must be 'LORA', got {_show(raw.get('peft_type'))}")
     for key in _REJECT_IF_SET:
         if raw.get(key):
-            raise _fail(key, f"is not supported (got {raw[key]!r})")
+            raise _fail(key, f"is not supported (got {_show(raw[key])})")
     bias = raw.get("bias", "none")
     if bias not in ("none", None):
-        raise _fail("bias", f"must be 'none', got {bias!r}")
+        raise _fail("bias", f"must be 'none', got {_show(bias)}")
     use_rslora = raw.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
-        raise _fail("use_rslora", f"must be true or false, got {use_rslora!r}")
+        raise _fail("use_rslora", f"must be true or false, got {_show(use_rslora)}")
     targets = _targets(raw)
     layers_pattern = _layers_pattern(raw)
     layers = _layers(raw, targets)

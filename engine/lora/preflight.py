@@ -27,7 +27,7 @@ from loraplex.engine.lora.errors import (
     AdapterTargetError,
     AdapterTooLargeError,
 )
-from loraplex.engine.lora.peft_config import PeftLoRAConfig, parse_peft_config
+from loraplex.engine.lora.peft_config import PeftLoRAConfig, parse_peft_config_json
 from loraplex.engine.model.config import LORA_MODULES, ModelConfig
 
 __all__ = [
@@ -141,13 +141,7 @@ def _read_config(path: Path, size: int) -> PeftLoRAConfig:
             f"{CONFIG_FILE} is {size} bytes, above the {MAX_CONFIG_BYTES}-byte limit",
             field=CONFIG_FILE,
         )
-    try:
-        raw: Any = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AdapterConfigError(
-            f"{CONFIG_FILE} is not valid JSON: {e}", field=CONFIG_FILE
-        ) from None
-    return parse_peft_config(raw)
+    return parse_peft_config_json(path.read_bytes())
 
 
 def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
@@ -258,8 +252,10 @@ def read_safetensors_header(path: Path, *, max_header_bytes: int) -> Safetensors
         raw = f.read(n)
     try:
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise _fmt("header is nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as e:
-        raise _fmt(f"header is not valid JSON: {e}") from None
+        raise _fmt(f"header is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(obj, dict):
         raise _fmt("header is not a JSON object")
     data_bytes = size - 8 - n
