@@ -19,16 +19,19 @@ from loraplex.engine.lora.errors import (
     AdapterRankError,
     AdapterShapeError,
     AdapterTargetError,
+    AdapterValueError,
 )
 from loraplex.engine.lora.peft_config import PeftLoRAConfig, parse_peft_config_json
 from loraplex.engine.model.config import LORA_MODULES, ModelConfig
 
 __all__ = [
+    "MAX_ADAPTER_WEIGHT",
     "LoRAWeights",
     "LoRAAdapter",
     "load_adapter",
     "base_module_name",
     "check_targets",
+    "check_weight_values",
     "CONFIG_FILE",
 ]
 
@@ -42,6 +45,12 @@ _PARENT = {
 _MODULE_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
 # Base modules that are linear but never LoRA targets here.
 _OTHER_MODULES = ("lm_head", "model.embed_tokens")
+# Largest |w| accepted in lora_A and in lora_B with the LoRA scale folded in. Trained adapters
+# sit orders of magnitude below: PEFT starts A at U(+-1/sqrt(in)) and B at 0, trained entries
+# stay O(0.01-1) and scales (alpha/r, alpha/sqrt(r)) are O(1-100). It is also below float16's
+# largest value (65504), so the cast to a half serving dtype cannot overflow to Inf. Values
+# past it only come from broken or hostile files (NaN / Inf / 3e38 made empty outputs).
+MAX_ADAPTER_WEIGHT = 1e4
 
 
 @dataclass(frozen=True)
@@ -137,6 +146,24 @@ def check_targets(config: PeftLoRAConfig, mc: ModelConfig) -> None:
                 f"adapter_config.json: layers_to_transform has {idx} >= num_layers {mc.num_layers}",
                 field="layers_to_transform",
             )
+
+
+def check_weight_values(t: torch.Tensor, key: str, *, scale: float | None = None) -> None:
+    """Raise AdapterValueError if ``t`` holds NaN, +-Inf or an entry above
+    ``MAX_ADAPTER_WEIGHT`` in magnitude. One reduction pass (NaN propagates through amax);
+    the finiteness pass runs only to word the error. ``scale``: already folded into ``t``."""
+    if t.numel() == 0:
+        return
+    peak = float(t.abs().amax())
+    if peak <= MAX_ADAPTER_WEIGHT:
+        return
+    folded = "" if scale is None else f" (LoRA scale {scale:g} folded in)"
+    if not bool(torch.isfinite(t).all()):
+        n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        why = f"holds {n_nan} NaN and {n_inf} infinite values{folded}"
+    else:
+        why = f"has an entry of magnitude {peak:.3g}{folded}, above {MAX_ADAPTER_WEIGHT:g}"
+    raise AdapterValueError(f"{WEIGHTS_FILE}: tensor {key!r} {why}", field=key)
 
 
 def _read_config(folder: Path) -> PeftLoRAConfig:
@@ -249,8 +276,12 @@ def load_adapter(
                 _check_pair(f, found[(layer, module)], r, shapes[module], max_lora_rank)
             for layer, module in order:
                 full, pair = base_module_name(layer, module), found[(layer, module)]
+                scale = config.scale_for(full)
                 a = f.get_tensor(pair["A"])
-                b = f.get_tensor(pair["B"]).float() * config.scale_for(full)  # fold in f32
+                b = f.get_tensor(pair["B"]).float() * scale  # fold in f32
+                # NOTE: before the cast, so that no NaN/Inf/huge value reaches a slot
+                check_weight_values(a, pair["A"])
+                check_weight_values(b, pair["B"], scale=scale)
                 weights[(layer, module)] = LoRAWeights(
                     a=a.to(dtype).contiguous(), b=b.to(dtype).contiguous()
                 )

@@ -7,6 +7,7 @@ __all__ = [
     "AdapterNotFoundError",
     "AdapterConfigError",
     "AdapterFormatError",
+    "AdapterValueError",
     "AdapterShapeError",
     "AdapterRankError",
     "AdapterTargetError",
@@ -35,6 +36,10 @@ class AdapterConfigError(LoRAError):
 
 class AdapterFormatError(LoRAError):
     """The weight file is missing, not safetensors, or structurally invalid."""
+
+
+class AdapterValueError(AdapterFormatError):
+    """A weight tensor holds NaN, Inf or values far beyond any trained adapter's."""
 
 
 class AdapterShapeError(LoRAError):

@@ -1,0 +1,97 @@
+"""Weights that no trained adapter has (NaN, Inf, |w| far above 1) are refused when the tensors
+are parsed, with AdapterValueError naming the tensor, before an adapter could reach a slot.
+Before, such adapters loaded and every request on them produced empty text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from loraplex.engine.lora.adapter import MAX_ADAPTER_WEIGHT, check_weight_values, load_adapter
+from loraplex.engine.lora.errors import AdapterFormatError, AdapterValueError
+from tests.resolvers.tiny_adapter import tiny_model_config, write_adapter
+
+W = "adapter_model.safetensors"
+MC = tiny_model_config()
+
+
+def poisoned(tmp_path: Path, which: str, value: float, dtype: torch.dtype = torch.float32) -> Path:
+    good = write_adapter(tmp_path / "good", dtype=dtype)
+    tensors = load_file(good / W)
+    key = sorted(k for k in tensors if f".lora_{which}." in k)[-1]
+    t = tensors[key].float()
+    t[1, 2] = value
+    tensors[key] = t.to(dtype)
+    return write_adapter(tmp_path / f"bad-{which}", dtype=dtype, tensors=tensors)
+
+
+@pytest.mark.parametrize("which", ["A", "B"])
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        (float("nan"), "1 NaN"),
+        (float("inf"), "1 infinite"),
+        (float("-inf"), "1 infinite"),
+        (3e38, "magnitude 3e\\+38|infinite"),  # in B, x scale 2 overflows float32
+        (-2e5, "magnitude [24]e\\+05"),
+    ],
+)
+def test_garbage_values_are_refused(tmp_path: Path, which: str, value: float, match: str) -> None:
+    d = poisoned(tmp_path, which, value)
+    with pytest.raises(AdapterValueError, match=match) as ei:
+        load_adapter(d, MC, max_lora_rank=16)
+    assert ei.value.field is not None and f".lora_{which}." in ei.value.field
+    assert isinstance(ei.value, AdapterFormatError)  # a malformed weight file, to callers
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_files_are_checked_too(tmp_path: Path, dtype: torch.dtype) -> None:
+    with pytest.raises(AdapterValueError, match="NaN"):
+        load_adapter(poisoned(tmp_path, "B", float("nan"), dtype), MC, max_lora_rank=16)
+
+
+def test_bound_applies_after_folding_the_scale(tmp_path: Path) -> None:
+    """B entries of 1 are fine at scale 2, but not with lora_alpha making the scale 1e5; a scale
+    that overflows float32 (alpha 1e300) gives Inf, refused too."""
+    tensors = {
+        k: (torch.ones_like(t) if ".lora_B." in k else t)
+        for k, t in load_file(write_adapter(tmp_path / "g") / W).items()
+    }
+    ok = write_adapter(tmp_path / "ok", tensors=tensors)
+    load_adapter(ok, MC, max_lora_rank=16)
+    big = write_adapter(tmp_path / "big", tensors=tensors, config={"lora_alpha": 4e5})
+    with pytest.raises(
+        AdapterValueError, match="magnitude 1e\\+05 \\(LoRA scale 100000 folded in\\)"
+    ):
+        load_adapter(big, MC, max_lora_rank=16)
+    huge = write_adapter(tmp_path / "huge", tensors=tensors, config={"lora_alpha": 1e300})
+    with pytest.raises(AdapterValueError, match="infinite"):
+        load_adapter(huge, MC, max_lora_rank=16)
+
+
+def test_values_at_the_bound_load_and_cast_to_float16_finitely(tmp_path: Path) -> None:
+    tensors = load_file(write_adapter(tmp_path / "g") / W)
+    key = sorted(k for k in tensors if ".lora_A." in k)[0]
+    tensors[key][0, 0] = -MAX_ADAPTER_WEIGHT
+    d = write_adapter(tmp_path / "edge", tensors=tensors)
+    adapter = load_adapter(d, MC, max_lora_rank=16, dtype=torch.float16)
+    assert all(
+        bool(torch.isfinite(w.a).all() and torch.isfinite(w.b).all())
+        for w in adapter.weights.values()
+    )
+
+
+def test_check_is_one_reduction_on_good_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cheap on the common path: no finiteness pass unless the max already failed."""
+    calls = []
+    real = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda t: calls.append(1) or real(t))
+    check_weight_values(torch.randn(64, 64), "k")
+    check_weight_values(torch.empty(0, 8), "k")
+    assert calls == []
+    with pytest.raises(AdapterValueError):
+        check_weight_values(torch.tensor([[1.0, float("nan")]]), "k")
+    assert calls == [1]
