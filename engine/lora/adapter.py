@@ -265,6 +265,12 @@ def load_adapter(
     wfile = _weights_file(folder)
     config = _read_config(folder)
     check_targets(config, model_config)
+    # NOTE: the strict header check of preflight (duplicate keys, gaps, overlaps), so that this
+    # parser accepts no file the preflight would refuse (safetensors keeps the last of two
+    # duplicate keys). Imported here: preflight imports this module.
+    from loraplex.engine.lora.preflight import DEFAULT_MAX_HEADER_BYTES, read_safetensors_header
+
+    read_safetensors_header(wfile, max_header_bytes=DEFAULT_MAX_HEADER_BYTES)
     shapes = model_config.lora_module_shapes()
     weights: dict[tuple[int, str], LoRAWeights] = {}
     try:
