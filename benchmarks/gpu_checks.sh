@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one call: GPU-marked tests (kernels, PEFT oracle in bf16/fp16, CUDA graphs),
 # then benchmarks. Results land in $OUT (or ./out). Wheels missing on the GPU machine can be
-# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|decode ARGS...]
+# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|decode|storm ARGS...]
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -13,7 +13,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,n
 export PYTHONUNBUFFERED=1
 what=${1:-all}; shift || true
 if [[ $what == all || $what == tests ]]; then
-  python3 -m pytest -q -m gpu -p no:cacheprovider tests/lora/test_ops.py tests/model tests/engine/test_pipelined.py 2>&1 \
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/lora/test_ops.py tests/model tests/engine/test_pipelined.py \
+    tests/engine/test_loader_process.py 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|^E " | tail -25
 fi
 if [[ $what == all || $what == kernels ]]; then
@@ -25,4 +26,8 @@ if [[ $what == all || $what == epilogues ]]; then
 fi
 if [[ $what == all || $what == decode ]]; then
   python3 -m benchmarks.decode --append "$OUT/decode.md" "$@" 2>&1 | grep -v "\[info" | tee "$OUT/decode.log" | tail -45
+fi
+if [[ $what == storm ]]; then
+  python3 -m benchmarks.storm --out "$OUT/storm.json" "$@" 2>&1 | grep -v -E "^\[|\[(info|warn)" \
+    | tee "$OUT/storm.log" | tail -30
 fi

@@ -21,9 +21,11 @@ import structlog
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.errors import EngineClosedError, InvalidRequestError
+from loraplex.engine.loop_lag import LoopLag
 from loraplex.engine.request import Request, RequestOutput
 from loraplex.engine.sampler import make_generator
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.warmup import COMPILES
 
 __all__ = ["AsyncEngine"]
 
@@ -57,6 +59,10 @@ class AsyncEngine:
             self._executor, EngineCore.build, self.config, self._wake.set, self._model
         )
         self._model = None
+        COMPILES.serving()  # from here on a Triton compile stalls streams: each is logged
+        core = self.core
+        core.loop_lag = LoopLag(lambda lag: core.emit("loop_lag", lag_s=lag))
+        core.loop_lag.start()
         self._loop_task = loop.create_task(self._run(), name="loraplex-step-loop")
         log.info("engine_started", **self.core.capacity_report())
 
@@ -70,6 +76,8 @@ class AsyncEngine:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
         if self.core is not None:
+            if self.core.loop_lag is not None:
+                await self.core.loop_lag.stop()
             await self.core.adapters_close()
         self._executor.shutdown(wait=True)
 
@@ -101,7 +109,7 @@ class AsyncEngine:
 
     def subscribe(self, fn: Callable[[str, dict[str, Any]], None]) -> None:
         """Call ``fn(event, data)`` on engine events: "request_finished", "adapter_load",
-        "slot_write"."""
+        "slot_write", "loop_lag" (every few ms: ``lag_s``)."""
         self._core().listeners.append(fn)
 
     def unsubscribe(self, fn: Callable[[str, dict[str, Any]], None]) -> None:
@@ -168,6 +176,7 @@ class AsyncEngine:
         if version is not None:
             req.meta["tier"] = core.adapters.add_user(version)
         self._requests[rid] = req
+        core.counters["requests"] += 1
         core.scheduler.add(req)
         self._wake.set()
         try:

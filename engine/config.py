@@ -41,7 +41,12 @@ class EngineConfig:
     lora_name_template: str | None = None  # e.g. "s3://bucket/adapters/{name}": dynamic names
     enabled_plugins: tuple[str, ...] | None = None  # None: the built-in resolvers
     adapter_cache_dir: str | None = None  # where fetched adapters are staged (default: temp dir)
-    max_concurrent_loads: int = 2  # cold loads staged at once; others queue (decode stalls)
+    # byte quota of the staging dir (LRU over idle versions; re-fetched when needed); None: no cap
+    adapter_cache_bytes: int | None = None
+    max_concurrent_loads: int = 4  # cold loads fetched / staged at once; others queue
+    # helper processes that fetch, verify, preflight and pack adapters (off this process's
+    # GIL); None: 2 on CUDA, 0 (threads of this process) on CPU
+    loader_processes: int | None = None
     gil_switch_interval_s: float | None = 0.0005  # None: leave sys.getswitchinterval() alone
     seed: int = 0
     extra: dict = field(default_factory=dict, compare=False)
@@ -58,10 +63,20 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_loras < 0 or self.max_cpu_loras < 0:
             raise ValueError("max_loras and max_cpu_loras must be >= 0")
+        if self.loader_processes is not None and self.loader_processes < 0:
+            raise ValueError("loader_processes must be >= 0")
+        if self.adapter_cache_bytes is not None and self.adapter_cache_bytes < 0:
+            raise ValueError("adapter_cache_bytes must be >= 0")
         if self.max_cpu_loras and self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 "max_cpu_loras must be >= max_loras (every GPU slot is backed by the CPU tier)"
             )
+
+    @property
+    def resolved_loader_processes(self) -> int:
+        if self.loader_processes is not None:
+            return self.loader_processes
+        return 2 if self.resolved_device.startswith("cuda") else 0
 
     @property
     def resolved_device(self) -> str:

@@ -19,9 +19,12 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.kv import BlockManager
+from loraplex.engine.loop_lag import LoopLag
 from loraplex.engine.lora.errors import AdapterNotFoundError
 from loraplex.engine.lora.loader import AdapterLoader
 from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion
+from loraplex.engine.lora.pool import HostPool
+from loraplex.engine.lora.staging import packed_for
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.observe import engine_stats, request_summary
 from loraplex.engine.output import final_output
@@ -31,6 +34,7 @@ from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.engine.step import StepMixin
 from loraplex.engine.tokenizer import Tokenizer
+from loraplex.engine.warmup import warm_slot_writes
 
 __all__ = ["EngineCore"]
 
@@ -38,7 +42,15 @@ log = structlog.get_logger("loraplex.engine")
 
 
 class EngineCore(StepMixin):
-    def __init__(self, config: EngineConfig, model, runner: ModelRunner, tokenizer, wake) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model,
+        runner: ModelRunner,
+        tokenizer,
+        wake,
+        pool: HostPool | None = None,
+    ) -> None:
         self.config = config
         self.model = model
         self.runner = runner
@@ -52,14 +64,16 @@ class EngineCore(StepMixin):
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
         self.eos_ids = set(tokenizer.eos_token_ids) if tokenizer else set(cfg.eos_token_ids)
-        self.loader = AdapterLoader(config, cfg)
+        self.loader = AdapterLoader(config, cfg, pool=pool)
         self.adapters = AdapterManager(
             max_loras=config.max_loras,
             max_cpu_loras=config.max_cpu_loras,
             loader=self._load_adapter,
             on_change=wake,
             on_drop=self.loader.discard,
+            on_unload=self.loader.release,
         )
+        self.loader.make_room = self.adapters.make_room
         self.blocks = BlockManager(
             runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -67,12 +81,18 @@ class EngineCore(StepMixin):
         self.sampler = Sampler(seed=config.seed)
         self.in_flight: set[Request] = set()
         self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if self.side_stream is not None and pool is not None and config.max_loras:
+            warm_slot_writes(model, pool, self.side_stream)
         self.last_step_event: Any = None
         self.last_result_time = 0.0  # perf_counter when the last step's tokens reached the host
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0, "steps": 0}
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self._load_gate: asyncio.Semaphore | None = None
         self.step_log: collections.deque[tuple] = collections.deque(maxlen=100_000)
+        self.loop_lag: LoopLag | None = None  # started by AsyncEngine on its loop
+
+    def loop_lag_summary(self) -> dict[str, float]:
+        return self.loop_lag.summary() if self.loop_lag is not None else {}
 
     def emit(self, event: str, **data: Any) -> None:
         """Tell subscribers (metrics, studies) about ``event``; a failing one is logged, not raised."""
@@ -111,7 +131,9 @@ class EngineCore(StepMixin):
         v = self.adapters.new_version(name, uri)
         v.trusted = trusted
         await self.loader.fetch_verify(v, sha256, trusted=trusted)
-        return self.adapters.register(v)
+        v = self.adapters.register(v)
+        await self.loader.trim_staging(self.adapters.versions(), keep=v)
+        return v
 
     def resolve_adapter(self, name: str) -> AdapterVersion:
         """The current version of ``name``; unknown names go through dynamic resolution."""
@@ -131,8 +153,8 @@ class EngineCore(StepMixin):
             self.adapters.forget(v)
 
     async def _load_adapter(self, v: AdapterVersion) -> None:
-        # NOTE: loads beyond max_concurrent_loads queue here: each one's hashing, parsing and
-        # packing threads compete with the step thread for CPU and the GIL (decode stalls)
+        # NOTE: loads beyond max_concurrent_loads queue here (in loader processes their CPU
+        # work is off this process's GIL; in threads it competes with the step thread)
         if self._load_gate is None:
             self._load_gate = asyncio.Semaphore(max(1, self.config.max_concurrent_loads))
         async with self._load_gate:
@@ -149,6 +171,7 @@ class EngineCore(StepMixin):
                 v.local_dir = None  # fetched again below; the digest must not change
             if v.local_dir is None:
                 await self.loader.fetch_verify(v, trusted=v.trusted)
+                await self.loader.trim_staging(self.adapters.versions(), keep=v)
             v.adapter = await self.loader.stage(v, self.model.dtype, pin=self.device.type == "cuda")
         except Exception as e:
             self.emit(
@@ -200,12 +223,19 @@ class EngineCore(StepMixin):
         return any(not v.slot_ready and v.slot_event is not None for v in self.adapters.resident)
 
     def _slot_landed(self, v: AdapterVersion) -> None:
-        v.slot_ready, v.slot_event = True, None
+        gpu_s = None
+        if v.slot_start_event is not None and v.slot_event is not None:
+            gpu_s = v.slot_start_event.elapsed_time(v.slot_event) / 1e3  # the copy itself
+        v.slot_ready, v.slot_event, v.slot_start_event = True, None, None
         self.runner.slot_ranks[v.slot] = v.rank
         h2d = time.perf_counter() - v.timings.get("h2d_start", time.perf_counter())
         v.timings["h2d"] = h2d
         nbytes = v.adapter.nbytes if v.adapter is not None else 0
-        self.emit("slot_write", name=v.name, digest=v.digest, slot=v.slot, h2d_s=h2d, nbytes=nbytes)
+        packed = packed_for(v.adapter) if v.adapter is not None else None
+        self.emit(
+            "slot_write", name=v.name, digest=v.digest, slot=v.slot, h2d_s=h2d, nbytes=nbytes,
+            copy_bytes=packed.nbytes if packed is not None else nbytes, h2d_gpu_s=gpu_s,
+        )  # fmt: skip
 
     # -- requests -------------------------------------------------------------------------------
 

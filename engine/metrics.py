@@ -32,6 +32,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
 LOAD_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -134,6 +135,16 @@ class _StatsCollector(Collector):
             {"query": s["prefix_cache_queries"], "hit": s["prefix_cache_hits"]},
         )  # fmt: skip
         yield CounterMetricFamily("loraplex_engine_steps", "Engine steps run.", s.get("steps", 0))
+        yield CounterMetricFamily(
+            "loraplex_kernel_compiles_while_serving",
+            "Triton kernels compiled after start-up (each one stalls every stream).",
+            s.get("kernel_compiles_while_serving", 0),
+        )
+        yield GaugeMetricFamily(
+            "loraplex_host_pool_regions_in_use",
+            "Host-pool regions holding CPU-tier adapters.",
+            s.get("host_pool_regions_in_use", 0),
+        )
 
 
 def _labelled(cls: Any, name: str, doc: str, label: str, values: dict[str, float]) -> Metric:
@@ -187,6 +198,11 @@ class Metrics:
         self.slot_bytes = Counter(
             "loraplex_adapter_slot_write_bytes", "Bytes copied into GPU slots.", registry=r
         )
+        self.loop_lag = Histogram(
+            "loraplex_event_loop_lag_seconds",
+            "How late a due callback ran on the engine's event loop (sampled every 5 ms).",
+            buckets=LAG_BUCKETS, registry=r,
+        )  # fmt: skip
 
     def attach(self, engine: AsyncEngine) -> None:
         """Read stats from ``engine`` at scrape time and follow its events."""
@@ -198,6 +214,8 @@ class Metrics:
             self._request(data)
         elif event == "adapter_load":
             self._load(data)
+        elif event == "loop_lag":
+            self.loop_lag.observe(data["lag_s"])
         elif event == "slot_write":
             self.load_stage.labels("h2d").observe(data.get("h2d_s") or 0.0)
             self.slot_bytes.inc(data.get("nbytes") or 0)

@@ -6,6 +6,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from loraplex.engine.lora.manager import AdapterState
+from loraplex.engine.warmup import COMPILES
 
 if TYPE_CHECKING:
     from loraplex.engine.core import EngineCore
@@ -60,5 +61,8 @@ def engine_stats(core: EngineCore) -> dict[str, Any]:
             for v in core.adapters.versions()
         },
         "adapters": dict(core.adapters.stats),
+        "kernel_compiles_while_serving": len(COMPILES.while_serving),
+        "host_pool_regions_in_use": core.loader.pool.in_use() if core.loader.pool else 0,
+        **core.loop_lag_summary(),
         **core.counters,
     }

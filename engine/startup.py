@@ -15,11 +15,14 @@ import torch
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
+from loraplex.engine.lora.pool import HostPool
+from loraplex.engine.lora.staging import slot_image_numel
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.llama import LlamaForCausalLM
 from loraplex.engine.model.loader import load_model, resolve_dtype
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.tokenizer import Tokenizer, TokenizerError
+from loraplex.engine.warmup import COMPILES, warm_eager_steps
 
 log = structlog.get_logger("loraplex.engine")
 
@@ -77,16 +80,42 @@ def build_core(
         use_cuda_graphs=config.cuda_graphs,
         max_graph_batch=config.max_num_seqs,
     )
+    COMPILES.install()
+    COMPILES.starting()
     if runner.graphs is not None:
         t0 = time.perf_counter()
         runner.graphs.capture_all()  # NOTE: a bucket captured mid-serving stalls its step 1-3 s
         log.info("cuda_graphs_captured", buckets=list(runner.graphs.buckets),
                  seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
+    if runner.fused and model.device.type == "cuda":
+        # mixed prefill + decode steps run eagerly: compile each of their kernel variants now
+        warm_eager_steps(runner, config.max_num_batched_tokens, config.max_num_seqs, max_len)
     tokenizer = None  # token-id prompts only
     if path is not None:
         with contextlib.suppress(TokenizerError):
             tokenizer = Tokenizer.from_dir(path)
-    return EngineCore(config, model, runner, tokenizer, wake)
+    procs = config.resolved_loader_processes if config.max_loras else 0
+    pool = host_pool(config, model, shared=procs > 0)
+    core = EngineCore(config, model, runner, tokenizer, wake, pool=pool)
+    core.loader.start_processes(procs)
+    return core
+
+
+def host_pool(config: EngineConfig, model: LlamaForCausalLM, *, shared: bool) -> HostPool | None:
+    """The CPU tier's pinned host memory, allocated (and registered with CUDA) once, here:
+    ``max_cpu_loras`` + ``max_concurrent_loads`` regions of one full-rank slot image each.
+    None on CPU without loader processes (plain buffers serve there)."""
+    cuda = model.device.type == "cuda"
+    if not config.max_loras or not (cuda or shared):
+        return None
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    region = slot_image_numel(model.cfg, config.max_lora_rank) * elem
+    count = max(config.max_cpu_loras, config.max_loras) + max(1, config.max_concurrent_loads)
+    t0 = time.perf_counter()
+    pool = HostPool(region, count, register_cuda=cuda)
+    log.info("host_pool", regions=count, region_bytes=pool.region_bytes, bytes=pool.nbytes,
+             seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
+    return pool
 
 
 def capacity_report(self: EngineCore) -> dict[str, Any]:

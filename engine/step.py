@@ -194,10 +194,13 @@ class StepMixin:
             with torch.cuda.stream(self.side_stream):
                 if self.last_step_event is not None:
                     self.side_stream.wait_event(self.last_step_event)
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self.side_stream)
                 write_slot(self.model, slot, adapter)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=True)
                 event.record(self.side_stream)
-            v.slot_event = event
+            v.slot_event = v.region_event = event  # the region is reused after this copy
+            v.slot_start_event = start
 
     def postprocess(self: EngineCore, plan: SchedulerOutput, result: SamplerOutput | None) -> None:
         """Loop: apply a collected step (tokens, finishes, streamed outputs)."""

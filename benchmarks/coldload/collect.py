@@ -55,8 +55,10 @@ class WriteRecord:
     name: str
     slot: int
     t_end: float
-    h2d_s: float
+    h2d_s: float  # issue to observed completion (the timeline)
     nbytes: int
+    gpu_s: float | None = None  # the copy itself, by CUDA events around it
+    copy_bytes: int | None = None  # bytes it moved host -> device (the packed image)
 
     @property
     def t_start(self) -> float:
@@ -64,6 +66,10 @@ class WriteRecord:
 
     @property
     def gbps(self) -> float | None:
+        """Copy bandwidth: packed bytes over the copy's GPU time where the engine reports it
+        (observed completion lags the copy by up to a step)."""
+        if self.gpu_s:
+            return (self.copy_bytes or self.nbytes) / self.gpu_s / 1e9
         return self.nbytes / self.h2d_s / 1e9 if self.h2d_s > 0 else None
 
 
@@ -103,8 +109,9 @@ class Collector:
         elif event == "slot_write":
             self.writes.append(
                 WriteRecord(
-                    data["name"], int(data["slot"]), now, float(data["h2d_s"]), int(data["nbytes"])
-                )
+                    data["name"], int(data["slot"]), now, float(data["h2d_s"]),
+                    int(data["nbytes"]), data.get("h2d_gpu_s"), data.get("copy_bytes"),
+                )  # fmt: skip
             )
 
     def _on_load(self, now: float, data: dict[str, Any]) -> None:

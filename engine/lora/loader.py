@@ -1,21 +1,30 @@
 """The cold-load pipeline of one adapter version, stage by stage:
 
-    resolve (plugin, cheap) -> fetch (async I/O into a staging dir) -> verify (sha256 digest,
-    thread) -> preflight (config + safetensors header, thread) -> stage (parse into pinned CPU
-    tensors, thread)
+    resolve (plugin, cheap) -> fetch (async I/O into a staging dir) -> verify (sha256 digest)
+    -> preflight (config + safetensors header) -> stage (parse and pack into one host-pool
+    region: pinned, shared memory)
 
-The H2D copy into a GPU slot is the engine's (side stream). Each stage's seconds land in
+Where the work runs: with ``loader_processes`` > 0 (the default on CUDA) fetch, verify,
+preflight and stage run in helper processes (``loader_process.py``), so the engine's GIL stays
+with the step thread and the event loop; otherwise in threads of this process. The H2D copy
+into a GPU slot is the engine's (side stream). Each stage's seconds land in
 ``version.timings``. Sources are operator configuration: static URIs are allowed one by one,
 dynamic names go through plugins / the name template and the allowlist policy.
+
+The staging directory keeps each version's fetched files so a CPU-tier eviction costs no
+re-fetch; ``adapter_cache_bytes`` bounds it (LRU over versions no request is using; an evicted
+version is fetched again from its pinned source when it is needed again).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,15 +34,23 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.lora.adapter import LoRAAdapter, load_adapter
 from loraplex.engine.lora.digest import adapter_digest
 from loraplex.engine.lora.errors import AdapterDigestError, AdapterNotFoundError
+from loraplex.engine.lora.loader_process import LoaderInit, LoaderProcesses
 from loraplex.engine.lora.manager import AdapterVersion
+from loraplex.engine.lora.pool import HostPool, Region
 from loraplex.engine.lora.preflight import preflight
-from loraplex.engine.lora.staging import stage_packed
+from loraplex.engine.lora.staging import (
+    PackedAdapter,
+    PackEntry,
+    adopt_packed,
+    stage_packed,
+)
 from loraplex.engine.model.config import ModelConfig
 from loraplex.plugins import PluginManager
 from loraplex.resolvers import ResolverSettings, SourcePolicy
 
 __all__ = ["AdapterLoader", "valid_adapter_name"]
 
+_ENV_PREFIXES = ("HF_", "AWS_", "HUGGING")  # what resolvers read at fetch time
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
 
@@ -44,10 +61,20 @@ def valid_adapter_name(name: str) -> bool:
 
 class AdapterLoader:
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, plugins: PluginManager | None = None
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        plugins: PluginManager | None = None,
+        *,
+        pool: HostPool | None = None,
     ) -> None:
         self.config = config
         self.model_config = model_config
+        self.pool = pool  # regions the stage step packs into (None: a fresh buffer per load)
+        self.procs: LoaderProcesses | None = None
+        self._own_plugins = plugins is None  # helpers can rebuild only config-made plugins
+        self._helper_plugins: list[str] = []
+        self.make_room: Callable[[], bool] = lambda: False  # evict one idle CPU-tier version
         # base_policy: what runtime sources (dynamic names, admin loads) must pass; policy adds
         # the operator's static sources, each allowed for its own registration only
         self.base_policy = SourcePolicy(allow=config.allow_sources, local_roots=config.local_roots)
@@ -60,9 +87,37 @@ class AdapterLoader:
         self.cache_dir = Path(config.adapter_cache_dir or tempfile.mkdtemp(prefix="loraplex-"))
         self.cache_dir.mkdir(parents=True, exist_ok=True)
 
+    def start_processes(self, count: int) -> None:
+        """Start ``count`` loader processes (blocking: at engine start-up, in a worker thread)."""
+        if count <= 0:
+            return
+        init = LoaderInit(
+            model_config=self.model_config,
+            enabled_plugins=self.config.enabled_plugins,
+            settings=self.plugins.settings,
+            cache_dir=str(self.cache_dir),
+            pool_nbytes=self.pool.nbytes if self.pool is not None else 0,
+            threads=max(2, self.config.max_concurrent_loads),
+            test_delay_s=float(self.config.extra.get("loader_test_delay_s", 0.0)),
+        )
+        self.procs = LoaderProcesses(count, init, self.pool.fd if self.pool else None)
+        self._helper_plugins = self.plugins.plugin_names
+        self.procs.start()
+
     def close(self) -> None:
+        if self.procs is not None:
+            self.procs.close()
         if self._own_cache:
             shutil.rmtree(self.cache_dir, ignore_errors=True)
+        if self.pool is not None:
+            self.pool.close()
+
+    def release(self, v: AdapterVersion) -> None:
+        """``v``'s CPU-tier tensors are gone: its host-pool region is free once the last slot
+        write out of it has landed."""
+        if v.region is not None and self.pool is not None:
+            self.pool.release(v.region, v.region_event)
+        v.region, v.region_event = None, None
 
     # -- sources --------------------------------------------------------------------------------
 
@@ -90,14 +145,41 @@ class AdapterLoader:
         ``trusted``: a static source the operator configured (see ``allow_static``).
         """
         t = v.timings
+        uri = v.uri
+        if v.digest and v.pinned_uri and v.pinned_uri != v.uri:
+            # NOTE: a re-fetch reads the exact revision first fetched (a moved branch would
+            # otherwise fail the digest check forever); it derives from the allowed v.uri
+            uri = v.pinned_uri
+            self.allow_static(uri)
+        policy = self.policy if trusted else self.base_policy
+        if self._fetch_in_helpers():
+            r = await self.procs.call(  # type: ignore[union-attr]
+                "prepare",
+                {
+                    "uri": uri,
+                    "name": v.name,
+                    "prefix": f"v{v.version}-",
+                    "sha256": sha256,
+                    "expect_digest": v.digest,
+                    "policy": policy if uri == v.uri else self.policy,
+                    "resolver_policy": self.policy,
+                    "max_bytes": self.config.max_adapter_bytes,
+                    "max_lora_rank": self.config.max_lora_rank,
+                    "env": {k: x for k, x in os.environ.items() if k.startswith(_ENV_PREFIXES)},
+                },
+            )
+            v.local_dir, v.digest = Path(r["local_dir"]), r["digest"]
+            v.pinned_uri, v.nbytes = r["pinned_uri"], r["nbytes"]
+            t.update(r["timings"])
+            return
         t0 = time.perf_counter()
-        resolver = self.plugins.resolver_for(v.uri)
-        await asyncio.to_thread((self.policy if trusted else self.base_policy).check, v.uri)
+        resolver = self.plugins.resolver_for(uri)
+        await asyncio.to_thread(policy.check, v.uri)
         t1 = time.perf_counter()
         dest = Path(tempfile.mkdtemp(prefix=f"v{v.version}-", dir=self.cache_dir))
         try:
             result = await resolver.fetch(
-                v.uri, dest, self._progress(v), max_bytes=self.config.max_adapter_bytes
+                uri, dest, self._progress(v), max_bytes=self.config.max_adapter_bytes
             )
             t2 = time.perf_counter()
             digest = await asyncio.to_thread(adapter_digest, result.local_dir)
@@ -133,6 +215,15 @@ class AdapterLoader:
         )
         t.update(resolve=t1 - t0, fetch=t2 - t1, verify=t3 - t2, preflight=t4 - t3)
 
+    def _fetch_in_helpers(self) -> bool:
+        """Helpers rebuild the plugins from configuration: a plugin object registered in this
+        process (an embedding app, a test) is not there, so such engines fetch here."""
+        return (
+            self.procs is not None
+            and self._own_plugins
+            and self.plugins.plugin_names == self._helper_plugins
+        )
+
     def _progress(self, v: AdapterVersion):
         def report(uri: str, file: str, done: int, total: int | None) -> None:
             v.progress[file] = (done, total)
@@ -140,25 +231,108 @@ class AdapterLoader:
         return report
 
     async def stage(self, v: AdapterVersion, dtype: torch.dtype, *, pin: bool) -> LoRAAdapter:
-        """Parse the staged files into CPU tensors (pinned when serving on CUDA), in a thread."""
+        """Parse the staged files into CPU tensors: into a host-pool region (pinned, shared)
+        when the engine has a pool, else a fresh buffer (pinned if ``pin``). Sets
+        ``v.region``."""
         if v.local_dir is None or not v.local_dir.exists():
             raise AdapterNotFoundError(f"adapter {v.name!r} has no staged files", field="model")
-
-        def work() -> LoRAAdapter:
-            t0 = time.perf_counter()
-            adapter = load_adapter(
-                v.local_dir,
-                self.model_config,
-                max_lora_rank=self.config.max_lora_rank,
-                name=v.name,
-                dtype=dtype,
-            )
-            # one contiguous (pinned) slot image; write_slot copies it in one H2D transfer
-            stage_packed(adapter, self.config.max_lora_rank, pin=pin)
-            v.timings["stage"] = time.perf_counter() - t0
+        if self.pool is None:
+            return await asyncio.to_thread(self._stage_here, v, dtype, None, pin)
+        region = await self._region()
+        if self.procs is None:
+            try:
+                adapter = await asyncio.to_thread(self._stage_here, v, dtype, region, False)
+            except BaseException:
+                self.pool.release(region)
+                raise
+            v.region = region
             return adapter
+        ended: list[bool] = []  # [ok] once no helper writes into the region any more
 
-        return await asyncio.to_thread(work)
+        def end(ok: bool) -> None:
+            ended.append(ok)
+            if not ok:
+                self.pool.release(region)  # type: ignore[union-attr]
+
+        try:
+            r = await self.procs.call(
+                "stage",
+                {
+                    "local_dir": str(v.local_dir),
+                    "name": v.name,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "max_lora_rank": self.config.max_lora_rank,
+                    "region": (region.offset, region.nbytes),
+                },
+                on_end=end,
+            )
+            adapter = await asyncio.to_thread(self._adopt, v, r, region, dtype)
+        except BaseException:
+            if ended == [True]:  # the helper finished; the failure is ours
+                self.pool.release(region)
+            raise
+        v.timings["stage"] = r["stage_s"]
+        v.region = region
+        return adapter
+
+    def _stage_here(
+        self, v: AdapterVersion, dtype: torch.dtype, region: Region | None, pin: bool
+    ) -> LoRAAdapter:
+        t0 = time.perf_counter()
+        assert v.local_dir is not None
+        adapter = load_adapter(
+            v.local_dir,
+            self.model_config,
+            max_lora_rank=self.config.max_lora_rank,
+            name=v.name,
+            dtype=dtype,
+        )
+        out = self.pool.view(region, dtype) if region is not None and self.pool else None
+        # one contiguous (pinned) slot image; write_slot copies it in one H2D transfer
+        stage_packed(adapter, self.config.max_lora_rank, pin=pin, out=out)
+        v.timings["stage"] = time.perf_counter() - t0
+        return adapter
+
+    def _adopt(self, v: AdapterVersion, r: dict, region: Region, dtype: torch.dtype) -> LoRAAdapter:
+        """The adapter a helper packed into ``region``: tensors are views of the region."""
+        assert self.pool is not None
+        entries = {(e[0], e[1]): PackEntry(*e) for e in r["entries"]}
+        packed = PackedAdapter(
+            self.pool.view(region, dtype, r["numel"]), entries, self.config.max_lora_rank
+        )
+        adapter = LoRAAdapter(name=v.name, path=r["path"], config=r["config"], weights={})
+        adopt_packed(adapter, packed)
+        return adapter
+
+    async def _region(self) -> Region:
+        """A free host-pool region; evicts idle CPU-tier versions, else waits for one."""
+        assert self.pool is not None
+        while True:
+            region = self.pool.acquire()
+            if region is not None:
+                return region
+            if self.pool.free_count == 0 and self.make_room():
+                continue
+            await asyncio.sleep(0.002)  # a copy out of a released region is landing, or
+            # every region is held by an adapter in use: one frees as requests finish
+
+    async def trim_staging(self, versions: list[AdapterVersion], keep: AdapterVersion) -> None:
+        """Keep the staging directory under ``adapter_cache_bytes``: drop the staged files of
+        the least recently used versions that no request uses and no load reads."""
+        quota = self.config.adapter_cache_bytes
+        if quota is None:
+            return
+        staged = [
+            x for x in versions if x.local_dir is not None and self.cache_dir in x.local_dir.parents
+        ]
+        total = sum(x.nbytes for x in staged)
+        idle = [x for x in staged if x is not keep and x.users == 0 and x.load_task is None]
+        for x in sorted(idle, key=lambda x: x.last_used):
+            if total <= quota:
+                break
+            path, x.local_dir = x.local_dir, None
+            total -= x.nbytes
+            await asyncio.to_thread(shutil.rmtree, path, True)
 
     def discard(self, v: AdapterVersion) -> None:
         """Remove a dropped version's staged files (off the event loop)."""

@@ -52,6 +52,7 @@ class AdapterVersion:
     slot: int | None = None
     slot_ready: bool = False
     slot_event: Any = None  # torch.cuda.Event of the pending slot write
+    slot_start_event: Any = None  # ... recorded just before it (GPU time of the write)
     slot_refs: int = 0  # running requests reading the slot
     users: int = 0  # requests in flight (waiting or running) on this version
     pinned: bool = False  # operator pin: never evicted from its slot
@@ -63,6 +64,8 @@ class AdapterVersion:
     last_used: float = field(default_factory=time.monotonic)
     timings: dict[str, float] = field(default_factory=dict)
     load_task: asyncio.Task | None = None
+    region: Any = None  # host-pool Region holding the CPU-tier tensors (pool.py)
+    region_event: Any = None  # torch.cuda.Event after the last slot write out of the region
 
     @property
     def key(self) -> tuple[str, str]:
@@ -85,12 +88,14 @@ class AdapterManager:
         loader: Loader,
         on_change: Callable[[], None] = lambda: None,
         on_drop: Callable[[AdapterVersion], None] = lambda v: None,
+        on_unload: Callable[[AdapterVersion], None] = lambda v: None,
     ) -> None:
         self.max_loras = max_loras
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
         self._loader = loader
         self._on_change = on_change
         self._on_drop = on_drop
+        self._on_unload = on_unload
         self._current: dict[str, AdapterVersion] = {}
         self._versions: list[AdapterVersion] = []  # every version still alive
         self._slots: list[AdapterVersion | None] = [None] * max_loras
@@ -167,7 +172,7 @@ class AdapterManager:
                 if v.slot is not None:
                     self._slots[v.slot] = None
                     v.slot = None
-                v.adapter = None
+                self._unload(v)
                 self._versions.remove(v)
                 self._on_drop(v)
 
@@ -217,11 +222,12 @@ class AdapterManager:
             await self._loader(v)
         except asyncio.CancelledError:
             v.state = AdapterState.REGISTERED
-            v.adapter = None
+            self._unload(v)
             if v.dynamic and v.users == 0:  # a request that joined meanwhile keeps the name
                 self.forget(v)
             raise
         except Exception as e:  # noqa: BLE001 - the error is handed to the waiting requests
+            self._unload(v)
             v.state = AdapterState.FAILED
             v.error = e
             self.stats["load_failures"] += 1
@@ -232,16 +238,30 @@ class AdapterManager:
             v.load_task = None
             self._on_change()
 
-    def _evict_cpu(self, keep: AdapterVersion) -> None:
+    def _unload(self, v: AdapterVersion) -> None:
+        """Drop ``v``'s CPU-tier tensors (its host-pool region goes back, see on_unload)."""
+        v.adapter = None
+        self._on_unload(v)
+
+    def _evict_cpu(self, keep: AdapterVersion | None, excess: int | None = None) -> int:
+        """Evict idle CPU-tier versions (LRU) beyond ``max_cpu_loras`` (or ``excess`` of them);
+        returns how many."""
         loaded = [v for v in self._versions if v.state is AdapterState.CPU]
-        excess = len(loaded) - self.max_cpu_loras
+        if excess is None:
+            excess = len(loaded) - self.max_cpu_loras
         if excess <= 0:
-            return
+            return 0
         idle = [v for v in loaded if v is not keep and v.slot is None and v.users == 0]
-        for v in sorted(idle, key=lambda v: v.last_used)[:excess]:
-            v.adapter = None
+        victims = sorted(idle, key=lambda v: v.last_used)[:excess]
+        for v in victims:
+            self._unload(v)
             v.state = AdapterState.REGISTERED
             self.stats["cpu_evictions"] += 1
+        return len(victims)
+
+    def make_room(self) -> bool:
+        """Evict the least recently used idle CPU-tier version (a load needs its host memory)."""
+        return self._evict_cpu(None, excess=1) > 0
 
     def reset_failed(self, v: AdapterVersion) -> None:
         """After its waiters were failed, a failed version may be retried by later requests

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loraplex.engine.lora.adapter import LoRAWeights
-from loraplex.engine.model.config import LORA_MODULES
+from loraplex.engine.model.config import LORA_MODULES, ModelConfig
 
 if TYPE_CHECKING:
     from loraplex.engine.lora.adapter import LoRAAdapter
@@ -38,6 +38,9 @@ __all__ = [
     "attach_packed",
     "packed_for",
     "model_max_rank",
+    "slot_image_numel",
+    "full_layout",
+    "adopt_packed",
 ]
 
 _ALIGN = 64  # elements: block offsets stay 128-256 B aligned (vectorised copies)
@@ -96,22 +99,11 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-@torch.no_grad()
-def pack_adapter(
-    adapter: LoRAAdapter,
-    model: LlamaForCausalLM | int,
-    *,
-    pin: bool = False,
-    dtype: torch.dtype | None = None,
-) -> PackedAdapter:
-    """Lay out ``adapter`` for a slot of R = ``model``'s max_lora_rank (or ``model`` if an int).
-
-    CPU work only (call it from a worker thread); ``dtype`` defaults to the adapter's.
-    """
-    max_rank = model if isinstance(model, int) else model_max_rank(model)
-    keys = sorted(adapter.weights, key=lambda k: (k[0], _ORDER[k[1]]))
-    if dtype is None:
-        dtype = adapter.weights[keys[0]].a.dtype if keys else torch.float32
+def _layout(
+    shapes: dict[tuple[int, str], tuple[int, int, int]], max_rank: int
+) -> tuple[dict[tuple[int, str], PackEntry], int]:
+    """Offsets of every (layer, module) -> (r, in, out) block, and the buffer's numel."""
+    keys = sorted(shapes, key=lambda k: (k[0], _ORDER[k[1]]))
     entries: dict[tuple[int, str], PackEntry] = {}
     off = 0
     for layer in sorted({k[0] for k in keys}):
@@ -119,19 +111,67 @@ def pack_adapter(
         b_offs = {}
         for k in mods:  # B blocks first, back to back (consecutive slices stay adjacent)
             b_offs[k] = off
-            off += adapter.weights[k].b.shape[0] * max_rank
+            off += shapes[k][2] * max_rank
         off = _align(off)
         for k in mods:
-            w = adapter.weights[k]
-            r, d_in = w.a.shape
-            d_out = w.b.shape[0]
-            if r > max_rank or w.b.shape[1] != r:
-                raise ValueError(
-                    f"{k}: A {tuple(w.a.shape)} / B {tuple(w.b.shape)} do not fit rank {max_rank}"
-                )
+            r, d_in, d_out = shapes[k]
             entries[k] = PackEntry(layer, k[1], r, d_in, d_out, off, b_offs[k])
             off = _align(off + r * d_in)
-    buffer = torch.empty(off, dtype=dtype, pin_memory=pin)
+    return entries, off
+
+
+def full_layout(
+    model_config: ModelConfig, max_rank: int
+) -> tuple[dict[tuple[int, str], PackEntry], int]:
+    """Layout of the largest packed adapter: every module of every layer at rank R."""
+    per_layer = model_config.lora_module_shapes()
+    shapes = {
+        (layer, m): (max_rank, d_in, d_out)
+        for layer in range(model_config.num_layers)
+        for m, (d_in, d_out) in per_layer.items()
+    }
+    return _layout(shapes, max_rank)
+
+
+def slot_image_numel(model_config: ModelConfig, max_rank: int) -> int:
+    """Elements of the largest packed adapter (what a host-pool region must hold)."""
+    return full_layout(model_config, max_rank)[1]
+
+
+@torch.no_grad()
+def pack_adapter(
+    adapter: LoRAAdapter,
+    model: LlamaForCausalLM | int,
+    *,
+    pin: bool = False,
+    dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+) -> PackedAdapter:
+    """Lay out ``adapter`` for a slot of R = ``model``'s max_lora_rank (or ``model`` if an int).
+
+    CPU work only (call it from a worker thread); ``dtype`` defaults to the adapter's (or
+    ``out``'s). ``out``: a flat 1-D buffer to pack into (a host-pool region) instead of a new
+    allocation; the packed buffer is its prefix.
+    """
+    max_rank = model if isinstance(model, int) else model_max_rank(model)
+    shapes = {}
+    for k, w in adapter.weights.items():
+        r, d_in = w.a.shape
+        if r > max_rank or w.b.shape[1] != r:
+            raise ValueError(
+                f"{k}: A {tuple(w.a.shape)} / B {tuple(w.b.shape)} do not fit rank {max_rank}"
+            )
+        shapes[k] = (r, d_in, w.b.shape[0])
+    entries, numel = _layout(shapes, max_rank)
+    if out is not None:
+        if out.dim() != 1 or out.numel() < numel or (dtype is not None and out.dtype != dtype):
+            raise ValueError(f"out {tuple(out.shape)} {out.dtype} cannot hold {numel} elements")
+        buffer = out[:numel]
+    else:
+        if dtype is None:
+            first = next(iter(adapter.weights.values()), None)
+            dtype = first.a.dtype if first is not None else torch.float32
+        buffer = torch.empty(numel, dtype=dtype, pin_memory=pin)
     packed = PackedAdapter(buffer, entries, max_rank)
     # NOTE: alignment gaps are never read; B's padding columns are (zeroed here, per block)
     for k, e in entries.items():
@@ -160,12 +200,19 @@ def packed_for(adapter: LoRAAdapter) -> PackedAdapter | None:
 
 
 @torch.no_grad()
-def stage_packed(adapter: LoRAAdapter, max_rank: int, *, pin: bool) -> PackedAdapter:
+def stage_packed(
+    adapter: LoRAAdapter, max_rank: int, *, pin: bool, out: torch.Tensor | None = None
+) -> PackedAdapter:
     """Pack (pinned if ``pin``), point ``adapter.weights`` at views of the packed buffer (one
     copy of the data in host memory: the tensors' values are unchanged, B becomes a column view
     (out, r) of its (out, R) block) and attach the packed form to the adapter."""
-    packed = pack_adapter(adapter, max_rank, pin=pin)
+    packed = pack_adapter(adapter, max_rank, pin=pin, out=out)
+    adopt_packed(adapter, packed)
+    return packed
+
+
+def adopt_packed(adapter: LoRAAdapter, packed: PackedAdapter) -> None:
+    """Point ``adapter.weights`` at views of ``packed`` and attach it (see ``stage_packed``)."""
     for k, e in packed.entries.items():
         adapter.weights[k] = LoRAWeights(a=packed.a(e), b=packed.b(e)[:, : e.rank])
     attach_packed(adapter, packed)
-    return packed

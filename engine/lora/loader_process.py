@@ -1,0 +1,455 @@
+"""Loader processes: the CPU-heavy half of a cold load, off the engine's GIL.
+
+A cold load hashes, parses and packs tens of megabytes per adapter. In the engine process those
+threads share one GIL with the step thread and the event loop: a storm of 24 loads froze every
+running stream for 100+ ms at a time on the H200 (BENCHMARKS.md, "Cold-load storm"). So the
+engine starts ``loader_processes`` helper processes (spawned, CPU only, no CUDA) and sends them
+two kinds of job:
+
+    prepare   resolve + fetch (the resolver plugins run in the helper), sha256 digest,
+              preflight -> the staged folder, its digest, pinned URI, size, stage timings
+    stage     parse the staged folder and pack it straight into a host-pool region (shared
+              memory the engine registered as pinned) -> the packed layout only
+
+The engine process then only queues one async H2D copy per slot write. Messages are small
+(metadata); tensor data never crosses the pipe.
+
+Failure handling: a helper that dies fails none of the engine's requests directly. Each job it
+had in flight is retried once on a fresh helper; a second death fails that job with
+``LoaderProcessError`` (so only the requests waiting on that adapter fail). A job cancelled
+by the engine is cancelled in the helper; its region is released only once the helper says the
+job ended (it may still be writing into it). Errors raised in a helper come back as the same
+typed ``LoRAError`` subclass with message and field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import mmap
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from loraplex.engine.lora import errors as lora_errors
+from loraplex.engine.lora.errors import LoRAError
+
+__all__ = ["LoaderInit", "LoaderProcesses", "LoaderProcessError"]
+
+log = structlog.get_logger("loraplex.loader")
+
+
+class LoaderProcessError(LoRAError):
+    """A loader process died (twice) while it handled this adapter's load, or broke."""
+
+
+@dataclass(frozen=True)
+class LoaderInit:
+    """What every helper process is started with (pickled at spawn)."""
+
+    model_config: Any  # ModelConfig
+    enabled_plugins: tuple[str, ...] | None
+    settings: Any  # ResolverSettings
+    cache_dir: str
+    pool_nbytes: int
+    threads: int = 4
+    test_delay_s: float = 0.0  # tests only: each job sleeps first (to kill a helper mid-load)
+
+
+# -- the helper process ------------------------------------------------------------------------
+
+
+def _helper_main(conn: Connection, init: LoaderInit, fd: int | None) -> None:
+    """Serve jobs until the engine closes the connection."""
+    import torch
+
+    torch.set_num_threads(1)
+    with contextlib.suppress(OSError):
+        os.nice(10)  # where CPUs are short, the engine's step thread and event loop go first
+    pool = None
+    if fd is not None and init.pool_nbytes:
+        pool = torch.frombuffer(mmap.mmap(fd, init.pool_nbytes, mmap.MAP_SHARED), dtype=torch.uint8)
+    _Helper(conn, init, pool).serve()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m loraplex.engine.lora.loader_process --conn-fd N [--pool-fd M]``: started by
+    ``LoaderProcesses`` (not by multiprocessing's spawn, which would re-import the embedding
+    application's ``__main__``). The first message on the connection is the LoaderInit."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--conn-fd", type=int, required=True)
+    ap.add_argument("--pool-fd", type=int, default=None)
+    args = ap.parse_args(argv)
+    conn = Connection(args.conn_fd)
+    init = conn.recv()
+    _helper_main(conn, init, args.pool_fd)
+
+
+class _Helper:
+    def __init__(self, conn: Connection, init: LoaderInit, pool: Any) -> None:
+        from loraplex.plugins import PluginManager
+
+        self.conn, self.init, self.pool = conn, init, pool
+        self.plugins = PluginManager(init.enabled_plugins, init.settings)
+        self.loop = asyncio.new_event_loop()
+        self.loop.set_default_executor(ThreadPoolExecutor(init.threads))
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.send_lock = threading.Lock()
+
+    def serve(self) -> None:
+        threading.Thread(target=self._read, daemon=True).start()
+        self.loop.run_forever()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                os._exit(0)  # the engine is gone: nothing to finish
+            self.loop.call_soon_threadsafe(self._on_message, msg)
+
+    def _send(self, msg: tuple) -> None:
+        with self.send_lock:
+            self.conn.send(msg)
+
+    def _on_message(self, msg: tuple) -> None:
+        kind, jid, payload = msg
+        if kind == "cancel":
+            task = self.tasks.get(jid)
+            if task is not None:
+                task.cancel()
+            return
+        self.tasks[jid] = self.loop.create_task(self._run(jid, kind, payload))
+
+    async def _run(self, jid: int, kind: str, payload: dict) -> None:
+        try:
+            if self.init.test_delay_s:
+                await asyncio.sleep(self.init.test_delay_s)
+            fn = self._prepare if kind == "prepare" else self._stage
+            result = await fn(payload)
+        except asyncio.CancelledError:
+            self._send(("cancelled", jid, None))
+        except BaseException as e:  # noqa: BLE001 - every error goes back to the engine
+            self._send(("error", jid, _describe(e)))
+        else:
+            self._send(("done", jid, result))
+        finally:
+            self.tasks.pop(jid, None)
+
+    async def _prepare(self, p: dict) -> dict:
+        from loraplex.engine.lora.digest import adapter_digest
+        from loraplex.engine.lora.errors import AdapterDigestError
+        from loraplex.engine.lora.preflight import preflight
+
+        os.environ.update(p["env"])  # HF_* / AWS_* as the engine sees them now
+        t = {}
+        t0 = time.perf_counter()
+        if self.plugins.settings.policy != p["resolver_policy"]:
+            self.plugins.update_settings(
+                replace(self.plugins.settings, policy=p["resolver_policy"])
+            )
+        resolver = self.plugins.resolver_for(p["uri"])
+        await asyncio.to_thread(p["policy"].check, p["uri"])
+        t1 = time.perf_counter()
+        dest = Path(tempfile.mkdtemp(prefix=p["prefix"], dir=self.init.cache_dir))
+        try:
+            result = await resolver.fetch(p["uri"], dest, None, max_bytes=p["max_bytes"])
+            t2 = time.perf_counter()
+            digest = await asyncio.to_thread(adapter_digest, result.local_dir)
+            want = p["sha256"]
+            if want is not None and want.lower().removeprefix("sha256:") != digest:
+                raise AdapterDigestError(
+                    f"sha256 mismatch for adapter {p['name']!r} from {p['uri']!r}: configured "
+                    f"{want.lower()}, content has {digest}",
+                    field="sha256",
+                )
+            if p["expect_digest"] and p["expect_digest"] != digest:
+                raise AdapterDigestError(
+                    f"adapter {p['name']!r} at {p['uri']!r} changed: digest {digest[:12]}..., "
+                    f"expected {p['expect_digest'][:12]}...",
+                    field="sha256",
+                )
+            t3 = time.perf_counter()
+            await asyncio.to_thread(
+                preflight,
+                result.local_dir,
+                self.init.model_config,
+                max_lora_rank=p["max_lora_rank"],
+                max_bytes=p["max_bytes"],
+            )
+            t4 = time.perf_counter()
+        except BaseException:
+            await asyncio.to_thread(shutil.rmtree, dest, True)
+            raise
+        t.update(resolve=t1 - t0, fetch=t2 - t1, verify=t3 - t2, preflight=t4 - t3)
+        return {
+            "local_dir": str(result.local_dir),
+            "digest": digest,
+            "pinned_uri": result.pinned_uri,
+            "nbytes": result.nbytes,
+            "timings": t,
+        }
+
+    async def _stage(self, p: dict) -> dict:
+        return await asyncio.to_thread(self._stage_sync, p)
+
+    def _stage_sync(self, p: dict) -> dict:
+        import torch
+
+        from loraplex.engine.lora.adapter import load_adapter
+        from loraplex.engine.lora.staging import pack_adapter
+
+        t0 = time.perf_counter()
+        dtype = getattr(torch, p["dtype"])
+        adapter = load_adapter(
+            p["local_dir"],
+            self.init.model_config,
+            max_lora_rank=p["max_lora_rank"],
+            name=p["name"],
+            dtype=dtype,
+        )
+        offset, nbytes = p["region"]
+        out = self.pool[offset : offset + nbytes].view(dtype)
+        packed = pack_adapter(adapter, p["max_lora_rank"], out=out)
+        return {
+            "config": adapter.config,
+            "path": adapter.path,
+            "numel": packed.buffer.numel(),
+            "entries": [tuple(vars(e).values()) for e in packed.entries.values()],
+            "stage_s": time.perf_counter() - t0,
+        }
+
+
+def _describe(e: BaseException) -> tuple[str, str, str, str | None]:
+    return (type(e).__module__, type(e).__name__, str(e), getattr(e, "field", None))
+
+
+def _rebuild(desc: tuple[str, str, str, str | None]) -> LoRAError:
+    """The helper's error as the same typed error here (LoRAError subclasses only)."""
+    module, name, message, fld = desc
+    cls = getattr(lora_errors, name, None)
+    if module == LoRAError.__module__ and isinstance(cls, type) and issubclass(cls, LoRAError):
+        return cls(message, field=fld)
+    if name == LoaderProcessError.__name__:
+        return LoaderProcessError(message, field=fld)
+    return LoaderProcessError(f"the adapter loader failed: {name}: {message}", field=fld)
+
+
+# -- the engine side ---------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Job:
+    jid: int
+    kind: str
+    payload: dict
+    future: asyncio.Future
+    attempts: int = 0
+    proc: _Proc | None = None
+    on_end: Any = None  # on_end(ok) once no helper runs the job; ok: done and still awaited
+    ended: bool = False
+
+
+@dataclass(eq=False)
+class _Proc:
+    process: subprocess.Popen
+    conn: Connection
+    jobs: dict[int, _Job] = field(default_factory=dict)
+    dead: bool = False
+
+
+class LoaderProcesses:
+    """The engine's handle on its helper processes (see the module docstring).
+
+    ``call`` runs on the event loop; each helper has a reader thread that hands its replies to
+    the loop. Jobs go to the helper with the fewest in flight.
+    """
+
+    def __init__(self, count: int, init: LoaderInit, pool_fd: int | None) -> None:
+        self.count = count
+        self.init = init
+        self.pool_fd = pool_fd
+        self.procs: list[_Proc] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._ids = itertools.count(1)
+        self._closed = False
+        self.deaths = 0
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Spawn the helpers (blocking: from a worker thread at engine start-up)."""
+        for _ in range(self.count):
+            self.procs.append(self._spawn())
+
+    def _spawn(self) -> _Proc:
+        ours, theirs = socket.socketpair()
+        fds = [theirs.fileno()]
+        cmd = [sys.executable, "-m", __name__, "--conn-fd", str(theirs.fileno())]
+        if self.pool_fd is not None:
+            fds.append(self.pool_fd)
+            cmd += ["--pool-fd", str(self.pool_fd)]
+        env = dict(os.environ)
+        # the helper imports loraplex the way this process does (source checkouts, test paths)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)
+        process = subprocess.Popen(cmd, pass_fds=fds, env=env, stdin=subprocess.DEVNULL)
+        theirs.close()
+        conn = Connection(ours.detach())
+        conn.send(self.init)
+        proc = _Proc(process, conn)
+        threading.Thread(
+            target=self._read, args=(proc,), name="loraplex-loader-reader", daemon=True
+        ).start()
+        return proc
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.process.pid for p in self.procs if not p.dead]
+
+    async def call(self, kind: str, payload: dict, *, on_end: Any = None) -> dict:
+        """Run one job in a helper; raises the job's typed error. On cancellation the helper's
+        job is cancelled too; ``on_end`` runs (on the loop) once no helper runs it any more."""
+        if self._closed:
+            raise LoaderProcessError("the adapter loader is closed")
+        self.loop = asyncio.get_running_loop()
+        job = _Job(next(self._ids), kind, payload, self.loop.create_future(), on_end=on_end)
+        await self._submit(job)
+        try:
+            return await asyncio.shield(job.future)
+        except asyncio.CancelledError:
+            if not job.future.done():
+                job.future.cancel()
+                proc = job.proc
+                if proc is not None and not proc.dead:
+                    with contextlib.suppress(OSError, ValueError):
+                        proc.conn.send(("cancel", job.jid, None))
+                else:
+                    self._end(job)
+            raise
+
+    async def _submit(self, job: _Job) -> None:
+        job.attempts += 1
+        live = [p for p in self.procs if not p.dead]
+        if not live:
+            raise LoaderProcessError("no adapter loader process is running")
+        proc = min(live, key=lambda p: len(p.jobs))
+        job.proc = proc
+        proc.jobs[job.jid] = job
+        # NOTE: a send to a dead helper fails quietly: its reader thread retries the job
+        with contextlib.suppress(OSError, ValueError):
+            proc.conn.send((job.kind, job.jid, job.payload))
+
+    def _read(self, proc: _Proc) -> None:
+        """Reader thread of one helper: replies to the loop; EOF = the helper died."""
+        while True:
+            try:
+                msg = proc.conn.recv()
+            except (EOFError, OSError):
+                break
+            self._to_loop(self._on_reply, proc, msg)
+        self._to_loop(self._on_death, proc)
+
+    def _to_loop(self, fn: Any, *args: Any) -> None:
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(fn, *args)
+
+    def _on_reply(self, proc: _Proc, msg: tuple) -> None:
+        kind, jid, data = msg
+        job = proc.jobs.pop(jid, None)
+        if job is None:
+            return
+        self._end(job, kind == "done" and not job.future.done())
+        if job.future.done():
+            return
+        if kind == "done":
+            job.future.set_result(data)
+        elif kind == "error":
+            job.future.set_exception(_rebuild(data))
+        else:  # cancelled without our asking: the helper is shutting down
+            job.future.set_exception(LoaderProcessError("the adapter loader stopped the job"))
+
+    def _end(self, job: _Job, ok: bool = False) -> None:
+        if not job.ended:
+            job.ended = True
+            if job.on_end is not None:
+                job.on_end(ok)
+
+    def _on_death(self, proc: _Proc) -> None:
+        if proc.dead:
+            return
+        proc.dead = True
+        jobs = list(proc.jobs.values())
+        proc.jobs.clear()
+        if self._closed:
+            for job in jobs:
+                self._end(job)
+                if not job.future.done():
+                    job.future.set_exception(LoaderProcessError("the adapter loader is closed"))
+            return
+        self.deaths += 1
+        code = proc.process.poll()
+        log.warning("loader_process_died", pid=proc.process.pid, exitcode=code, jobs=len(jobs))
+        with contextlib.suppress(ValueError):
+            self.procs.remove(proc)
+        assert self.loop is not None
+        self.loop.create_task(self._replace(jobs, code))
+
+    async def _replace(self, jobs: list[_Job], code: int | None) -> None:
+        """Start a new helper for the dead one, then retry its jobs once each (a retried job
+        keeps what it reserved, e.g. its host-pool region: the dead helper writes no more)."""
+        try:
+            self.procs.append(await asyncio.to_thread(self._spawn))
+        except Exception as e:  # noqa: BLE001
+            log.error("loader_process_restart_failed", error=repr(e))
+        for job in jobs:
+            if job.future.done():  # cancelled while its helper was dying
+                self._end(job)
+                continue
+            if job.attempts >= 2:
+                self._end(job)
+                job.future.set_exception(
+                    LoaderProcessError(
+                        f"the adapter loader process died twice while loading (exit code {code})"
+                    )
+                )
+                continue
+            try:
+                await self._submit(job)
+            except LoaderProcessError as e:
+                self._end(job)
+                job.future.set_exception(e)
+
+    def close(self) -> None:
+        """Stop every helper (blocking, bounded)."""
+        self._closed = True
+        for proc in self.procs:
+            with contextlib.suppress(OSError, ValueError):
+                proc.conn.close()
+        for proc in self.procs:
+            try:
+                proc.process.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                proc.process.kill()
+                proc.process.wait(timeout=2.0)
+        self.procs.clear()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""Cold loads through loader processes (``loader_processes`` > 0) and the host pool: same
+tokens as in-process loads; a helper killed mid-load is replaced and the load retried once; a
+second death fails only that adapter's requests; corrupt files and cancellation leak nothing
+(refcounts, KV blocks, host-pool regions, staged files); the staging directory keeps to its
+byte quota and a re-fetch reads the version's pinned revision."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex.engine import AsyncEngine, SamplingParams
+from loraplex.engine.lora.errors import AdapterDigestError, AdapterFormatError
+from loraplex.engine.lora.loader_process import LoaderProcessError
+from loraplex.engine.lora.manager import AdapterState
+from loraplex.plugins import hookimpl
+from loraplex.resolvers import AdapterSource, Report, Resolver, ResolverSettings, copy_file
+from tests.engine.lifecycle_helpers import (
+    assert_idle,
+    collect,
+    config,
+    derived_adapter,
+    truncated,
+    wait_until,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPT = [12, 7, 200, 45, 3, 88, 19, 5]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+
+def proc_config(model_dir: Path, tmp_path: Path, **kw):
+    base = dict(
+        loader_processes=1,
+        local_roots=(str(tmp_path),),
+        adapter_cache_dir=str(tmp_path / "cache"),
+    )
+    base.update(kw)
+    return config(model_dir, **base)
+
+
+def pool_idle(engine: AsyncEngine) -> None:
+    """Every host-pool region in use belongs to a CPU-tier version."""
+    core = engine.core
+    held = [v for v in core.adapters.versions() if v.region is not None]
+    assert all(v.state is AdapterState.CPU for v in held), held
+    assert core.loader.pool.in_use() == len(held)
+
+
+@pytest.fixture
+def lib(tiny, tmp_path) -> dict[str, Path]:
+    """The tiny adapters copied under tmp_path (a local root of the engine)."""
+    _, adapters = tiny
+    out = {}
+    for name, src in adapters.items():
+        out[name] = Path(shutil.copytree(src, tmp_path / "lib" / name))
+    return out
+
+
+async def test_helper_loads_match_in_process_loads(tiny, lib, tmp_path):
+    model_dir, _ = tiny
+    results = {}
+    for procs in (0, 1):
+        cfg = proc_config(model_dir, tmp_path, loader_processes=procs, adapter_cache_dir=None)
+        async with AsyncEngine(cfg) as engine:
+            for name in ("sql", "poem", "chat"):
+                info = await engine.add_adapter(name, str(lib[name]))
+                assert len(info["digest"]) == 64
+            outs = await asyncio.gather(
+                *(collect(engine, PROMPT, GREEDY, adapter=n) for n in ("sql", "poem", "chat"))
+            )
+            results[procs] = [o[0] for o in outs]
+            if procs:
+                core = engine.core
+                assert len(core.loader.procs.pids) == 1
+                assert all(v.region is not None for v in core.adapters.versions())
+                pool_idle(engine)
+            assert_idle(engine)
+    assert results[0] == results[1]
+
+
+async def test_killed_helper_is_replaced_and_the_load_retried(tiny, lib, tmp_path):
+    model_dir, _ = tiny
+    cfg = proc_config(model_dir, tmp_path, extra={"loader_test_delay_s": 1.0})
+    async with AsyncEngine(cfg) as engine:
+        await engine.add_adapter("poem", str(lib["poem"]))
+        procs = engine.core.loader.procs
+        base = asyncio.create_task(collect(engine, PROMPT, LONG))
+        task = asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="poem"))
+        await wait_until(lambda: any(p.jobs for p in procs.procs), "a stage job in flight")
+        first = procs.pids[0]
+        os.kill(first, signal.SIGKILL)
+        tokens, _, outs = await asyncio.wait_for(task, 60)
+        assert len(tokens) == GREEDY.max_tokens and outs[-1].finish_reason == "length"
+        assert procs.deaths == 1 and procs.pids and procs.pids[0] != first
+        base_tokens, _, _ = await asyncio.wait_for(base, 60)
+        assert len(base_tokens) == LONG.max_tokens  # the base stream never noticed
+        assert_idle(engine)
+        pool_idle(engine)
+
+
+async def test_second_death_fails_only_that_adapter(tiny, lib, tmp_path):
+    model_dir, _ = tiny
+    cfg = proc_config(model_dir, tmp_path, extra={"loader_test_delay_s": 1.0})
+    async with AsyncEngine(cfg) as engine:
+        await engine.add_adapter("poem", str(lib["poem"]))
+        procs = engine.core.loader.procs
+        base = asyncio.create_task(collect(engine, PROMPT, LONG))
+        task = asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="poem"))
+        for death in (1, 2):
+            await wait_until(lambda: any(p.jobs for p in procs.procs), "a job in flight")
+            os.kill(procs.pids[0], signal.SIGKILL)
+            await wait_until(lambda d=death: procs.deaths == d, "the death seen")
+        with pytest.raises(LoaderProcessError, match="died twice"):
+            await asyncio.wait_for(task, 60)
+        base_tokens, _, _ = await asyncio.wait_for(base, 60)
+        assert len(base_tokens) == LONG.max_tokens
+        assert engine.core.adapters.get("poem").state is not AdapterState.LOADING
+        assert_idle(engine)
+        pool_idle(engine)
+        # a fresh helper serves the next request for the same adapter
+        tokens, _, _ = await asyncio.wait_for(collect(engine, PROMPT, GREEDY, adapter="poem"), 60)
+        assert len(tokens) == GREEDY.max_tokens
+
+
+async def test_corrupt_adapter_typed_error_through_the_helper(tiny, lib, tmp_path):
+    model_dir, _ = tiny
+    bad = truncated(lib["poem"], tmp_path / "lib" / "bad")
+    async with AsyncEngine(proc_config(model_dir, tmp_path)) as engine:
+        with pytest.raises(AdapterFormatError):  # the preflight, in the helper
+            await engine.add_adapter("bad", str(bad))
+        with pytest.raises(AdapterDigestError):
+            await engine.add_adapter("poem", str(lib["poem"]), sha256="0" * 64)
+        tokens, _, _ = await collect(engine, PROMPT, GREEDY)
+        assert len(tokens) == GREEDY.max_tokens
+        assert engine.list_adapters() == []
+        assert_idle(engine)
+        pool_idle(engine)
+        leftovers = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+        assert leftovers == []
+
+
+async def test_cancelled_load_releases_its_region(tiny, lib, tmp_path):
+    model_dir, _ = tiny
+    cfg = proc_config(model_dir, tmp_path, extra={"loader_test_delay_s": 0.5})
+    async with AsyncEngine(cfg) as engine:
+        await engine.add_adapter("poem", str(lib["poem"]))
+        procs = engine.core.loader.procs
+        task = asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="poem"))
+        await wait_until(lambda: any(p.jobs for p in procs.procs), "a stage job in flight")
+        assert engine.core.loader.pool.in_use() == 1  # the region the helper packs into
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # the helper is told; the region comes back once it says the job ended
+        await wait_until(lambda: engine.core.loader.pool.in_use() == 0, "region released")
+        assert not any(p.jobs for p in procs.procs)
+        v = engine.core.adapters.get("poem")
+        assert v.state is AdapterState.REGISTERED and v.region is None
+        assert_idle(engine)
+        tokens, _, _ = await collect(engine, PROMPT, GREEDY, adapter="poem")
+        assert len(tokens) == GREEDY.max_tokens
+        pool_idle(engine)
+
+
+async def test_pool_exhaustion_evicts_idle_cpu_versions(tiny, lib, tmp_path):
+    model_dir, _ = tiny
+    # 2 slots, a CPU tier of 2, 1 load at a time: 3 regions for 4 adapters
+    cfg = proc_config(model_dir, tmp_path, max_cpu_loras=2, max_concurrent_loads=1)
+    async with AsyncEngine(cfg) as engine:
+        assert engine.core.loader.pool.count == 3
+        for name in lib:
+            await engine.add_adapter(name, str(lib[name]))
+        for _ in range(2):
+            for name in lib:
+                tokens, _, _ = await collect(engine, PROMPT, GREEDY, adapter=name)
+                assert len(tokens) == GREEDY.max_tokens
+                pool_idle(engine)
+        assert engine.stats()["adapters"]["cpu_evictions"] > 0
+        assert_idle(engine)
+
+
+# -- the staging directory ------------------------------------------------------------------
+
+
+async def test_staging_quota_evicts_idle_versions_and_refetches(tiny, lib, tmp_path):
+    model_dir, _ = tiny
+    one = sum(f.stat().st_size for f in lib["poem"].iterdir())
+    cfg = proc_config(model_dir, tmp_path, adapter_cache_bytes=int(one * 1.2), max_cpu_loras=2)
+    async with AsyncEngine(cfg) as engine:
+        for name in ("sql", "poem", "math"):
+            await engine.add_adapter(name, str(lib[name]))
+            staged = sum(f.stat().st_size for f in (tmp_path / "cache").rglob("*") if f.is_file())
+            assert staged <= one * 1.2
+        versions = {v.name: v for v in engine.core.adapters.versions()}
+        assert versions["sql"].local_dir is None  # least recently used, dropped
+        assert versions["math"].local_dir is not None
+        tokens, _, _ = await collect(engine, PROMPT, GREEDY, adapter="sql")  # fetched again
+        assert len(tokens) == GREEDY.max_tokens
+        assert versions["sql"].local_dir is not None
+        assert_idle(engine)
+
+
+class _RevSource(AdapterSource):
+    def __init__(self, folder: Path, pinned: str) -> None:
+        self.folder, self.pinned_uri = folder, pinned
+        self.files = {p.name: p.stat().st_size for p in folder.iterdir()}
+
+    async def download(self, name: str, target: Path, report: Report) -> None:
+        await copy_file(self.folder / name, target, report)
+
+
+class RevPlugin:
+    """``rev://lib/<name>`` serves the newest revision of ``<name>`` (a moving branch),
+    ``rev://lib/<name>@<k>`` revision k, like a Hub repo pinned to a commit."""
+
+    def __init__(self) -> None:
+        self.revs: dict[str, list[Path]] = {}
+        self.opened: list[str] = []
+
+    @hookimpl
+    def loraplex_resolvers(self, settings: ResolverSettings) -> list[Resolver]:
+        plugin = self
+
+        class RevResolver(Resolver):
+            schemes = ("rev",)
+
+            async def open(self, uri: str) -> AdapterSource:
+                plugin.opened.append(uri)
+                name, _, k = uri.removeprefix("rev://lib/").partition("@")
+                revs = plugin.revs[name]
+                i = int(k) if k else len(revs) - 1
+                return _RevSource(revs[i], f"rev://lib/{name}@{i}")
+
+        return [RevResolver(settings)]
+
+
+async def test_refetch_reads_the_pinned_revision(tiny, lib, tmp_path):
+    model_dir, _ = tiny
+    plugin = RevPlugin()
+    plugin.revs["poem"] = [lib["poem"]]
+    cfg = config(
+        model_dir,
+        max_cpu_loras=2,
+        adapter_cache_bytes=1,  # keeps only the newest version's files
+        adapter_cache_dir=str(tmp_path / "cache"),
+    )
+    async with AsyncEngine(cfg) as engine:
+        engine.core.loader.plugins.register(plugin, "rev")
+        info = await engine.add_adapter("poem", "rev://lib/poem")
+        first, _, _ = await collect(engine, PROMPT, GREEDY, adapter="poem")
+        v = engine.core.adapters.get("poem")
+        assert v.pinned_uri == "rev://lib/poem@0"
+        # the branch moves on; two other adapters push poem out of the staging dir, its slot
+        # and the CPU tier
+        plugin.revs["poem"].append(derived_adapter(lib["poem"], tmp_path / "poem2", seed=3))
+        for name in ("sql", "math"):
+            await engine.add_adapter(name, str(lib[name]))
+            await collect(engine, PROMPT, GREEDY, adapter=name)
+        assert v.local_dir is None and v.adapter is None and v.slot is None
+        again, _, _ = await collect(engine, PROMPT, GREEDY, adapter="poem")
+        assert plugin.opened[-1] == "rev://lib/poem@0"
+        assert again == first and v.digest == info["digest"]
+        assert_idle(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_gpu_pool_loads_and_no_compiles_while_serving(tiny, lib, tmp_path):
+    """On CUDA: loads through a helper into the registered host pool give the tokens of
+    in-process loads, and a mixed workload (prefills of many lengths next to decodes, several
+    adapters) compiles no kernel after start-up (the eager-step warm-up covers it)."""
+    model_dir, _ = tiny
+    g = random.Random(5)
+    work = [
+        ([g.randrange(3, 250) for _ in range(g.randint(1, 60))], g.choice([None, *lib]))
+        for _ in range(16)
+    ]
+    results = {}
+    for procs in (0, 1):
+        cfg = proc_config(
+            model_dir, tmp_path, device="cuda", loader_processes=procs, adapter_cache_dir=None,
+            max_num_batched_tokens=128,
+        )  # fmt: skip
+        async with AsyncEngine(cfg) as engine:
+            for name in lib:
+                await engine.add_adapter(name, str(lib[name]))
+            before = engine.stats()["kernel_compiles_while_serving"]
+            outs = await asyncio.gather(*(collect(engine, p, GREEDY, adapter=a) for p, a in work))
+            results[procs] = [o[0] for o in outs]
+            assert engine.stats()["kernel_compiles_while_serving"] == before
+            assert engine.core.loader.pool is not None
+            pool_idle(engine)
+            assert_idle(engine)
+    assert results[0] == results[1]
