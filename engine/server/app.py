@@ -6,7 +6,10 @@ app = create_app_from_config(config, ...)    # the app starts / closes its own e
 
 from __future__ import annotations
 
+import contextlib
 import hmac
+import os
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -128,8 +131,20 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": cards})
 
 
+def _yield_cpu() -> None:
+    """Prep threads run at a lower priority than the step thread and the event loop.
+
+    NOTE: tokenizing a long prompt releases the GIL but still fills a core; on a small machine
+    that core is the one the step thread needed (Linux: nice is per thread).
+    """
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
 async def _prep_pool(app: web.Application) -> AsyncIterator[None]:
-    pool = ThreadPoolExecutor(_PREP_THREADS, thread_name_prefix="loraplex-prep")
+    pool = ThreadPoolExecutor(
+        _PREP_THREADS, thread_name_prefix="loraplex-prep", initializer=_yield_cpu
+    )
     app[PREP_POOL_KEY] = pool
     yield
     pool.shutdown(wait=False, cancel_futures=True)

@@ -121,7 +121,8 @@ class ChatShape:
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     request.app[DRAIN_KEY].check_open()
-    req = parse_chat(await read_json(request), request.app[LIMITS_KEY])
+    limits = request.app[LIMITS_KEY].for_context(engine.max_model_len)
+    req = parse_chat(await read_json(request), limits)
     adapter = adapter_for(engine, req.model)
     reply_id = new_id("chatcmpl")
     prompt = await off_loop(request, render_chat, engine, req)

@@ -105,7 +105,8 @@ class CompletionShape:
 async def create_completion(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     request.app[DRAIN_KEY].check_open()
-    req = parse_completion(await read_json(request), request.app[LIMITS_KEY])
+    limits = request.app[LIMITS_KEY].for_context(engine.max_model_len)
+    req = parse_completion(await read_json(request), limits)
     adapter = adapter_for(engine, req.model)
     reply_id = new_id("cmpl")
     prompts = await off_loop(request, encode_prompts, engine, req.prompts)

@@ -101,7 +101,7 @@ def _tree_chars(value: Any, param: str) -> int:
 
 
 def _check_chars(chars: int, limits: ServerLimits, param: str) -> None:
-    if chars > limits.max_prompt_chars:
+    if limits.max_prompt_chars is not None and chars > limits.max_prompt_chars:
         raise bad(
             f"the prompt text is {chars} characters, more than {limits.max_prompt_chars} "
             f"({flag('max_prompt_chars')})",
