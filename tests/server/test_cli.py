@@ -34,7 +34,10 @@ def test_help_lists_commands_and_serve_flags():
         "--host", "--port", "--device", "--dtype", "--served-model-name", "--lora-modules",
         "--max-loras", "--max-cpu-loras", "--max-lora-rank", "--admin-token-file",
         "--lora-allow", "--lora-local-root", "--plugins", "--max-num-seqs", "--max-model-len",
-        "--log-level", "--log-json",
+        "--log-level", "--log-json", "--max-request-body-bytes", "--max-json-depth",
+        "--max-prompt-chars", "--max-prompts-times-n", "--max-stop-strings",
+        "--max-stop-string-chars", "--header-timeout", "--body-timeout", "--keep-alive-timeout",
+        "--shutdown-timeout",
     ):  # fmt: skip
         assert flag in serve.stdout, flag
     if shutil.which("loraplex"):  # the installed console script
@@ -100,6 +103,30 @@ def test_flags_map_onto_engine_config(tmp_path):
         build_parser().parse_args(["serve", "--enforce-eager", "--no-async-scheduling"])
     )
     assert not eager.cuda_graphs and not eager.async_scheduling
+
+
+def test_limit_flags_map_onto_server_limits():
+    from loraplex.engine.server.limits import ServerLimits, limits_from_args
+
+    assert limits_from_args(build_parser().parse_args(["serve"])) == ServerLimits()
+    args = build_parser().parse_args(
+        ["serve", "--max-prompt-chars", "9", "--shutdown-timeout", "2.5", "--max-stop-strings", "3"]
+    )
+    limits = limits_from_args(args)
+    assert (limits.max_prompt_chars, limits.shutdown_timeout, limits.max_stop_strings) == (
+        9,
+        2.5,
+        3,
+    )
+
+
+def test_serve_refuses_bad_lora_module_names_before_loading():
+    dup = _run("serve", "--device", "cpu", "--lora-modules", "a=/x", "a=/y")
+    assert dup.returncode == 2 and "'a'" in dup.stderr, dup.stderr
+    base = _run("serve", "--device", "cpu", "--lora-modules", "demo=/x")
+    assert base.returncode == 2 and "'demo'" in base.stderr, base.stderr
+    escape = _run("serve", "--device", "cpu", "--lora-modules", "../../x=/x")
+    assert escape.returncode == 2 and "bad adapter name" in escape.stderr, escape.stderr
 
 
 def test_configure_logging_json_lines():
