@@ -15,6 +15,7 @@ its backtracking work against a module name of ``MAX_MODULE_NAME_CHARS`` is at m
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -47,11 +48,11 @@ ALL_LINEAR = "all-linear"
 # Bounds on the regexes of an adapter_config.json. Module names matched here are
 # ``model.layers.<n>.self_attn.<module>`` and the like (33 characters at layer 999).
 MAX_MODULE_NAME_CHARS = 48
-# Upper bound of backtracking steps per match (``regex_work``): at 2e5 one match costs about a
-# millisecond at most on a CPU core. ``.*\.(q_proj|v_proj)`` is ~6e2,
-# ``.*language_model.*\.(q_proj|v_proj)`` ~3e4; ``.*.*.*z`` (~4e5) and ``(.*){8}z`` (~1e14,
-# tens of seconds per name) are refused.
-MAX_REGEX_STEPS = 200_000
+# Upper bound of backtracking steps per match (``regex_work``; measured 40-100 ns a step on a
+# CPU core, so at most ~10 ms a match, off the event loop). ``.*\.(q_proj|v_proj)`` is ~6e2,
+# ``.*language_model.*\.(q_proj|v_proj)`` ~3e4, ``.*\.layers\.(0|1|...|11)\..*(q|v)_proj``
+# ~8e4; ``.*.*.*z`` (~4e5) and ``(.*){8}z`` (~1e14, tens of seconds per name) are refused.
+MAX_REGEX_STEPS = 100_000
 MAX_REGEX_CHARS = 4096
 MAX_REGEX_GROUPS = 100  # also bounds the nesting depth the parser recurses into
 
@@ -110,7 +111,7 @@ class PeftLoRAConfig:
             # NOTE: PEFT forbids layers_to_transform with a regex target, so none applies here.
             if tm == ALL_LINEAR:  # every linear layer but the output head
                 return not module_name.endswith(("lm_head", "embed_tokens"))
-            return re.fullmatch(tm, _match_name(module_name)) is not None
+            return _fullmatch(tm, _match_name(module_name))
         if module_name in tm:
             return True  # an exact name bypasses layers_to_transform, as in PEFT
         if not any(module_name.endswith("." + t) for t in tm):
@@ -125,7 +126,7 @@ class PeftLoRAConfig:
         if not ex:
             return False
         if isinstance(ex, str):
-            return re.fullmatch(ex, _match_name(module_name)) is not None
+            return _fullmatch(ex, _match_name(module_name))
         return module_name in ex or any(module_name.endswith("." + e) for e in ex)
 
     def _layer_index(self, module_name: str) -> int | None:
@@ -150,7 +151,7 @@ def _layers_regex(pat: str) -> str:
 
 def _pattern_key(patterns: dict[str, Any], module_name: str) -> str | None:
     for key in patterns:  # first match in file order wins
-        if re.match(_key_regex(key), _match_name(module_name)):
+        if _fullmatch(_key_regex(key), _match_name(module_name), anchored_end=False):
             return key
     return None
 
@@ -273,6 +274,15 @@ def _node_work(op: Any, av: Any, n: int, excl: bool) -> tuple[int, int]:
                     break
         return (1 if op is _POSSESSIVE else paths), work
     raise ValueError(f"{op} is not supported here (e.g. backreferences)")
+
+
+@functools.lru_cache(maxsize=8192)
+def _fullmatch(pattern: str, name: str, anchored_end: bool = True) -> bool:
+    """``re.fullmatch`` (or ``re.match`` for patterns that anchor themselves), remembered: the
+    loaders ask about the same (pattern, module name) several times, and a pattern just under
+    ``MAX_REGEX_STEPS`` may cost milliseconds a match."""
+    m = re.fullmatch(pattern, name) if anchored_end else re.match(pattern, name)
+    return m is not None
 
 
 def _match_name(module_name: str) -> str:
