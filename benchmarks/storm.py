@@ -307,7 +307,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     drift_corrected(rows, times, windows)
     return {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "commit": _commit(),
+        "commit": args.commit or _commit(),
         "date": time.strftime("%Y-%m-%d"),
         "args": vars(args),
         "startup_s": t_ready - t0,
@@ -430,6 +430,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--settle-s", type=float, default=1.5)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None, help="write the JSON result here")
+    ap.add_argument("--commit", default=None, help="the commit to report (default: git HEAD)")
     args = ap.parse_args(argv)
     if args.smoke:
         for k, v in dict(

@@ -32,6 +32,10 @@ class EngineConfig:
     kv_cache_fraction: float = 0.85  # of free GPU memory after weights
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # decode through captured CUDA graphs (GPU only)
+    # steps that mix decode rows with short prefill chunks (each <= 64 tokens, at most this many
+    # tokens in all) replay CUDA graphs too (cold loads' short prompts don't stall streams);
+    # 0: such steps run eagerly
+    mixed_graph_tokens: int = 256
     # pipelined decode: queue the next decode step behind the running one, fed its sampled
     # tokens on the device, so host work overlaps GPU time (steady decode only)
     async_scheduling: bool = True

@@ -16,6 +16,7 @@ import structlog
 import torch
 
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.cuda_graph import MixedGraphs
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.kv import BlockManager
@@ -90,6 +91,7 @@ class EngineCore(StepMixin):
         self._load_gate: asyncio.Semaphore | None = None
         self.step_log: collections.deque[tuple] = collections.deque(maxlen=100_000)
         self.loop_lag: LoopLag | None = None  # started by AsyncEngine on its loop
+        self.mixed_graphs: MixedGraphs | None = None  # set by start-up (CUDA graphs on)
 
     def loop_lag_summary(self) -> dict[str, float]:
         return self.loop_lag.summary() if self.loop_lag is not None else {}

@@ -172,3 +172,181 @@ class DecodeGraphs:
         events[1].record()
         self.last_events = events
         return logits[:b]
+
+
+MIXED_QMAX = 64  # longest prefill chunk a mixed graph takes (its attention grid is fixed)
+MIXED_EXTRAS = (16, 32, 64, 128, 256)  # prefill tokens on top of the decode rows, per bucket
+
+
+class MixedGraphs:
+    """CUDA graphs for steps that mix decode rows with short prefill chunks.
+
+    A cold load ends with its requests' prefills: each one would otherwise turn the next step
+    into an eager forward (~20 ms of Python launches for the 8B shape on the H200, against a
+    6 ms graph replay), and every running stream would feel it. A mixed step of S sequences
+    and T tokens (every chunk <= ``MIXED_QMAX`` tokens) replays the graph of bucket
+    (S_b, T_b): S_b a decode bucket >= S, T_b = S_b + the smallest extra in ``MIXED_EXTRAS``
+    with T <= T_b. The flat token rows are padded to T_b (no KV write, no adapter), the
+    sequences to S_b (no rows, no context). Attention is the prefill kernel over the paged
+    cache with ``max_query_len`` fixed at ``MIXED_QMAX``; every per-step value is read from
+    static device buffers, staged by one async copy from pinned memory.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        block_size: int,
+        max_blocks_per_seq: int,
+        seq_buckets: tuple[int, ...],
+        max_tokens: int,
+        pool: object = None,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        buckets = []
+        for s in seq_buckets:
+            for e in MIXED_EXTRAS:
+                buckets.append((s, s + e))
+                if s + e >= max_tokens:
+                    break
+        self.buckets = tuple(buckets)
+        self.max_seqs = max(s for s, _ in buckets)
+        self.max_t = max(t for _, t in buckets)
+        dev = model.device
+        i32, i64 = torch.int32, torch.int64
+        n, m = self.max_t, self.max_seqs
+        self.ids = torch.zeros(n, dtype=i64, device=dev)
+        self.pos = torch.zeros(n, dtype=i64, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=i64, device=dev)
+        self.token_slots = torch.full((n,), -1, dtype=i32, device=dev)
+        self.qsl = torch.zeros(m + 1, dtype=i32, device=dev)
+        self.ctx = torch.zeros(m, dtype=i32, device=dev)
+        self.last = torch.zeros(m, dtype=i64, device=dev)
+        self.tables = torch.zeros(m, max_blocks_per_seq, dtype=i32, device=dev)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = pool
+        size = 4 * n + 3 * m + 1 + m * max_blocks_per_seq
+        self.hosts = [torch.zeros(size, dtype=i64).pin_memory() for _ in range(2)]
+        self.staged = [torch.cuda.Event(), torch.cuda.Event()]
+        self.turn = 0
+        self.last_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    def bucket(self, seqs: int, tokens: int) -> tuple[int, int] | None:
+        for s, t in self.buckets:
+            if s >= seqs and t >= tokens:
+                return s, t
+        return None
+
+    def fits(self, items: list) -> bool:
+        """A step these graphs can run: no row fed from a step in flight, every chunk short,
+        a bucket large enough, and some prefill (decode-only steps have their own graphs)."""
+        tokens = 0
+        for it in items:
+            n = len(it.token_ids)
+            if it.feed_row >= 0 or n > MIXED_QMAX:
+                return False
+            tokens += n
+        return tokens > len(items) and self.bucket(len(items), tokens) is not None
+
+    def _forward(self, sb: int, tb: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:tb],
+            block_tables=self.tables[:sb],
+            query_start_loc=[0] * (sb + 1),  # NOTE: host lists unused by the kernels
+            context_lens=[0] * sb,
+            block_size=self.block_size,
+            is_decode=False,
+            query_start_loc_t=self.qsl[: sb + 1],
+            context_lens_t=self.ctx[:sb],
+            max_query_len=MIXED_QMAX,
+        )
+        hidden = fused_forward(
+            self.model, self.ids[:tb], self.pos[:tb], self.kv_caches, meta, self.token_slots[:tb]
+        )
+        return linear(hidden.index_select(0, self.last[:sb]), self.model.lm_head).float()
+
+    def capture_all(self) -> None:
+        for key in self.buckets:
+            if key not in self.graphs:
+                self.capture(*key)
+
+    def capture(self, sb: int, tb: int) -> None:
+        layer = self.model.layers[0]
+        mods = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        tune([m.weight_aug for m in mods], tb)
+        tune([self.model.lm_head], sb)
+        stream = torch.cuda.Stream(self.model.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._forward(sb, tb)  # warm-up: compiles kernels, sizes cuBLAS workspaces
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            logits = self._forward(sb, tb)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[(sb, tb)] = (graph, logits)
+
+    def run(self, items: list) -> torch.Tensor:
+        """Replay the bucket's graph for ``items`` (``fits`` must hold); returns the logits of
+        the items with ``need_logits``, in item order (a view: consume it before the next
+        replay). Rows are laid out grouped by adapter slot (the epilogues' B tiles)."""
+        seqs, tokens = len(items), sum(len(it.token_ids) for it in items)
+        key = self.bucket(seqs, tokens)
+        assert key is not None
+        sb, tb = key
+        width = self.tables.shape[1]
+        bs = self.block_size
+        self.turn ^= 1
+        self.staged[self.turn].synchronize()  # this buffer's previous copy has left it
+        n = 4 * tb + 3 * sb + 1 + sb * width
+        host_t = self.hosts[self.turn][:n]
+        host = host_t.numpy()
+        host[:] = 0
+        tok = host[: 4 * tb].reshape(4, tb)  # ids, pos, slot_mapping, token_slots
+        seq = host[4 * tb : 4 * tb + 3 * sb + 1]
+        qsl, ctx, last = seq[: sb + 1], seq[sb + 1 : 2 * sb + 1], seq[2 * sb + 1 :]
+        rows = host[4 * tb + 3 * sb + 1 :].reshape(sb, width)
+        tok[2, :] = tok[3, :] = -1
+        order = sorted(range(seqs), key=lambda i: items[i].lora_slot)
+        end = [0] * seqs
+        row = 0
+        for k, i in enumerate(order):
+            it = items[i]
+            m, p0, table = len(it.token_ids), it.start_pos, it.block_table
+            tok[0, row : row + m] = it.token_ids
+            tok[1, row : row + m] = range(p0, p0 + m)
+            tok[2, row : row + m] = [table[p // bs] * bs + p % bs for p in range(p0, p0 + m)]
+            tok[3, row : row + m] = it.lora_slot
+            qsl[k], ctx[k] = row, p0 + m
+            rows[k, : len(table)] = table
+            row += m
+            end[i] = row - 1
+        qsl[seqs:] = row
+        need = [i for i in range(seqs) if items[i].need_logits]
+        rest = [i for i in range(seqs) if not items[i].need_logits]
+        last[:seqs] = [end[i] for i in need + rest]
+        dev = host_t.to(self.model.device, non_blocking=True)
+        self.staged[self.turn].record()
+        dtok = dev[: 4 * tb].view(4, tb)
+        self.ids[:tb].copy_(dtok[0])
+        self.pos[:tb].copy_(dtok[1])
+        self.slot_mapping[:tb].copy_(dtok[2])
+        self.token_slots[:tb].copy_(dtok[3])
+        dseq = dev[4 * tb : 4 * tb + 3 * sb + 1]
+        self.qsl[: sb + 1].copy_(dseq[: sb + 1])
+        self.ctx[:sb].copy_(dseq[sb + 1 : 2 * sb + 1])
+        self.last[:sb].copy_(dseq[2 * sb + 1 :])
+        self.tables[:sb].copy_(dev[4 * tb + 3 * sb + 1 :].view(sb, width))
+        if key not in self.graphs:
+            self.capture(*key)
+        graph, logits = self.graphs[key]
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        events[0].record()
+        graph.replay()
+        events[1].record()
+        self.last_events = events
+        return logits[: len(need)]

@@ -15,6 +15,7 @@ import torch
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
+from loraplex.engine.cuda_graph import MixedGraphs
 from loraplex.engine.lora.pool import HostPool
 from loraplex.engine.lora.staging import slot_image_numel
 from loraplex.engine.model.config import ModelConfig
@@ -87,8 +88,23 @@ def build_core(
         runner.graphs.capture_all()  # NOTE: a bucket captured mid-serving stalls its step 1-3 s
         log.info("cuda_graphs_captured", buckets=list(runner.graphs.buckets),
                  seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
+    mixed = None
+    if runner.graphs is not None and config.mixed_graph_tokens > 0:
+        t0 = time.perf_counter()
+        mixed = MixedGraphs(
+            model,
+            runner.kv_caches,
+            block_size=config.block_size,
+            max_blocks_per_seq=runner.graphs.tables.shape[1],
+            seq_buckets=runner.graphs.buckets,
+            max_tokens=min(config.mixed_graph_tokens, config.max_num_batched_tokens),
+            pool=runner.graphs.pool,
+        )
+        mixed.capture_all()
+        log.info("mixed_graphs_captured", buckets=len(mixed.buckets),
+                 seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
     if runner.fused and model.device.type == "cuda":
-        # mixed prefill + decode steps run eagerly: compile each of their kernel variants now
+        # other mixed prefill + decode steps run eagerly: compile their kernel variants now
         warm_eager_steps(runner, config.max_num_batched_tokens, config.max_num_seqs, max_len)
     tokenizer = None  # token-id prompts only
     if path is not None:
@@ -97,6 +113,7 @@ def build_core(
     procs = config.resolved_loader_processes if config.max_loras else 0
     pool = host_pool(config, model, shared=procs > 0)
     core = EngineCore(config, model, runner, tokenizer, wake, pool=pool)
+    core.mixed_graphs = mixed
     core.loader.start_processes(procs)
     return core
 

@@ -126,7 +126,13 @@ class StepMixin:
         if not items:
             return InFlightStep(plan, items, [], None, t0, t0, None, False)
         feed = prev.sample.token_ids if prev is not None and prev.sample is not None else None
-        logits = self.runner.execute(items, feed)
+        mixed = self.mixed_graphs
+        if mixed is not None and feed is None and mixed.fits(items):
+            logits = mixed.run(items)  # decode rows + short prefills, as one graph replay
+            events = mixed.last_events
+        else:
+            logits = self.runner.execute(items, feed)
+            events = self.runner.last_events if self.runner.last_was_graph else None
         t_launched = time.perf_counter()  # the forward is queued (async on CUDA)
         chunks = [c for c in plan.chunks if c.need_logits]
         rows = [c.req for c in chunks]
@@ -143,7 +149,6 @@ class StepMixin:
             self.last_step_event = torch.cuda.Event()
             self.last_step_event.record()
         loading = any(v.state is AdapterState.LOADING for v in self.adapters.versions())
-        events = self.runner.last_events if self.runner.last_was_graph else None
         return InFlightStep(plan, items, rows, sample, t0, t_launched, events, loading)
 
     def collect(self: EngineCore, step: InFlightStep) -> SamplerOutput | None:

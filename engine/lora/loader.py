@@ -97,7 +97,7 @@ class AdapterLoader:
             settings=self.plugins.settings,
             cache_dir=str(self.cache_dir),
             pool_nbytes=self.pool.nbytes if self.pool is not None else 0,
-            threads=max(2, self.config.max_concurrent_loads),
+            threads=max(2, -(-self.config.max_concurrent_loads // count)),
             test_delay_s=float(self.config.extra.get("loader_test_delay_s", 0.0)),
         )
         self.procs = LoaderProcesses(count, init, self.pool.fd if self.pool else None)

@@ -22,6 +22,7 @@ from loraplex.engine.lora.loader_process import LoaderProcessError
 from loraplex.engine.lora.manager import AdapterState
 from loraplex.plugins import hookimpl
 from loraplex.resolvers import AdapterSource, Report, Resolver, ResolverSettings, copy_file
+from tests.engine.hf_reference import HFReference, compare
 from tests.engine.lifecycle_helpers import (
     assert_idle,
     collect,
@@ -275,30 +276,31 @@ async def test_refetch_reads_the_pinned_revision(tiny, lib, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-async def test_gpu_pool_loads_and_no_compiles_while_serving(tiny, lib, tmp_path):
-    """On CUDA: loads through a helper into the registered host pool give the tokens of
-    in-process loads, and a mixed workload (prefills of many lengths next to decodes, several
-    adapters) compiles no kernel after start-up (the eager-step warm-up covers it)."""
+async def test_gpu_pool_loads_mixed_graphs_and_no_compiles_while_serving(tiny, lib, tmp_path):
+    """On CUDA: loads through a helper into the registered host pool, and steps that mix
+    prefills of many lengths with decodes (mixed-step CUDA graphs, or eager) match HF PEFT;
+    after start-up no kernel compiles (the warm-up covers every variant the workload hits)."""
     model_dir, _ = tiny
     g = random.Random(5)
     work = [
-        ([g.randrange(3, 250) for _ in range(g.randint(1, 60))], g.choice([None, *lib]))
-        for _ in range(16)
+        ([g.randrange(3, 250) for _ in range(g.randint(1, 80))], g.choice([None, *lib]))
+        for _ in range(24)
     ]
-    results = {}
-    for procs in (0, 1):
+    hf = HFReference(model_dir, lib)
+    refs = [hf.greedy(p, a, GREEDY.max_tokens) for p, a in work]
+    for procs, mixed in ((0, 256), (1, 256), (1, 0)):
         cfg = proc_config(
             model_dir, tmp_path, device="cuda", loader_processes=procs, adapter_cache_dir=None,
-            max_num_batched_tokens=128,
+            max_num_batched_tokens=128, mixed_graph_tokens=mixed,
         )  # fmt: skip
         async with AsyncEngine(cfg) as engine:
+            assert (engine.core.mixed_graphs is not None) == bool(mixed)
             for name in lib:
                 await engine.add_adapter(name, str(lib[name]))
             before = engine.stats()["kernel_compiles_while_serving"]
             outs = await asyncio.gather(*(collect(engine, p, GREEDY, adapter=a) for p, a in work))
-            results[procs] = [o[0] for o in outs]
+            for (tokens, _, _), ref in zip(outs, refs, strict=True):
+                compare(tokens, *ref)
             assert engine.stats()["kernel_compiles_while_serving"] == before
-            assert engine.core.loader.pool is not None
             pool_idle(engine)
             assert_idle(engine)
-    assert results[0] == results[1]
