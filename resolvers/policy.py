@@ -48,6 +48,12 @@ def local_path_of(uri: str) -> str:
         path = uri
     if not path or "\x00" in path:
         raise AdapterPolicyError(f"local adapter path {uri!r} is empty or invalid", field="uri")
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError:  # e.g. a lone surrogate from a JSON body: no file has that name
+        raise AdapterPolicyError(
+            f"local adapter path {uri!r} cannot be a file name (not encodable)", field="uri"
+        ) from None
     if ".." in Path(path).parts:
         raise AdapterPolicyError(f"local adapter path {uri!r} contains '..'", field="uri")
     return os.path.abspath(os.path.expanduser(path))

@@ -218,3 +218,15 @@ async def test_symlinked_file_inside_the_roots_is_followed(
     dest = tmp_path / "dest"
     await LocalResolver(settings).fetch(str(snap), dest)
     assert adapter_digest(dest) == adapter_digest(blobs)
+
+
+@pytest.mark.parametrize("path", ["{root}/\ud800", "file://{root}/a\ud800b"])
+async def test_unencodable_path_is_a_typed_refusal(
+    layout: tuple[Path, Path, Path], tmp_path: Path, path: str
+) -> None:
+    """A lone surrogate (JSON allows one in a load request's path) made os.lstat raise
+    UnicodeEncodeError inside the policy check: an untyped 500."""
+    root, _, _ = layout
+    settings = ResolverSettings(policy=SourcePolicy(local_roots=[root]))
+    with pytest.raises(AdapterPolicyError, match="not encodable"):
+        await LocalResolver(settings).fetch(path.format(root=root), tmp_path / "dest")
