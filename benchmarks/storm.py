@@ -303,6 +303,26 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 [d["copy_bytes"] / d["h2d_gpu_s"] / 1e9 for d in ws], 50
             )
             row["slot_write_gbps_min"] = min(d["copy_bytes"] / d["h2d_gpu_s"] / 1e9 for d in ws)
+            row["h2d_copy_gbps_p50"] = pct(
+                [d["copy_bytes"] / d["h2d_copy_s"] / 1e9 for d in ws if d.get("h2d_copy_s")], 50
+            )
+        # the largest gaps of running streams, with the steps that ended around them
+        big = sorted(
+            ((b - a, i, a, b) for i, ts in enumerate(times) for a, b in itertools.pairwise(ts)
+             if a >= w.t0 and b <= w.t1),
+            reverse=True,
+        )[:3]  # fmt: skip
+        row["largest_gaps"] = [
+            {
+                "gap_ms": g * 1e3, "stream": i,
+                "steps": [
+                    {k: (round(v, 5) if isinstance(v, float) else v)
+                     for k, v in e._asdict().items()}
+                    for e in step_log if a - 0.02 <= e.t_end <= b + 0.005
+                ],
+            }
+            for g, i, a, b in big
+        ]  # fmt: skip
         rows.append(row)
     drift_corrected(rows, times, windows)
     return {
@@ -394,9 +414,21 @@ def table(result: dict[str, Any]) -> str:
             f"{r['window']}: fetch {r['fetch_p50_ms']:.0f}, verify {r['verify_p50_ms']:.0f}, "
             f"preflight {r['preflight_p50_ms']:.0f}, stage {r['stage_p50_ms']:.0f}; slot "
             f"writes of {r.get('slot_write_mb', 0):.0f} MB at {r.get('slot_write_gbps_p50', 0):.1f}"
-            f" GB/s p50 ({r.get('slot_write_gbps_min', 0):.1f} min)"
+            f" GB/s p50 ({r.get('slot_write_gbps_min', 0):.1f} min), host->device transfer "
+            f"{r.get('h2d_copy_gbps_p50', 0):.1f} GB/s p50"
             for r in stages
         )]  # fmt: skip
+    for r in rows:
+        for gap in r.get("largest_gaps", [])[:2]:
+            if not r["window"].startswith("requests"):
+                break
+            steps = ", ".join(
+                f"[{e['t_end']:.3f} {e['seconds'] * 1e3:.1f}ms r{e['rows']} t{e['tokens']}"
+                f"{' d' if e['decode'] else ''}{' p' if e['pipelined'] else ''}"
+                f" h{e['host_s'] * 1e3:.1f} g{e['gpu_ms'] or 0:.1f} w{e['slot_writes']}]"
+                for e in gap["steps"]
+            )
+            lines.append(f"gap {gap['gap_ms']:.1f} ms in {r['window']}: {steps}")
     for r in rows:
         if not r["window"].startswith(("register", "requests")) or not r.get("slowest_steps"):
             continue

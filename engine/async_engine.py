@@ -80,6 +80,7 @@ class AsyncEngine:
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
+        gc.unfreeze()  # (what start-up froze is collectable again once the engine is gone)
         if self.core is not None:
             if self.core.loop_lag is not None:
                 await self.core.loop_lag.stop()

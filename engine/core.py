@@ -225,10 +225,12 @@ class EngineCore(StepMixin):
         return any(not v.slot_ready and v.slot_event is not None for v in self.adapters.resident)
 
     def _slot_landed(self, v: AdapterVersion) -> None:
-        gpu_s = None
-        if v.slot_start_event is not None and v.slot_event is not None:
-            gpu_s = v.slot_start_event.elapsed_time(v.slot_event) / 1e3  # the copy itself
-        v.slot_ready, v.slot_event, v.slot_start_event = True, None, None
+        gpu_s = copy_s = None
+        if v.slot_timing is not None and v.slot_event is not None:
+            start, copied = v.slot_timing
+            gpu_s = start.elapsed_time(v.slot_event) / 1e3  # transfer + on-device scatter
+            copy_s = start.elapsed_time(copied) / 1e3  # the host -> device transfer alone
+        v.slot_ready, v.slot_event, v.slot_timing = True, None, None
         self.runner.slot_ranks[v.slot] = v.rank
         h2d = time.perf_counter() - v.timings.get("h2d_start", time.perf_counter())
         v.timings["h2d"] = h2d
@@ -237,6 +239,7 @@ class EngineCore(StepMixin):
         self.emit(
             "slot_write", name=v.name, digest=v.digest, slot=v.slot, h2d_s=h2d, nbytes=nbytes,
             copy_bytes=packed.nbytes if packed is not None else nbytes, h2d_gpu_s=gpu_s,
+            h2d_copy_s=copy_s,
         )  # fmt: skip
 
     # -- requests -------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.fused import fused_forward
 from loraplex.engine.model.gemm import linear, tune
 from loraplex.engine.model.llama import LlamaForCausalLM
+from loraplex.engine.model.paged_attention import paged_decode_attention, paged_prefill_attention
 
 __all__ = ["DecodeGraphs", "BUCKETS"]
 
@@ -186,10 +187,15 @@ class MixedGraphs:
     6 ms graph replay), and every running stream would feel it. A mixed step of S sequences
     and T tokens (every chunk <= ``MIXED_QMAX`` tokens) replays the graph of bucket
     (S_b, T_b): S_b a decode bucket >= S, T_b = S_b + the smallest extra in ``MIXED_EXTRAS``
-    with T <= T_b. The flat token rows are padded to T_b (no KV write, no adapter), the
-    sequences to S_b (no rows, no context). Attention is the prefill kernel over the paged
-    cache with ``max_query_len`` fixed at ``MIXED_QMAX``; every per-step value is read from
-    static device buffers, staged by one async copy from pinned memory.
+    with T < T_b. The flat token rows are padded to T_b (no KV write, no adapter), the
+    sequences to S_b (no rows, no context). Every per-step value is read from static device
+    buffers, staged by one async copy from pinned memory.
+
+    Attention is split so the decode rows cost what they cost in a decode graph: rows are laid
+    out prefill chunks first, decode rows after (each part grouped by adapter slot). The
+    prefill kernel (``max_query_len`` fixed at ``MIXED_QMAX``) sees only the prefill
+    sequences; the decode kernel (split-K over long contexts) computes the last row of every
+    sequence, which overwrites those rows (a prefill chunk's last row twice, the same value).
     """
 
     def __init__(
@@ -222,21 +228,23 @@ class MixedGraphs:
         self.pos = torch.zeros(n, dtype=i64, device=dev)
         self.slot_mapping = torch.full((n,), -1, dtype=i64, device=dev)
         self.token_slots = torch.full((n,), -1, dtype=i32, device=dev)
-        self.qsl = torch.zeros(m + 1, dtype=i32, device=dev)
+        self.qsl = torch.zeros(m + 1, dtype=i32, device=dev)  # prefill sequences only
         self.ctx = torch.zeros(m, dtype=i32, device=dev)
-        self.last = torch.zeros(m, dtype=i64, device=dev)
+        self.last = torch.zeros(m, dtype=i64, device=dev)  # logits rows: need-logits items first
+        self.seq_last = torch.zeros(m, dtype=i64, device=dev)  # last row per sequence, layout order
         self.tables = torch.zeros(m, max_blocks_per_seq, dtype=i32, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = pool
-        size = 4 * n + 3 * m + 1 + m * max_blocks_per_seq
+        size = 4 * n + 4 * m + 1 + m * max_blocks_per_seq
         self.hosts = [torch.zeros(size, dtype=i64).pin_memory() for _ in range(2)]
         self.staged = [torch.cuda.Event(), torch.cuda.Event()]
         self.turn = 0
         self.last_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
     def bucket(self, seqs: int, tokens: int) -> tuple[int, int] | None:
+        # NOTE: t > tokens: row t - 1 is always padding, where padded sequences' attention goes
         for s, t in self.buckets:
-            if s >= seqs and t >= tokens:
+            if s >= seqs and t > tokens:
                 return s, t
         return None
 
@@ -263,9 +271,23 @@ class MixedGraphs:
             context_lens_t=self.ctx[:sb],
             max_query_len=MIXED_QMAX,
         )
+        seq_last = self.seq_last[:sb]
+
+        def attention(q, k_cache, v_cache, meta, scale, window):  # noqa: ANN001
+            out = paged_prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc_t,
+                meta.context_lens_t, MIXED_QMAX, scale, window,
+            )  # fmt: skip
+            last = paged_decode_attention(
+                q.index_select(0, seq_last), k_cache, v_cache, meta.block_tables,
+                meta.context_lens_t, scale, window,
+            )  # fmt: skip
+            return out.index_copy_(0, seq_last, last)
+
         hidden = fused_forward(
-            self.model, self.ids[:tb], self.pos[:tb], self.kv_caches, meta, self.token_slots[:tb]
-        )
+            self.model, self.ids[:tb], self.pos[:tb], self.kv_caches, meta,
+            self.token_slots[:tb], attention,
+        )  # fmt: skip
         return linear(hidden.index_select(0, self.last[:sb]), self.model.lm_head).float()
 
     def capture_all(self) -> None:
@@ -302,18 +324,22 @@ class MixedGraphs:
         bs = self.block_size
         self.turn ^= 1
         self.staged[self.turn].synchronize()  # this buffer's previous copy has left it
-        n = 4 * tb + 3 * sb + 1 + sb * width
+        n = 4 * tb + 4 * sb + 1 + sb * width
         host_t = self.hosts[self.turn][:n]
         host = host_t.numpy()
         host[:] = 0
         tok = host[: 4 * tb].reshape(4, tb)  # ids, pos, slot_mapping, token_slots
-        seq = host[4 * tb : 4 * tb + 3 * sb + 1]
-        qsl, ctx, last = seq[: sb + 1], seq[sb + 1 : 2 * sb + 1], seq[2 * sb + 1 :]
-        rows = host[4 * tb + 3 * sb + 1 :].reshape(sb, width)
+        seq = host[4 * tb : 4 * tb + 4 * sb + 1]
+        qsl, ctx = seq[: sb + 1], seq[sb + 1 : 2 * sb + 1]
+        last, seq_last = seq[2 * sb + 1 : 3 * sb + 1], seq[3 * sb + 1 :]
+        rows = host[4 * tb + 4 * sb + 1 :].reshape(sb, width)
         tok[2, :] = tok[3, :] = -1
-        order = sorted(range(seqs), key=lambda i: items[i].lora_slot)
+        # prefill chunks first, then decode rows; each part grouped by adapter slot
+        order = sorted(
+            range(seqs), key=lambda i: (len(items[i].token_ids) == 1, items[i].lora_slot)
+        )
         end = [0] * seqs
-        row = 0
+        row = prefills = 0
         for k, i in enumerate(order):
             it = items[i]
             m, p0, table = len(it.token_ids), it.start_pos, it.block_table
@@ -321,11 +347,15 @@ class MixedGraphs:
             tok[1, row : row + m] = range(p0, p0 + m)
             tok[2, row : row + m] = [table[p // bs] * bs + p % bs for p in range(p0, p0 + m)]
             tok[3, row : row + m] = it.lora_slot
-            qsl[k], ctx[k] = row, p0 + m
+            if m > 1:
+                qsl[k] = row
+                prefills = k + 1
+            ctx[k] = p0 + m
             rows[k, : len(table)] = table
             row += m
-            end[i] = row - 1
-        qsl[seqs:] = row
+            end[i] = seq_last[k] = row - 1
+        qsl[prefills:] = qsl[prefills - 1] + len(items[order[prefills - 1]].token_ids)
+        seq_last[seqs:] = tb - 1  # a padding row (see bucket)
         need = [i for i in range(seqs) if items[i].need_logits]
         rest = [i for i in range(seqs) if not items[i].need_logits]
         last[:seqs] = [end[i] for i in need + rest]
@@ -336,11 +366,12 @@ class MixedGraphs:
         self.pos[:tb].copy_(dtok[1])
         self.slot_mapping[:tb].copy_(dtok[2])
         self.token_slots[:tb].copy_(dtok[3])
-        dseq = dev[4 * tb : 4 * tb + 3 * sb + 1]
+        dseq = dev[4 * tb : 4 * tb + 4 * sb + 1]
         self.qsl[: sb + 1].copy_(dseq[: sb + 1])
         self.ctx[:sb].copy_(dseq[sb + 1 : 2 * sb + 1])
-        self.last[:sb].copy_(dseq[2 * sb + 1 :])
-        self.tables[:sb].copy_(dev[4 * tb + 3 * sb + 1 :].view(sb, width))
+        self.last[:sb].copy_(dseq[2 * sb + 1 : 3 * sb + 1])
+        self.seq_last[:sb].copy_(dseq[3 * sb + 1 :])
+        self.tables[:sb].copy_(dev[4 * tb + 4 * sb + 1 :].view(sb, width))
         if key not in self.graphs:
             self.capture(*key)
         graph, logits = self.graphs[key]

@@ -201,11 +201,12 @@ class StepMixin:
                     self.side_stream.wait_event(self.last_step_event)
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(self.side_stream)
-                write_slot(self.model, slot, adapter)
+                copied = torch.cuda.Event(enable_timing=True)
+                write_slot(self.model, slot, adapter, h2d_done=copied)
                 event = torch.cuda.Event(enable_timing=True)
                 event.record(self.side_stream)
             v.slot_event = v.region_event = event  # the region is reused after this copy
-            v.slot_start_event = start
+            v.slot_timing = (start, copied)
 
     def postprocess(self: EngineCore, plan: SchedulerOutput, result: SamplerOutput | None) -> None:
         """Loop: apply a collected step (tokens, finishes, streamed outputs)."""

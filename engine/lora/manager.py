@@ -52,7 +52,7 @@ class AdapterVersion:
     slot: int | None = None
     slot_ready: bool = False
     slot_event: Any = None  # torch.cuda.Event of the pending slot write
-    slot_start_event: Any = None  # ... recorded just before it (GPU time of the write)
+    slot_timing: Any = None  # (start, host->device copy done) events of that write
     slot_refs: int = 0  # running requests reading the slot
     users: int = 0  # requests in flight (waiting or running) on this version
     pinned: bool = False  # operator pin: never evicted from its slot

@@ -191,10 +191,18 @@ def _source(
 
 
 @torch.no_grad()
-def write_slot(model: LlamaForCausalLM, slot: int, adapter: LoRAAdapter | PackedAdapter) -> None:
+def write_slot(
+    model: LlamaForCausalLM,
+    slot: int,
+    adapter: LoRAAdapter | PackedAdapter,
+    *,
+    h2d_done: torch.cuda.Event | None = None,
+) -> None:
     """Copy every module of ``adapter`` into ``slot``; modules it does not target are zeroed.
 
     A LoRAAdapter uses its attached packed form (``staging.stage_packed``) or is packed now.
+    ``h2d_done``: recorded on the current stream right after the host -> device copy (before
+    the on-device scatter), to time the transfer alone.
     """
     c = _cache(model)
     _check_slot(slot, c)
@@ -213,6 +221,8 @@ def write_slot(model: LlamaForCausalLM, slot: int, adapter: LoRAAdapter | Packed
     dst, ranges, zero = _plan(c, slot, packed)
     if dst:
         base = _source(c, packed, device, dtype)
+        if h2d_done is not None:
+            h2d_done.record()
         _copy(dst, [base[o : o + n] for o, n in ranges])
     if zero:
         _zero(zero)

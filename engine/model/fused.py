@@ -19,6 +19,8 @@ reference path (llama.py) and HF: the kernels' torch twins pin them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -38,8 +40,11 @@ def fused_forward(
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     meta: AttentionMetadata,
     token_slots: torch.Tensor,
+    attention: Callable[..., torch.Tensor] = paged_attention,
 ) -> torch.Tensor:
-    """input_ids, positions, token_slots: (T,). Returns final normed hidden states (T, H)."""
+    """input_ids, positions, token_slots: (T,). Returns final normed hidden states (T, H).
+
+    ``attention``: ``paged_attention``'s signature; mixed-step graphs pass their own split."""
     cfg = model.cfg
     t = input_ids.shape[0]
     eps = cfg.rms_norm_eps
@@ -60,7 +65,7 @@ def fused_forward(
             num_slots, rank, positions, model.rope.cos, model.rope.sin, k_cache, v_cache,
             meta.slot_mapping, q,
         )  # fmt: skip
-        attn = paged_attention(q, k_cache, v_cache, meta, layer.scale, cfg.sliding_window)
+        attn = attention(q, k_cache, v_cache, meta, layer.scale, cfg.sliding_window)
         o = linear(attn.view(t, cfg.q_size), layer.o_proj.weight_aug, layer.o_proj.bias_aug)
         lora_add_rmsnorm(
             o, cfg.hidden_size, residual, layer.o_proj.lora_b, token_slots, num_slots, rank,
