@@ -266,6 +266,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await probe.stop()
         stats = engine.stats()
         step_log = list(engine.core.step_log)
+        idle_writes = idle_slot_writes(engine) if device == "cuda" else {}
     rows = []
     for w in windows:
         gaps = [b - a for ts in times for a, b in itertools.pairwise(ts) if a >= w.t0 and b <= w.t1]
@@ -335,7 +336,48 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "compiles_while_serving": len(compiles.events) - compiles_at_start,
         "rows": rows,
         "adapter_stats": stats.get("adapters"),
+        "idle_slot_writes": idle_writes,
     }
+
+
+def idle_slot_writes(engine: AsyncEngine) -> dict[str, float]:
+    """GB/s of whole slot writes (transfer + scatter) with the GPU otherwise idle, for a
+    resident all-module adapter (84 MB at the 8B shape, from its host-pool region) and its
+    q/k/v/o part (27 MB), next to a plain pinned copy."""
+    from loraplex.engine.lora.adapter import LoRAAdapter
+    from loraplex.engine.lora.slots import measure_slot_write
+    from loraplex.engine.lora.staging import pack_adapter, packed_for
+
+    core = engine.core
+    torch.cuda.synchronize()
+    v = next((x for x in core.adapters.resident if x.slot_ready and x.adapter is not None), None)
+    if v is None:
+        return {}
+    full = packed_for(v.adapter)
+    attn = LoRAAdapter(
+        v.name, "", v.adapter.config,
+        {k: w for k, w in v.adapter.weights.items() if k[1] in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    )  # fmt: skip
+    small = pack_adapter(attn, core.config.max_lora_rank, pin=True)
+    src = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    pinned = 5 * src.numel() / (time.perf_counter() - t0) / 1e9
+    out = {
+        "pinned_gbps": pinned,
+        "full_mb": full.nbytes / 1e6,
+        "full_gbps": measure_slot_write(core.model, full, slot=v.slot),
+        "qkvo_mb": small.nbytes / 1e6,
+        "qkvo_gbps": measure_slot_write(core.model, small, slot=v.slot),
+    }
+    measure_slot_write(core.model, full, repeats=1, slot=v.slot)  # (its own content back)
+    torch.cuda.synchronize()
+    return out
 
 
 def _commit() -> str | None:
@@ -408,6 +450,14 @@ def table(result: dict[str, Any]) -> str:
             f"{r['gap_p99_ms']:.2f} / {r['gap_max_ms']:.2f} | {ratios} | {raw} | "
             f"{r['loop_lag_p99_ms']:.2f} / {r['loop_lag_max_ms']:.2f} | {r['compiles']} | {ttft} |"
         )
+    w = result.get("idle_slot_writes") or {}
+    if w:
+        lines += ["", (
+            f"Idle slot writes (transfer + scatter): {w['full_mb']:.0f} MB at {w['full_gbps']:.1f}"
+            f" GB/s ({w['full_gbps'] / w['pinned_gbps']:.0%} of pinned {w['pinned_gbps']:.1f}),"
+            f" {w['qkvo_mb']:.0f} MB at {w['qkvo_gbps']:.1f} GB/s "
+            f"({w['qkvo_gbps'] / w['pinned_gbps']:.0%})"
+        )]  # fmt: skip
     stages = [r for r in rows if r.get("stage_p50_ms") is not None]
     if stages:
         lines += ["", "Load stages of the storm requests (p50 ms): " + "; ".join(

@@ -25,6 +25,7 @@ from loraplex.engine.lora.errors import AdapterNotFoundError
 from loraplex.engine.lora.loader import AdapterLoader
 from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion
 from loraplex.engine.lora.pool import HostPool
+from loraplex.engine.lora.slot_writer import SlotWriter
 from loraplex.engine.lora.staging import packed_for
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.observe import engine_stats, request_summary
@@ -82,8 +83,10 @@ class EngineCore(StepMixin):
         self.sampler = Sampler(seed=config.seed)
         self.in_flight: set[Request] = set()
         self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.slot_writer: SlotWriter | None = None
         if self.side_stream is not None and pool is not None and config.max_loras:
             warm_slot_writes(model, pool, self.side_stream)
+            self.slot_writer = SlotWriter(model, self.side_stream)
         self.last_step_event: Any = None
         self.last_result_time = 0.0  # perf_counter when the last step's tokens reached the host
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0, "steps": 0}
@@ -201,6 +204,8 @@ class EngineCore(StepMixin):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.slot_writer is not None:
+            await asyncio.to_thread(self.slot_writer.close)
         await asyncio.to_thread(self.loader.close)
 
     def drain_failed_adapters(self) -> list[tuple[Request, BaseException]]:
@@ -222,7 +227,8 @@ class EngineCore(StepMixin):
                 self._slot_landed(v)
 
     def pending_slot_writes(self) -> bool:
-        return any(not v.slot_ready and v.slot_event is not None for v in self.adapters.resident)
+        """A slot was handed out and its write has not landed (or not been issued) yet."""
+        return any(not v.slot_ready and v.adapter is not None for v in self.adapters.resident)
 
     def _slot_landed(self, v: AdapterVersion) -> None:
         gpu_s = copy_s = None

@@ -196,6 +196,9 @@ class StepMixin:
             if self.side_stream is None:
                 write_slot(self.model, slot, adapter)
                 continue
+            if self.slot_writer is not None:  # its own thread, paced chunks (slot_writer.py)
+                self.slot_writer.submit(v, slot, adapter, self.last_step_event)
+                continue
             with torch.cuda.stream(self.side_stream):
                 if self.last_step_event is not None:
                     self.side_stream.wait_event(self.last_step_event)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -172,9 +173,15 @@ def _zero(ts: list[torch.Tensor]) -> None:
 
 
 def _source(
-    c: _ModelCache, packed: PackedAdapter, device: torch.device, dtype: torch.dtype
+    c: _ModelCache,
+    packed: PackedAdapter,
+    device: torch.device,
+    dtype: torch.dtype,
+    chunk_bytes: int | None = None,
+    pace: Callable[[torch.cuda.Event], None] | None = None,
 ) -> torch.Tensor:
-    """The packed buffer on ``device`` in ``dtype``: one (async, if pinned) H2D copy."""
+    """The packed buffer on ``device`` in ``dtype``: one (async, if pinned) H2D copy, or
+    ``chunk_bytes`` pieces each issued after ``pace(event of the previous one)`` returns."""
     buf = packed.buffer
     if buf.device == device:
         return buf if buf.dtype == dtype else buf.to(dtype)
@@ -186,7 +193,16 @@ def _source(
         size = -(-numel // _STAGING_GRAIN) * _STAGING_GRAIN
         staging = c.staging[key] = torch.empty(size, dtype=dtype, device=device)
     out = staging[:numel]
-    out.copy_(buf, non_blocking=True)
+    if chunk_bytes is None or pace is None or device.type != "cuda" or buf.dtype != dtype:
+        out.copy_(buf, non_blocking=True)
+        return out
+    step = max(1, chunk_bytes // buf.element_size())
+    for lo in range(0, numel, step):
+        out[lo : lo + step].copy_(buf[lo : lo + step], non_blocking=True)
+        if lo + step < numel:
+            landed = torch.cuda.Event()
+            landed.record()
+            pace(landed)
     return out
 
 
@@ -197,12 +213,15 @@ def write_slot(
     adapter: LoRAAdapter | PackedAdapter,
     *,
     h2d_done: torch.cuda.Event | None = None,
+    chunk_bytes: int | None = None,
+    pace: Callable[[torch.cuda.Event], None] | None = None,
 ) -> None:
     """Copy every module of ``adapter`` into ``slot``; modules it does not target are zeroed.
 
     A LoRAAdapter uses its attached packed form (``staging.stage_packed``) or is packed now.
     ``h2d_done``: recorded on the current stream right after the host -> device copy (before
-    the on-device scatter), to time the transfer alone.
+    the on-device scatter), to time the transfer alone. ``chunk_bytes`` / ``pace``: move the
+    image in pieces, each after ``pace`` saw the previous one land (see slot_writer.py).
     """
     c = _cache(model)
     _check_slot(slot, c)
@@ -220,7 +239,7 @@ def write_slot(
             packed = pack_adapter(adapter, r_max, pin=device.type == "cuda", dtype=dtype)
     dst, ranges, zero = _plan(c, slot, packed)
     if dst:
-        base = _source(c, packed, device, dtype)
+        base = _source(c, packed, device, dtype, chunk_bytes, pace)
         if h2d_done is not None:
             h2d_done.record()
         _copy(dst, [base[o : o + n] for o, n in ranges])
