@@ -51,7 +51,15 @@ class ModelRunner:
         self.device = model.device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # GPU: augmented GEMMs + fused kernels (model/fused.py); CPU: the reference path.
+        # LORAPLEX_FUSED=1 forces the fused path (with TRITON_INTERPRET=1 it runs on CPU).
+        env = os.environ.get("LORAPLEX_FUSED")
+        self.fused = self.device.type == "cuda" if env is None else env == "1"
+        # NOTE: the reference path keeps one spare block past num_blocks that no table names
+        # and nothing writes: its zeros stand in for key slots past a sequence's length
+        spare = 0 if self.fused else 1
+        shape = (num_blocks + spare, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.zero_slot = None if self.fused else num_blocks * block_size
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=model.dtype, device=self.device),
@@ -61,10 +69,6 @@ class ModelRunner:
         ]
         max_loras = model.layers[0].qkv_proj.max_loras
         self.slot_ranks: list[int] = [0] * max_loras
-        # GPU: augmented GEMMs + fused kernels (model/fused.py); CPU: the reference path.
-        # LORAPLEX_FUSED=1 forces the fused path (with TRITON_INTERPRET=1 it runs on CPU).
-        env = os.environ.get("LORAPLEX_FUSED")
-        self.fused = self.device.type == "cuda" if env is None else env == "1"
         self.graphs: DecodeGraphs | None = None
         self.last_was_graph = False
         self.last_events: tuple | None = None  # CUDA events around the last graph replay
@@ -115,6 +119,7 @@ class ModelRunner:
             context_lens=ctx,
             block_size=bs,
             is_decode=all(len(it.token_ids) == 1 for it in items),
+            zero_slot=self.zero_slot,
         )
         mapping = (  # NOTE: the fused path reads token slots directly, no segments
             LoRAMapping.build(token_slots, self.slot_ranks, device=dev)
@@ -137,12 +142,13 @@ class ModelRunner:
         ``feed``: the previous step's sampled token ids on the device, read by items with a
         ``feed_row`` (no host round trip between the two steps).
 
-        On the fused path rows are grouped by adapter slot first: the fused LoRA epilogues
-        handle a block of rows per program and load one B tile per distinct slot in it.
+        Rows are grouped by adapter slot first. Fused path: the LoRA epilogues handle a block
+        of rows per program and load one B tile per distinct slot in it. Reference (CPU) path:
+        each slot's rows are then one run of rows (``LoRAMapping.runs``), sliced, not gathered.
         """
         if any(it.feed_row >= 0 for it in items) and feed is None:
             raise ValueError("items read the previous step's tokens but no feed was given")
-        if not self.fused:
+        if not self.fused and all(it.lora_slot < 0 for it in items):
             return self._execute(items, feed)
         order = sorted(range(len(items)), key=lambda i: items[i].lora_slot)
         if order == list(range(len(items))):

@@ -16,11 +16,11 @@ from loraplex.engine.lora.layers import LoRALinear
 from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.attention import (
     AttentionMetadata,
-    paged_attention_reference,
+    paged_attention_batched,
     write_kv,
 )
 from loraplex.engine.model.config import ModelConfig
-from loraplex.engine.model.rope import RotaryEmbedding
+from loraplex.engine.model.rope import RotaryEmbedding, apply_rotary
 
 __all__ = ["LlamaForCausalLM", "RMSNorm"]
 
@@ -32,6 +32,8 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(size, dtype=dtype, device=device), False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one kernel; the same values as the lines below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -73,23 +75,22 @@ class DecoderLayer(torch.nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         mapping: LoRAMapping | None,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
+        """``rope``: (cos, signed_sin) of the step's positions (``RotaryEmbedding.table``)."""
         cfg = self.cfg
         t = x.shape[0]
         h = self.input_layernorm(x)
         qkv = self.qkv_proj(h, mapping)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(t, cfg.num_heads, cfg.head_dim)
-        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        q, k = rope(positions, q, k)
+        qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
+        qk = apply_rotary(qk.view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), *rope)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
         write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
-        attn = paged_attention_reference(q, kv[0], kv[1], meta, self.scale, cfg.sliding_window)
+        attn = paged_attention_batched(q, kv[0], kv[1], meta, self.scale, cfg.sliding_window)
         x = x + self.o_proj(attn.reshape(t, cfg.q_size), mapping)
         h = self.post_attention_layernorm(x)
         gate, up = self.gate_up_proj(h, mapping).chunk(2, dim=-1)
@@ -148,8 +149,9 @@ class LlamaForCausalLM(torch.nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: (T,). Returns final hidden states (T, hidden)."""
         x = F.embedding(input_ids, self.embed_tokens)
+        rope = self.rope.table(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, kv, meta, mapping, self.rope)
+            x = layer(x, kv, meta, mapping, rope)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
