@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine.lora.mapping import LoRAMapping
-from loraplex.engine.lora.ops import add_lora
+from loraplex.engine.lora.ops import add_lora, use_triton
+from loraplex.engine.lora.ops.runs import add_lora_runs
 
 __all__ = ["LoRALinear"]
 
@@ -94,6 +95,11 @@ class LoRALinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, mapping: LoRAMapping | None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)  # (T, N_total)
-        if mapping is not None and mapping.has_lora and self.lora_a is not None:
+        if mapping is None or not mapping.has_lora or self.lora_a is None:
+            return y
+        if mapping.runs is not None and y.dtype == torch.float32 and not use_triton(y):
+            # rows grouped by slot (CPU path): row slices, no gather / scatter
+            add_lora_runs(y, x, self.lora_a, self.lora_b, self.slice_offsets, mapping.runs)
+        else:
             add_lora(y, x, self.lora_a, self.lora_b, self.slice_offsets, mapping)
         return y

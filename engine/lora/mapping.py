@@ -8,6 +8,10 @@ adapters of the batch:
     seg_slots[g]                                                     # their slot (>= 0)
 
 NOTE: slot -1 means "base model only"; such tokens appear in no segment.
+
+When every segment's tokens are consecutive rows of the batch (the model runner sorts rows by
+slot on the CPU path), ``runs`` lists them on the host as (slot, first row, length, rank), and
+the torch path works on row slices instead of gathers (ops/runs.py).
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ class LoRAMapping:
     seg_ranks: torch.Tensor  # (G,) int32, rank of the adapter in each segment's slot
     max_seg_len: int  # host-side, sizes kernel grids
     num_tokens: int
+    # host (slot, first row, length, rank) per segment when each segment is a run of
+    # consecutive rows; None otherwise
+    runs: tuple[tuple[int, int, int, int], ...] | None = None
 
     @property
     def num_segments(self) -> int:
@@ -59,6 +66,11 @@ class LoRAMapping:
             lens.append(len(groups[slot]))
             sorted_ids += groups[slot]
         ranks = [int(slot_ranks[s]) for s in order]
+        runs = None
+        if all(groups[s][-1] - groups[s][0] == len(groups[s]) - 1 for s in order):
+            runs = tuple(
+                (s, groups[s][0], len(groups[s]), r) for s, r in zip(order, ranks, strict=True)
+            )
 
         def i32(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
@@ -72,4 +84,5 @@ class LoRAMapping:
             seg_ranks=i32(ranks),
             max_seg_len=max(lens, default=0),
             num_tokens=len(token_slots),
+            runs=runs,
         )

@@ -33,6 +33,7 @@ __all__ = [
     "shrink_triton",
     "expand_triton",
     "triton_available",
+    "use_triton",
     "BACKEND_ENV",
 ]
 
@@ -70,7 +71,8 @@ def expand_triton(
     _kernels()[1].expand_triton(y, shrunk, lora_b, slice_offsets, mapping, **kw)
 
 
-def _use_triton(t: torch.Tensor) -> bool:
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether the public ops take the Triton kernels for a tensor on ``t``'s device."""
     forced = os.environ.get(BACKEND_ENV, "").strip().lower()
     if forced == "torch":
         return False
@@ -130,7 +132,7 @@ def lora_shrink(
     Columns >= rank and rows of base tokens (slot -1) are unspecified afterwards.
     """
     _check_shrink(x, lora_a, out)
-    if _use_triton(x):
+    if use_triton(x):
         shrink_triton(x, lora_a, mapping, out)
     else:
         shrink_torch(x, lora_a, mapping, out)
@@ -157,7 +159,7 @@ def lora_expand(
     fp32 math, one rounding into y's dtype; base tokens (slot -1) are untouched.
     """
     _check_expand(y, shrunk, lora_b, slice_offsets)
-    if _use_triton(y):
+    if use_triton(y):
         expand_triton(y, shrunk, lora_b, slice_offsets, mapping)
     else:
         expand_torch(y, shrunk, lora_b, slice_offsets, mapping)
