@@ -50,6 +50,8 @@ class SlotWriter:
     def submit(self, v: Any, slot: int, adapter: Any, after: Any) -> None:
         """Write ``adapter`` into ``slot`` for version ``v`` once the step whose event is
         ``after`` (None: none) has completed; sets ``v.slot_event`` when issued."""
+        if not self._thread.is_alive():  # fail the step loudly rather than wait forever
+            raise RuntimeError("the slot writer thread is not running")
         self._jobs.put((v, slot, adapter, after))
 
     def close(self) -> None:
@@ -61,7 +63,7 @@ class SlotWriter:
             time.sleep(5e-5)
 
     def _run(self) -> None:
-        torch.cuda.set_device(self.model.device)
+        torch.cuda.set_device(self.stream.device)  # (a torch.device with its index)
         while True:
             job = self._jobs.get()
             if job is None:
