@@ -26,6 +26,7 @@ from loraplex.engine.model.config import LORA_MODULES, ModelConfig
 
 __all__ = [
     "MAX_ADAPTER_WEIGHT",
+    "check_adapter_values",
     "LoRAWeights",
     "LoRAAdapter",
     "load_adapter",
@@ -294,3 +295,11 @@ def load_adapter(
     except (SafetensorError, OSError) as e:
         raise AdapterFormatError(f"{wfile} cannot be read: {e}", field=WEIGHTS_FILE) from None
     return LoRAAdapter(name=name or folder.name, path=str(folder), config=config, weights=weights)
+
+
+def check_adapter_values(
+    path: str | Path, model_config: ModelConfig, *, max_lora_rank: int
+) -> None:
+    """Parse every tensor once and check its values (``check_weight_values``), keeping
+    nothing: a registration refuses garbage weights before any request can ask for them."""
+    load_adapter(path, model_config, max_lora_rank=max_lora_rank, dtype=torch.float32)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.lora.adapter import LoRAAdapter, load_adapter
+from loraplex.engine.lora.adapter import LoRAAdapter, check_adapter_values, load_adapter
 from loraplex.engine.lora.digest import adapter_digest
 from loraplex.engine.lora.errors import AdapterDigestError, AdapterNotFoundError
 from loraplex.engine.lora.loader_process import LoaderInit, LoaderProcesses
@@ -202,6 +202,12 @@ class AdapterLoader:
                 self.model_config,
                 max_lora_rank=self.config.max_lora_rank,
                 max_bytes=self.config.max_adapter_bytes,
+            )
+            await asyncio.to_thread(
+                check_adapter_values,
+                result.local_dir,
+                self.model_config,
+                max_lora_rank=self.config.max_lora_rank,
             )
             t4 = time.perf_counter()
         except BaseException:

@@ -152,6 +152,7 @@ class _Helper:
             self.tasks.pop(jid, None)
 
     async def _prepare(self, p: dict) -> dict:
+        from loraplex.engine.lora.adapter import check_adapter_values
         from loraplex.engine.lora.digest import adapter_digest
         from loraplex.engine.lora.errors import AdapterDigestError
         from loraplex.engine.lora.preflight import preflight
@@ -191,6 +192,12 @@ class _Helper:
                 self.init.model_config,
                 max_lora_rank=p["max_lora_rank"],
                 max_bytes=p["max_bytes"],
+            )
+            await asyncio.to_thread(
+                check_adapter_values,
+                result.local_dir,
+                self.init.model_config,
+                max_lora_rank=p["max_lora_rank"],
             )
             t4 = time.perf_counter()
         except BaseException:

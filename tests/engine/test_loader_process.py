@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from loraplex.engine import AsyncEngine, SamplingParams
-from loraplex.engine.lora.errors import AdapterDigestError, AdapterFormatError
+from loraplex.engine.lora.errors import AdapterDigestError, AdapterFormatError, AdapterValueError
 from loraplex.engine.lora.loader_process import LoaderProcessError
 from loraplex.engine.lora.manager import AdapterState
 from loraplex.plugins import hookimpl
@@ -148,6 +149,26 @@ async def test_corrupt_adapter_typed_error_through_the_helper(tiny, lib, tmp_pat
         pool_idle(engine)
         leftovers = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
         assert leftovers == []
+
+
+@pytest.mark.parametrize("procs", [0, 1], ids=["threads", "helper"])
+async def test_registration_refuses_garbage_weights(tiny, lib, tmp_path, procs):
+    """NaN / Inf / huge weights are refused when the adapter is added (an admin load's 400),
+    not only when a request first stages it."""
+    model_dir, _ = tiny
+    bad = Path(shutil.copytree(lib["poem"], tmp_path / "lib" / "nan"))
+    tensors = load_file(bad / "adapter_model.safetensors")
+    key = sorted(k for k in tensors if ".lora_A." in k)[0]
+    tensors[key] = tensors[key].clone()
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    async with AsyncEngine(proc_config(model_dir, tmp_path, loader_processes=procs)) as engine:
+        for trusted in (True, False):
+            with pytest.raises(AdapterValueError) as ei:
+                await engine.add_adapter("nan", str(bad), trusted=trusted)
+            assert ei.value.field == key
+        assert engine.list_adapters() == []
+        assert_idle(engine)
 
 
 async def test_cancelled_load_releases_its_region(tiny, lib, tmp_path):
