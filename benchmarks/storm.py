@@ -294,6 +294,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 row[k] = w.info[k]
         if "loads" in w.info and w.info["loads"]:
             ok = [d for d in w.info["loads"] if d.get("ok")]
+            row["loads"], row["failed_loads"] = len(w.info["loads"]), len(w.info["loads"]) - len(ok)
             for stage in ("fetch", "verify", "preflight", "stage"):
                 vals = [d["timings"].get(stage, 0.0) for d in ok]
                 row[f"{stage}_p50_ms"] = pct(vals, 50) * 1e3 if vals else None

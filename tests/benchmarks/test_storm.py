@@ -1,0 +1,29 @@
+"""The storm benchmark's CPU smoke mode: windows in order, gaps measured, ratios against the
+quiet window before each load window, loads and slot writes reported."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import storm
+
+
+def test_storm_smoke(tmp_path) -> None:
+    out = tmp_path / "storm.json"
+    result = storm.main(
+        ["--smoke", "--storms", "3", "--workdir", str(tmp_path / "work"), "--out", str(out)]
+    )
+    names = [r["window"] for r in result["rows"]]
+    assert names == ["quiet", "register 3", "settle 3", "requests 3", "after 3"]
+    rows = {r["window"]: r for r in result["rows"]}
+    assert rows["quiet"]["gaps"] > 10 and rows["requests 3"]["gaps"] > 0
+    for name in ("register 3", "requests 3"):
+        r = rows[name]
+        assert r["reference"] == names[names.index(name) - 1]
+        assert r["p99_vs_quiet"] > 0 and r["max_vs_quiet_p50"] > 0
+    assert rows["requests 3"]["loads"] == 3  # one load per storm adapter
+    assert rows["requests 3"]["failed_loads"] == 0 and rows["requests 3"]["stage_p50_ms"] > 0
+    assert rows["requests 3"]["ttft_max_s"] >= rows["requests 3"]["ttft_p50_s"] > 0
+    assert result["compiles_while_serving"] == 0
+    assert json.loads(out.read_text())["rows"][0]["window"] == "quiet"
+    assert "| requests 3 |" in storm.table(result)
