@@ -114,6 +114,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="context length (prompt + output)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     p.add_argument(
+        "--mixed-graph-tokens", type=int, metavar="N",
+        help="steps of decodes + short prefills (chunks <= 64 tokens, <= N tokens in all) "
+        "replay CUDA graphs too (default 256; 0: eager)",
+    )  # fmt: skip
+    p.add_argument(
+        "--loader-processes", type=int, metavar="N",
+        help="helper processes that fetch, verify and pack adapters (default: 2 on CUDA, "
+        "0 = threads of the server process on CPU)",
+    )  # fmt: skip
+    p.add_argument("--max-concurrent-loads", type=int, metavar="N", help="cold loads at once")
+    p.add_argument("--adapter-cache-dir", metavar="DIR", help="where fetched adapters are staged")
+    p.add_argument(
+        "--adapter-cache-bytes", type=int, metavar="BYTES",
+        help="byte quota of the staging dir (least recently used idle adapters are dropped)",
+    )  # fmt: skip
+    p.add_argument(
         "--no-async-scheduling", action="store_true",
         help="no pipelined decode (the next step waits for the previous step's tokens)",
     )  # fmt: skip
@@ -154,7 +170,11 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "cuda_graphs": not args.enforce_eager,
         "async_scheduling": not args.no_async_scheduling,
     }
-    for name in ("max_loras", "max_cpu_loras", "max_lora_rank", "max_num_seqs", "max_model_len"):
+    for name in (
+        "max_loras", "max_cpu_loras", "max_lora_rank", "max_num_seqs", "max_model_len",
+        "mixed_graph_tokens", "loader_processes", "max_concurrent_loads", "adapter_cache_dir",
+        "adapter_cache_bytes",
+    ):  # fmt: skip
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     return EngineConfig(**kw)

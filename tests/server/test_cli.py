@@ -103,6 +103,19 @@ def test_flags_map_onto_engine_config(tmp_path):
         build_parser().parse_args(["serve", "--enforce-eager", "--no-async-scheduling"])
     )
     assert not eager.cuda_graphs and not eager.async_scheduling
+    loads = config_from_args(
+        build_parser().parse_args(
+            [
+                "serve", "--loader-processes", "3", "--max-concurrent-loads", "6",
+                "--adapter-cache-dir", str(tmp_path), "--adapter-cache-bytes", "1000",
+                "--mixed-graph-tokens", "0",
+            ]
+        )
+    )  # fmt: skip
+    assert (loads.loader_processes, loads.max_concurrent_loads) == (3, 6)
+    assert (loads.adapter_cache_dir, loads.adapter_cache_bytes) == (str(tmp_path), 1000)
+    assert loads.mixed_graph_tokens == 0
+    assert demo.loader_processes is None and demo.mixed_graph_tokens == 256
 
 
 def test_limit_flags_map_onto_server_limits():
