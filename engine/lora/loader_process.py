@@ -350,7 +350,11 @@ class LoaderProcesses:
 
     async def _submit(self, job: _Job) -> None:
         job.attempts += 1
-        live = [p for p in self.procs if not p.dead]
+        live = [p for p in self.procs if not p.dead and p.process.poll() is None]
+        if not live and not self._closed:  # e.g. one died before any job reached it
+            with contextlib.suppress(OSError):
+                self.procs.append(await asyncio.to_thread(self._spawn))
+            live = [p for p in self.procs if not p.dead and p.process.poll() is None]
         if not live:
             raise LoaderProcessError("no adapter loader process is running")
         proc = min(live, key=lambda p: len(p.jobs))
@@ -368,6 +372,8 @@ class LoaderProcesses:
             except (EOFError, OSError):
                 break
             self._to_loop(self._on_reply, proc, msg)
+        if self.loop is None:  # died before any job: nothing to retry, only never pick it
+            proc.dead = True
         self._to_loop(self._on_death, proc)
 
     def _to_loop(self, fn: Any, *args: Any) -> None:

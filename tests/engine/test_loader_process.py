@@ -110,6 +110,20 @@ async def test_killed_helper_is_replaced_and_the_load_retried(tiny, lib, tmp_pat
         pool_idle(engine)
 
 
+async def test_helper_dead_before_any_job_is_replaced(tiny, lib, tmp_path):
+    model_dir, _ = tiny
+    async with AsyncEngine(proc_config(model_dir, tmp_path)) as engine:
+        procs = engine.core.loader.procs
+        first = procs.procs[0]
+        os.kill(first.process.pid, signal.SIGKILL)
+        await wait_until(lambda: first.dead, "the death seen by its reader")
+        await engine.add_adapter("poem", str(lib["poem"]))  # a fresh helper takes the job
+        tokens, _, _ = await collect(engine, PROMPT, GREEDY, adapter="poem")
+        assert len(tokens) == GREEDY.max_tokens
+        assert procs.pids and first.process.pid not in procs.pids
+        assert_idle(engine)
+
+
 async def test_second_death_fails_only_that_adapter(tiny, lib, tmp_path):
     model_dir, _ = tiny
     cfg = proc_config(model_dir, tmp_path, extra={"loader_test_delay_s": 1.0})
