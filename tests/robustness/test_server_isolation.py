@@ -100,7 +100,9 @@ async def test_other_streams_keep_flowing_during_an_attack(name, tmp_path):
         t0 = time.perf_counter()
         await asyncio.sleep(0.5)
         quiet = _gaps(times, t0, time.perf_counter())
-        if not quiet or max(quiet) >= GAP_BOUND_S:  # other load on this CPU, not the server
+        # NOTE: measured only where quiet decoding leaves room: on a quiet 2-core CPU the demo's
+        # gaps are ~5 ms; a CPU shared with other jobs spikes past the bound on its own.
+        if not quiet or max(quiet) >= GAP_BOUND_S / 2:
             stream.cancel()
             pytest.skip(f"this CPU is too busy to measure a {GAP_BOUND_S * 1000:.0f} ms bound "
                         f"(quiet gaps {[round(g, 3) for g in quiet]})")  # fmt: skip

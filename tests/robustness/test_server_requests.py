@@ -149,11 +149,6 @@ async def test_content_encodings(server):
     await _still_serves(server)
 
 
-def test_prompt_chars_default_follows_the_context_length():
-    assert ServerLimits().for_context(1024).max_prompt_chars == 32 * 1024
-    assert ServerLimits(max_prompt_chars=5).for_context(1024).max_prompt_chars == 5
-
-
 async def test_chunked_body_over_the_limit_is_413(server):
     async def chunks():
         for _ in range(20):

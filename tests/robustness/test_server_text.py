@@ -1,5 +1,6 @@
 """Per-token stop matching and off-loop tokenization keep their exact results (issue 12,
-item 2): ``stop_prefix_len`` against the plain definition, ``encode_batch`` against ``encode``."""
+item 2): ``stop_prefix_len`` against the plain definition, ``encode_batch`` against ``encode``;
+the prompt-character bound follows the context length."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from hypothesis import strategies as st
 
 from loraplex.engine.demo import demo_model_dir
 from loraplex.engine.detokenizer import stop_prefix_len
+from loraplex.engine.server.limits import ServerLimits
 from loraplex.engine.tokenizer import Tokenizer
 
 
@@ -49,3 +51,8 @@ def test_encode_batch_equals_encode():
         assert tok.encode_batch(texts, add_special_tokens=special) == [
             tok.encode(t, add_special_tokens=special) for t in texts
         ]
+
+
+def test_prompt_chars_default_follows_the_context_length():
+    assert ServerLimits().for_context(1024).max_prompt_chars == 32 * 1024
+    assert ServerLimits(max_prompt_chars=5).for_context(1024).max_prompt_chars == 5
