@@ -139,6 +139,28 @@ class LlamaForCausalLM(torch.nn.Module):
         for i, layer in enumerate(self.layers):
             yield i, layer.lora_linears()
 
+    @torch.no_grad()
+    def set_base_layout(self, transposed: bool) -> None:
+        """CPU path (the model runner's choice): base projections, the LM head and the tied
+        embedding stored transposed, so that GEMMs of a few rows run on row-major (in, out)
+        matrices (about 2x faster on CPU BLAS than F.linear on (out, in) at 2-16 rows).
+
+        Values and shapes stay; ``embed_tokens`` / ``lm_head`` become transposed-strided views
+        of (hidden, vocab) storage. Reversible; the fused GPU path needs ``transposed=False``.
+        """
+        for layer in self.layers:
+            for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                lin.set_base_layout(transposed)
+        tied = self.lm_head is self.embed_tokens
+        for name in ("embed_tokens",) if tied else ("lm_head",):  # an untied table: row reads
+            w = getattr(self, name)
+            if w.is_contiguous() == (not transposed):
+                continue
+            relaid = w.t().contiguous().t() if transposed else w.contiguous()
+            setattr(self, name, torch.nn.Parameter(relaid, False))
+        if tied:
+            self.lm_head = self.embed_tokens
+
     def forward(
         self,
         input_ids: torch.Tensor,
