@@ -55,9 +55,9 @@ class ModelRunner:
         # LORAPLEX_FUSED=1 forces the fused path (with TRITON_INTERPRET=1 it runs on CPU).
         env = os.environ.get("LORAPLEX_FUSED")
         self.fused = self.device.type == "cuda" if env is None else env == "1"
+        model.set_base_layout(transposed=not self.fused)  # see LlamaForCausalLM.set_base_layout
         # NOTE: the reference path keeps one spare block past num_blocks that no table names
         # and nothing writes: its zeros stand in for key slots past a sequence's length
-        model.set_base_layout(transposed=not self.fused)
         spare = 0 if self.fused else 1
         shape = (num_blocks + spare, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.zero_slot = None if self.fused else num_blocks * block_size

@@ -1,13 +1,14 @@
 """The CPU engine on a real checkpoint (SmolLM2-135M-Instruct, float32) against HF + PEFT:
 greedy tokens with a rank-8 adapter on q/v/o/down, batch of 3 over two adapters and the base.
 
-Slow, and only where the checkpoint was built already (``python -m benchmarks.checkpoints``):
-tests download nothing.
+Slow: runs only with ``LORAPLEX_SLOW_TESTS=1`` and where the checkpoint was built already
+(``python -m benchmarks.checkpoints``); tests download nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
