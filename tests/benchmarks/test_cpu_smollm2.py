@@ -19,6 +19,7 @@ from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
 MODEL = smollm2_built()
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.skipif(os.environ.get("LORAPLEX_SLOW_TESTS") != "1", reason="slow: opt in"),
     pytest.mark.skipif(
         MODEL is None, reason="SmolLM2 not built (python -m benchmarks.checkpoints)"
     ),
