@@ -31,6 +31,9 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # CPU default: 256 MiB
     kv_cache_fraction: float = 0.85  # of free GPU memory after weights
     enable_prefix_caching: bool = True
+    # CPU only: torch intra-op threads; None: one core fewer than the machine has (never more
+    # than torch already uses), so the event loop and the step thread keep a core
+    cpu_threads: int | None = None
     cuda_graphs: bool = True  # decode through captured CUDA graphs (GPU only)
     # steps that mix decode rows with short prefill chunks (each <= 64 tokens, at most this many
     # tokens in all) replay CUDA graphs too (cold loads' short prompts don't stall streams);

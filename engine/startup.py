@@ -46,6 +46,8 @@ def build_core(
 
         config = replace(config, model=str(demo_model_dir()), extra={**config.extra, "demo": True})
     device = config.resolved_device
+    if device == "cpu":
+        set_cpu_threads(config.cpu_threads)
     path = Path(config.model) if config.model is not None else None
     if model is None:
         assert path is not None
@@ -116,6 +118,16 @@ def build_core(
     core.mixed_graphs = mixed
     core.loader.start_processes(procs)
     return core
+
+
+def set_cpu_threads(threads: int | None) -> int:
+    """torch's intra-op threads for a CPU engine. On a 2-core machine, 2 OpenMP threads next to
+    a busy event loop made decode gaps jump from ~9 ms to 110-170 ms (the workers spin at every
+    barrier while the loop holds one of their cores); one core fewer avoids that."""
+    if threads is None:
+        threads = min(torch.get_num_threads(), max(1, (os.cpu_count() or 1) - 1))
+    torch.set_num_threads(max(1, threads))
+    return torch.get_num_threads()
 
 
 def host_pool(config: EngineConfig, model: LlamaForCausalLM, *, shared: bool) -> HostPool | None:
