@@ -11,8 +11,9 @@ Workload: 64-token prompts (random ids, fresh each run so no prefix-cache hit), 
 tokens each (EOS ignored), batches of 1 and 8; "four" = a batch of 8 over 4 adapters (HF:
 ``adapter_names``). HF and loraplex run alternately in one process, ``--repeats`` times;
 tok/s = generated tokens / wall time of the whole batch (prefill included), median over
-repeats. Host overhead per step = engine wall time not spent in the model runner's
-``execute`` (scheduling, inputs, sampling, streaming, the asyncio loop) / steps.
+repeats; both use ``--threads`` torch threads. Host overhead per step = engine wall time not
+spent in the model runner's ``execute`` (scheduling, inputs, sampling, streaming, the asyncio
+loop) / steps.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ async def bench(args) -> list[dict]:
     hf = HF(model_dir, adapters)
     cfg = EngineConfig(
         model=str(model_dir), device="cpu", dtype="float32", max_loras=4, max_cpu_loras=4,
-        max_lora_rank=args.rank, max_num_seqs=8,
+        max_lora_rank=args.rank, max_num_seqs=8, cpu_threads=args.threads,
     )  # fmt: skip
     vocab = hf.plain.config.vocab_size
     results: dict[tuple[int, str], dict[str, list]] = {}
@@ -214,7 +215,7 @@ def profile(args) -> None:
     async def run() -> None:
         cfg = EngineConfig(
             model=str(args.model_dir), device="cpu", dtype="float32", max_loras=4,
-            max_cpu_loras=4, max_lora_rank=args.rank, max_num_seqs=8,
+            max_cpu_loras=4, max_lora_rank=args.rank, max_num_seqs=8, cpu_threads=args.threads,
         )  # fmt: skip
         async with AsyncEngine(cfg) as engine:
             for i, path in enumerate(args.adapters):
@@ -246,7 +247,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    # NOTE: one count for both (set process-wide); default: the engine's, one core fewer
+    ap.add_argument("--threads", type=int, default=max(1, len(os.sched_getaffinity(0)) - 1))
     ap.add_argument("--model-dir", type=Path, help="default: SmolLM2-135M-Instruct f32 (cached)")
     ap.add_argument("--cases", type=_cases, default=CASES, help="e.g. 1:none,8:four")
     ap.add_argument("--smoke", action="store_true", help="tiny random model, 1 repeat")
