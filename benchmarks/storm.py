@@ -31,47 +31,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from benchmarks.coldload.adapters import TINY
-from benchmarks.synthetic import LLAMA3_8B, random_model, write_model_config
+from benchmarks.synthetic import LLAMA3_8B, random_model, write_adapter, write_model_config
 from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
-from loraplex.engine.model.config import LORA_MODULES, ModelConfig
-
-_PARENT = {
-    m: "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn" for m in LORA_MODULES
-}
 
 
 def write_adapters(root: Path, cfg: dict, names: list[str], rank: int, device: str) -> None:
     """Distinct rank-``rank`` all-module bf16 PEFT adapters, one folder per name (random
     weights drawn on ``device``: writing 88 x 84 MB from CPU randn would take minutes)."""
-    mcfg = ModelConfig.from_dict(cfg)
-    shapes = mcfg.lora_module_shapes()
-    g = torch.Generator(device=device).manual_seed(1234)
-    config = {
-        "peft_type": "LORA",
-        "r": rank,
-        "lora_alpha": 2 * rank,
-        "target_modules": list(LORA_MODULES),
-        "bias": "none",
-        "lora_dropout": 0.0,
-        "task_type": "CAUSAL_LM",
-    }
-    for name in names:
-        tensors = {}
-        for i in range(mcfg.num_layers):
-            for m in LORA_MODULES:
-                fan_in, fan_out = shapes[m]
-                key = f"base_model.model.model.layers.{i}.{_PARENT[m]}.{m}"
-                a = torch.randn(rank, fan_in, generator=g, device=device) * fan_in**-0.5
-                b = torch.randn(fan_out, rank, generator=g, device=device) * 0.01
-                tensors[f"{key}.lora_A.weight"] = a.to(torch.bfloat16).cpu()
-                tensors[f"{key}.lora_B.weight"] = b.to(torch.bfloat16).cpu()
-        folder = root / name
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(folder / "adapter_model.safetensors"))
-        (folder / "adapter_config.json").write_text(json.dumps(config))
+    for i, name in enumerate(names):
+        write_adapter(root / name, cfg, rank=rank, seed=1234 + i, device=device)
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -8,6 +8,8 @@ read from these device buffers, never from host values, so the captured launches
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from loraplex.engine.model.attention import AttentionMetadata
@@ -16,9 +18,26 @@ from loraplex.engine.model.gemm import linear, tune
 from loraplex.engine.model.llama import LlamaForCausalLM
 from loraplex.engine.model.paged_attention import paged_decode_attention, paged_prefill_attention
 
-__all__ = ["DecodeGraphs", "BUCKETS"]
+__all__ = ["DecodeGraphs", "MixedGraphs", "BUCKETS", "capture_graph"]
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
+
+
+def capture_graph(
+    forward: Callable[[], torch.Tensor], device: torch.device, pool: object
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """One warm-up call of ``forward`` on a side stream (compiles kernels, sizes cuBLAS
+    workspaces), then its capture into a graph sharing memory ``pool``."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: loader / slot-writer threads may copy while we capture
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = forward()
+    return graph, out
 
 
 class DecodeGraphs:
@@ -99,15 +118,7 @@ class DecodeGraphs:
 
     def capture(self, bs: int) -> None:
         tune(self.gemm_weights(), bs)  # BLAS backend per GEMM shape, recorded by the capture
-        stream = torch.cuda.Stream(self.model.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._forward(bs)  # warm-up: compiles kernels, sizes cuBLAS workspaces
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: adapter staging threads may pin memory / copy while we capture
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = self._forward(bs)
+        graph, logits = capture_graph(lambda: self._forward(bs), self.model.device, self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[bs] = (graph, logits)
@@ -300,14 +311,7 @@ class MixedGraphs:
         mods = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         tune([m.weight_aug for m in mods], tb)
         tune([self.model.lm_head], sb)
-        stream = torch.cuda.Stream(self.model.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._forward(sb, tb)  # warm-up: compiles kernels, sizes cuBLAS workspaces
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = self._forward(sb, tb)
+        graph, logits = capture_graph(lambda: self._forward(sb, tb), self.model.device, self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[(sb, tb)] = (graph, logits)

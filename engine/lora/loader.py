@@ -31,13 +31,12 @@ from pathlib import Path
 import torch
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.lora.adapter import LoRAAdapter, check_adapter_values, load_adapter
-from loraplex.engine.lora.digest import adapter_digest
-from loraplex.engine.lora.errors import AdapterDigestError, AdapterNotFoundError
+from loraplex.engine.lora.adapter import LoRAAdapter, load_adapter
+from loraplex.engine.lora.errors import AdapterNotFoundError
 from loraplex.engine.lora.loader_process import LoaderInit, LoaderProcesses
 from loraplex.engine.lora.manager import AdapterVersion
 from loraplex.engine.lora.pool import HostPool, Region
-from loraplex.engine.lora.preflight import preflight
+from loraplex.engine.lora.prepare import fetch_and_check
 from loraplex.engine.lora.staging import (
     PackedAdapter,
     PackEntry,
@@ -177,49 +176,19 @@ class AdapterLoader:
         await asyncio.to_thread(policy.check, v.uri)
         t1 = time.perf_counter()
         dest = Path(tempfile.mkdtemp(prefix=f"v{v.version}-", dir=self.cache_dir))
-        try:
-            result = await resolver.fetch(
-                uri, dest, self._progress(v), max_bytes=self.config.max_adapter_bytes
-            )
-            t2 = time.perf_counter()
-            digest = await asyncio.to_thread(adapter_digest, result.local_dir)
-            if sha256 is not None and sha256.lower().removeprefix("sha256:") != digest:
-                raise AdapterDigestError(
-                    f"sha256 mismatch for adapter {v.name!r} from {v.uri!r}: configured "
-                    f"{sha256.lower()}, content has {digest}",
-                    field="sha256",
-                )
-            if v.digest and v.digest != digest:
-                raise AdapterDigestError(
-                    f"adapter {v.name!r} at {v.uri!r} changed: digest {digest[:12]}..., "
-                    f"expected {v.digest[:12]}...",
-                    field="sha256",
-                )
-            t3 = time.perf_counter()
-            await asyncio.to_thread(
-                preflight,
-                result.local_dir,
-                self.model_config,
-                max_lora_rank=self.config.max_lora_rank,
-                max_bytes=self.config.max_adapter_bytes,
-            )
-            await asyncio.to_thread(
-                check_adapter_values,
-                result.local_dir,
-                self.model_config,
-                max_lora_rank=self.config.max_lora_rank,
-            )
-            t4 = time.perf_counter()
-        except BaseException:
-            await asyncio.to_thread(shutil.rmtree, dest, True)
-            raise
+        result, digest, stages = await fetch_and_check(
+            resolver, uri, dest, name=v.name, shown_uri=v.uri, sha256=sha256,
+            expect_digest=v.digest, model_config=self.model_config,
+            max_lora_rank=self.config.max_lora_rank, max_bytes=self.config.max_adapter_bytes,
+            progress=self._progress(v),
+        )  # fmt: skip
         v.local_dir, v.digest, v.pinned_uri, v.nbytes = (
             result.local_dir,
             digest,
             result.pinned_uri,
             result.nbytes,
         )
-        t.update(resolve=t1 - t0, fetch=t2 - t1, verify=t3 - t2, preflight=t4 - t3)
+        t.update(resolve=t1 - t0, **stages)
 
     def _fetch_in_helpers(self) -> bool:
         """Helpers rebuild the plugins from configuration: a plugin object registered in this

@@ -29,7 +29,6 @@ import contextlib
 import itertools
 import mmap
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -152,13 +151,9 @@ class _Helper:
             self.tasks.pop(jid, None)
 
     async def _prepare(self, p: dict) -> dict:
-        from loraplex.engine.lora.adapter import check_adapter_values
-        from loraplex.engine.lora.digest import adapter_digest
-        from loraplex.engine.lora.errors import AdapterDigestError
-        from loraplex.engine.lora.preflight import preflight
+        from loraplex.engine.lora.prepare import fetch_and_check
 
         os.environ.update(p["env"])  # HF_* / AWS_* as the engine sees them now
-        t = {}
         t0 = time.perf_counter()
         if self.plugins.settings.policy != p["resolver_policy"]:
             self.plugins.update_settings(
@@ -168,42 +163,12 @@ class _Helper:
         await asyncio.to_thread(p["policy"].check, p["uri"])
         t1 = time.perf_counter()
         dest = Path(tempfile.mkdtemp(prefix=p["prefix"], dir=self.init.cache_dir))
-        try:
-            result = await resolver.fetch(p["uri"], dest, None, max_bytes=p["max_bytes"])
-            t2 = time.perf_counter()
-            digest = await asyncio.to_thread(adapter_digest, result.local_dir)
-            want = p["sha256"]
-            if want is not None and want.lower().removeprefix("sha256:") != digest:
-                raise AdapterDigestError(
-                    f"sha256 mismatch for adapter {p['name']!r} from {p['uri']!r}: configured "
-                    f"{want.lower()}, content has {digest}",
-                    field="sha256",
-                )
-            if p["expect_digest"] and p["expect_digest"] != digest:
-                raise AdapterDigestError(
-                    f"adapter {p['name']!r} at {p['uri']!r} changed: digest {digest[:12]}..., "
-                    f"expected {p['expect_digest'][:12]}...",
-                    field="sha256",
-                )
-            t3 = time.perf_counter()
-            await asyncio.to_thread(
-                preflight,
-                result.local_dir,
-                self.init.model_config,
-                max_lora_rank=p["max_lora_rank"],
-                max_bytes=p["max_bytes"],
-            )
-            await asyncio.to_thread(
-                check_adapter_values,
-                result.local_dir,
-                self.init.model_config,
-                max_lora_rank=p["max_lora_rank"],
-            )
-            t4 = time.perf_counter()
-        except BaseException:
-            await asyncio.to_thread(shutil.rmtree, dest, True)
-            raise
-        t.update(resolve=t1 - t0, fetch=t2 - t1, verify=t3 - t2, preflight=t4 - t3)
+        result, digest, stages = await fetch_and_check(
+            resolver, p["uri"], dest, name=p["name"], shown_uri=p["uri"], sha256=p["sha256"],
+            expect_digest=p["expect_digest"], model_config=self.init.model_config,
+            max_lora_rank=p["max_lora_rank"], max_bytes=p["max_bytes"],
+        )  # fmt: skip
+        t = {"resolve": t1 - t0, **stages}
         return {
             "local_dir": str(result.local_dir),
             "digest": digest,

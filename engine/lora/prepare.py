@@ -1,0 +1,66 @@
+"""The checks every fetched adapter passes before it is registered, in the engine process or in
+a loader process alike: fetch into a fresh folder, sha256 digest (against the configured one
+and, for a re-fetch, the version's own), header preflight, value check of every weight."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from loraplex.engine.lora.adapter import check_adapter_values
+from loraplex.engine.lora.digest import adapter_digest
+from loraplex.engine.lora.errors import AdapterDigestError
+from loraplex.engine.lora.preflight import preflight
+
+__all__ = ["fetch_and_check"]
+
+
+async def fetch_and_check(
+    resolver: Any,
+    uri: str,
+    dest: Path,
+    *,
+    name: str,
+    shown_uri: str,
+    sha256: str | None,
+    expect_digest: str,
+    model_config: Any,
+    max_lora_rank: int,
+    max_bytes: int,
+    progress: Any = None,
+) -> tuple[Any, str, dict[str, float]]:
+    """Fetch ``uri`` into ``dest`` (removed again on any failure) and check it; returns the
+    resolver's FetchResult, the digest, and the seconds of fetch / verify / preflight."""
+    t1 = time.perf_counter()
+    try:
+        result = await resolver.fetch(uri, dest, progress, max_bytes=max_bytes)
+        t2 = time.perf_counter()
+        digest = await asyncio.to_thread(adapter_digest, result.local_dir)
+        if sha256 is not None and sha256.lower().removeprefix("sha256:") != digest:
+            raise AdapterDigestError(
+                f"sha256 mismatch for adapter {name!r} from {shown_uri!r}: configured "
+                f"{sha256.lower()}, content has {digest}",
+                field="sha256",
+            )
+        if expect_digest and expect_digest != digest:
+            raise AdapterDigestError(
+                f"adapter {name!r} at {shown_uri!r} changed: digest {digest[:12]}..., "
+                f"expected {expect_digest[:12]}...",
+                field="sha256",
+            )
+        t3 = time.perf_counter()
+        await asyncio.to_thread(
+            preflight, result.local_dir, model_config, max_lora_rank=max_lora_rank,
+            max_bytes=max_bytes,
+        )  # fmt: skip
+        await asyncio.to_thread(
+            check_adapter_values, result.local_dir, model_config, max_lora_rank=max_lora_rank
+        )
+        t4 = time.perf_counter()
+    except BaseException:
+        await asyncio.to_thread(shutil.rmtree, dest, True)
+        raise
+    return result, digest, {"fetch": t2 - t1, "verify": t3 - t2, "preflight": t4 - t3}
