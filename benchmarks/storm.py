@@ -153,7 +153,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
         def on_event(ev: str, d: dict) -> None:
             if ev == "adapter_load":
-                loads.append(d)
+                loads.append({**d, "t": time.perf_counter()})
             elif ev == "slot_write":
                 writes.append((time.perf_counter(), d))
 
@@ -236,6 +236,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await probe.stop()
         stats = engine.stats()
         step_log = list(engine.core.step_log)
+        all_loads = list(loads)
         idle_writes = idle_slot_writes(engine) if device == "cuda" else {}
     rows = []
     for w in windows:
@@ -308,7 +309,49 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "rows": rows,
         "adapter_stats": stats.get("adapters"),
         "idle_slot_writes": idle_writes,
+        # seconds since the first window: step ends and durations, loads done, slot writes landed
+        "timeline": {
+            "t0": windows[0].t0,
+            "windows": [(w.name, w.t0 - windows[0].t0, w.t1 - windows[0].t0) for w in windows],
+            "steps": [
+                (e.t_end - windows[0].t0, e.seconds * 1e3, e.rows, e.tokens, e.slot_writes)
+                for e in step_log
+                if e.t_end >= windows[0].t0
+            ],
+            "loads": [d["t"] - windows[0].t0 for d in all_loads if d["t"] >= windows[0].t0],
+            "writes": [t - windows[0].t0 for t, _ in writes if t >= windows[0].t0],
+        },
     }
+
+
+def plot_timeline(result: dict[str, Any], path: str) -> None:
+    """Step durations over the run (the gaps every running stream sees), load windows shaded,
+    loads finishing and slot writes landing marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tl = result["timeline"]
+    fig, ax = plt.subplots(figsize=(12, 4))
+    for name, a, b in tl["windows"]:
+        if name.startswith(("register", "requests")):
+            ax.axvspan(a, b, color="tab:orange" if name.startswith("requests") else "tab:blue",
+                       alpha=0.12)  # fmt: skip
+            ax.text(a, 1.02, name, transform=ax.get_xaxis_transform(), fontsize=8)
+    steps = tl["steps"]
+    ax.plot([x[0] for x in steps], [x[1] for x in steps], lw=0.6, color="black", label="step (ms)")
+    for t in tl["loads"]:
+        ax.axvline(t, ymax=0.05, color="tab:green", lw=0.6)
+    for t in tl["writes"]:
+        ax.axvline(t, ymin=0.95, color="tab:red", lw=0.6)
+    ax.set_yscale("log")
+    ax.set_xlabel("seconds (green ticks: loads staged; red ticks: slot writes landed)")
+    ax.set_ylabel("step interval (ms)")
+    ax.set_title(f"cold-load storm, {result['device']}, commit {result['commit']}", pad=16)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def idle_slot_writes(engine: AsyncEngine) -> dict[str, float]:
@@ -484,6 +527,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None, help="write the JSON result here")
     ap.add_argument("--commit", default=None, help="the commit to report (default: git HEAD)")
+    ap.add_argument("--plot", default=None, help="write the step timeline as a PNG here")
     args = ap.parse_args(argv)
     if args.smoke:
         for k, v in dict(
@@ -504,6 +548,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(table(result), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    if args.plot:
+        plot_timeline(result, args.plot)
     return result
 
 

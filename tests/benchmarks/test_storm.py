@@ -11,8 +11,11 @@ from benchmarks import storm
 def test_storm_smoke(tmp_path) -> None:
     out = tmp_path / "storm.json"
     result = storm.main(
-        ["--smoke", "--storms", "3", "--workdir", str(tmp_path / "work"), "--out", str(out)]
-    )
+        [
+            "--smoke", "--storms", "3", "--workdir", str(tmp_path / "work"), "--out", str(out),
+            "--plot", str(tmp_path / "timeline.png"),
+        ]
+    )  # fmt: skip
     names = [r["window"] for r in result["rows"]]
     assert names == ["quiet", "register 3", "settle 3", "requests 3", "after 3"]
     rows = {r["window"]: r for r in result["rows"]}
@@ -27,3 +30,7 @@ def test_storm_smoke(tmp_path) -> None:
     assert result["compiles_while_serving"] == 0
     assert json.loads(out.read_text())["rows"][0]["window"] == "quiet"
     assert "| requests 3 |" in storm.table(result)
+    tl = result["timeline"]
+    assert [w[0] for w in tl["windows"]] == names and len(tl["loads"]) >= 3
+    assert tl["steps"] and all(b >= a for a, b in zip(tl["steps"], tl["steps"][1:], strict=False))
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
