@@ -19,7 +19,8 @@ had in flight is retried once on a fresh helper; a second death fails that job w
 ``LoaderProcessError`` (so only the requests waiting on that adapter fail). A job cancelled
 by the engine is cancelled in the helper; its region is released only once the helper says the
 job ended (it may still be writing into it). Errors raised in a helper come back as the same
-typed ``LoRAError`` subclass with message and field.
+typed ``LoRAError`` subclass with message and field. This module is the engine's side; a
+helper runs ``loader_helper.py``.
 """
 
 from __future__ import annotations
@@ -27,18 +28,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import mmap
 import os
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -47,6 +43,8 @@ from loraplex.engine.lora import errors as lora_errors
 from loraplex.engine.lora.errors import LoRAError
 
 __all__ = ["LoaderInit", "LoaderProcesses", "LoaderProcessError"]
+
+HELPER_MODULE = "loraplex.engine.lora.loader_helper"  # what each helper process runs
 
 log = structlog.get_logger("loraplex.loader")
 
@@ -68,146 +66,7 @@ class LoaderInit:
     test_delay_s: float = 0.0  # tests only: each job sleeps first (to kill a helper mid-load)
 
 
-# -- the helper process ------------------------------------------------------------------------
-
-
-def _helper_main(conn: Connection, init: LoaderInit, fd: int | None) -> None:
-    """Serve jobs until the engine closes the connection."""
-    import torch
-
-    torch.set_num_threads(1)
-    with contextlib.suppress(OSError):
-        os.nice(10)  # where CPUs are short, the engine's step thread and event loop go first
-    pool = None
-    if fd is not None and init.pool_nbytes:
-        pool = torch.frombuffer(mmap.mmap(fd, init.pool_nbytes, mmap.MAP_SHARED), dtype=torch.uint8)
-    _Helper(conn, init, pool).serve()
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m loraplex.engine.lora.loader_process --conn-fd N [--pool-fd M]``: started by
-    ``LoaderProcesses`` (not by multiprocessing's spawn, which would re-import the embedding
-    application's ``__main__``). The first message on the connection is the LoaderInit."""
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--conn-fd", type=int, required=True)
-    ap.add_argument("--pool-fd", type=int, default=None)
-    args = ap.parse_args(argv)
-    conn = Connection(args.conn_fd)
-    init = conn.recv()
-    _helper_main(conn, init, args.pool_fd)
-
-
-class _Helper:
-    def __init__(self, conn: Connection, init: LoaderInit, pool: Any) -> None:
-        from loraplex.plugins import PluginManager
-
-        self.conn, self.init, self.pool = conn, init, pool
-        self.plugins = PluginManager(init.enabled_plugins, init.settings)
-        self.loop = asyncio.new_event_loop()
-        self.loop.set_default_executor(ThreadPoolExecutor(init.threads))
-        self.tasks: dict[int, asyncio.Task] = {}
-        self.send_lock = threading.Lock()
-
-    def serve(self) -> None:
-        threading.Thread(target=self._read, daemon=True).start()
-        self.loop.run_forever()
-
-    def _read(self) -> None:
-        while True:
-            try:
-                msg = self.conn.recv()
-            except (EOFError, OSError):
-                os._exit(0)  # the engine is gone: nothing to finish
-            self.loop.call_soon_threadsafe(self._on_message, msg)
-
-    def _send(self, msg: tuple) -> None:
-        with self.send_lock:
-            self.conn.send(msg)
-
-    def _on_message(self, msg: tuple) -> None:
-        kind, jid, payload = msg
-        if kind == "cancel":
-            task = self.tasks.get(jid)
-            if task is not None:
-                task.cancel()
-            return
-        self.tasks[jid] = self.loop.create_task(self._run(jid, kind, payload))
-
-    async def _run(self, jid: int, kind: str, payload: dict) -> None:
-        try:
-            if self.init.test_delay_s:
-                await asyncio.sleep(self.init.test_delay_s)
-            fn = self._prepare if kind == "prepare" else self._stage
-            result = await fn(payload)
-        except asyncio.CancelledError:
-            self._send(("cancelled", jid, None))
-        except BaseException as e:  # noqa: BLE001 - every error goes back to the engine
-            self._send(("error", jid, _describe(e)))
-        else:
-            self._send(("done", jid, result))
-        finally:
-            self.tasks.pop(jid, None)
-
-    async def _prepare(self, p: dict) -> dict:
-        from loraplex.engine.lora.prepare import fetch_and_check
-
-        os.environ.update(p["env"])  # HF_* / AWS_* as the engine sees them now
-        t0 = time.perf_counter()
-        if self.plugins.settings.policy != p["resolver_policy"]:
-            self.plugins.update_settings(
-                replace(self.plugins.settings, policy=p["resolver_policy"])
-            )
-        resolver = self.plugins.resolver_for(p["uri"])
-        await asyncio.to_thread(p["policy"].check, p["uri"])
-        t1 = time.perf_counter()
-        dest = Path(tempfile.mkdtemp(prefix=p["prefix"], dir=self.init.cache_dir))
-        result, digest, stages = await fetch_and_check(
-            resolver, p["uri"], dest, name=p["name"], shown_uri=p["uri"], sha256=p["sha256"],
-            expect_digest=p["expect_digest"], model_config=self.init.model_config,
-            max_lora_rank=p["max_lora_rank"], max_bytes=p["max_bytes"],
-        )  # fmt: skip
-        t = {"resolve": t1 - t0, **stages}
-        return {
-            "local_dir": str(result.local_dir),
-            "digest": digest,
-            "pinned_uri": result.pinned_uri,
-            "nbytes": result.nbytes,
-            "timings": t,
-        }
-
-    async def _stage(self, p: dict) -> dict:
-        return await asyncio.to_thread(self._stage_sync, p)
-
-    def _stage_sync(self, p: dict) -> dict:
-        import torch
-
-        from loraplex.engine.lora.adapter import load_adapter
-        from loraplex.engine.lora.staging import pack_adapter
-
-        t0 = time.perf_counter()
-        dtype = getattr(torch, p["dtype"])
-        adapter = load_adapter(
-            p["local_dir"],
-            self.init.model_config,
-            max_lora_rank=p["max_lora_rank"],
-            name=p["name"],
-            dtype=dtype,
-        )
-        offset, nbytes = p["region"]
-        out = self.pool[offset : offset + nbytes].view(dtype)
-        packed = pack_adapter(adapter, p["max_lora_rank"], out=out)
-        return {
-            "config": adapter.config,
-            "path": adapter.path,
-            "numel": packed.buffer.numel(),
-            "entries": [tuple(vars(e).values()) for e in packed.entries.values()],
-            "stage_s": time.perf_counter() - t0,
-        }
-
-
-def _describe(e: BaseException) -> tuple[str, str, str, str | None]:
+def describe_error(e: BaseException) -> tuple[str, str, str, str | None]:
     return (type(e).__module__, type(e).__name__, str(e), getattr(e, "field", None))
 
 
@@ -271,7 +130,7 @@ class LoaderProcesses:
     def _spawn(self) -> _Proc:
         ours, theirs = socket.socketpair()
         fds = [theirs.fileno()]
-        cmd = [sys.executable, "-m", __name__, "--conn-fd", str(theirs.fileno())]
+        cmd = [sys.executable, "-m", HELPER_MODULE, "--conn-fd", str(theirs.fileno())]
         if self.pool_fd is not None:
             fds.append(self.pool_fd)
             cmd += ["--pool-fd", str(self.pool_fd)]
@@ -427,7 +286,3 @@ class LoaderProcesses:
                 proc.process.kill()
                 proc.process.wait(timeout=2.0)
         self.procs.clear()
-
-
-if __name__ == "__main__":
-    main()
