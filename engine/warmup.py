@@ -124,6 +124,7 @@ class CompileWatch:
     def __init__(self) -> None:
         self.compiles = 0
         self.while_serving: list[str] = []
+        self.events: list[tuple[float, str]] = []  # (perf_counter, kernel) of every compile
         self._serving = False
         self._installed = False
 
@@ -138,8 +139,9 @@ class CompileWatch:
 
         def hook(**kw: Any) -> Any:
             self.compiles += 1
+            name = getattr(kw.get("fn"), "name", "?")
+            self.events.append((time.perf_counter(), name))
             if self._serving:
-                name = getattr(kw.get("fn"), "name", "?")
                 self.while_serving.append(name)
                 log.warning("kernel_compiled_while_serving", kernel=name)
             return prev(**kw) if prev is not None else None
