@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=None, help="write the JSON result here")
     ap.add_argument("--commit", default=None, help="the commit to report (default: git HEAD)")
     ap.add_argument("--plot", default=None, help="write the step timeline as a PNG here")
+    ap.add_argument(
+        "--profile", default=None,
+        help="folder: a py-spy --gil profile of each storm window (py-spy must be installed)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.smoke:
         for k, v in dict(

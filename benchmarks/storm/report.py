@@ -114,6 +114,11 @@ def table(result: dict[str, Any]) -> str:
             )
             lines.append(f"gap {gap['gap_ms']:.1f} ms in {r['window']}: {steps}")
     for r in rows:
+        if r.get("thread_cpu") and r["window"].startswith(("quiet", "register", "requests")):
+            lines.append(f"CPU by thread in {r['window']} (cores): " + ", ".join(
+                f"{k} {v:.2f}" for k, v in list(r["thread_cpu"].items())[:8]
+            ))  # fmt: skip
+    for r in rows:
         if not r["window"].startswith(("register", "requests")) or not r.get("slowest_steps"):
             continue
         lines.append(f"slowest steps in {r['window']}: " + "; ".join(

@@ -16,6 +16,7 @@ import torch
 
 from benchmarks.coldload.adapters import TINY
 from benchmarks.storm.report import Window, drift_corrected, pct
+from benchmarks.storm.threads import GilProfile, cpu_by_thread, thread_cpu
 from benchmarks.synthetic import LLAMA3_8B, random_model, write_adapter, write_model_config
 from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
 from loraplex.engine.warmup import COMPILES
@@ -112,12 +113,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         windows: list[Window] = []
 
         async def window(name: str, coro=None, seconds: float = 0.0) -> Window:
+            prof = None
+            if args.profile and coro is not None:
+                Path(args.profile).mkdir(parents=True, exist_ok=True)
+                prof = GilProfile(Path(args.profile) / f"gil-{name.replace(' ', '-')}.txt")
+                if prof.start():
+                    await asyncio.sleep(0.5)  # py-spy attaches
+            cpu0 = thread_cpu()
             w = Window(name, time.perf_counter())
             if coro is not None:
                 w.info = await coro
             if seconds:
                 await asyncio.sleep(seconds)
             w.t1 = time.perf_counter()
+            w.info["thread_cpu"] = cpu_by_thread(cpu0, thread_cpu(), w.t1 - w.t0)
+            if prof is not None and (err := prof.stop()):
+                print(f"  py-spy: {err}", flush=True)
             windows.append(w)
             print(f"  window {name}: {w.t1 - w.t0:.2f} s", flush=True)
             return w
@@ -185,7 +196,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             {k: (round(v, 5) if isinstance(v, float) else v) for k, v in e._asdict().items()}
             for e in sorted(steps, key=lambda e: -e.seconds)[:6]
         ]
-        for k in ("ttft_p50_s", "ttft_max_s", "seconds"):
+        for k in ("ttft_p50_s", "ttft_max_s", "seconds", "thread_cpu"):
             if k in w.info:
                 row[k] = w.info[k]
         if "loads" in w.info and w.info["loads"]:
