@@ -1,10 +1,10 @@
-"""``python -m benchmarks.coldload [flags]`` (the same as ``loraplex bench coldload``)."""
+"""``python -m benchmarks.coldload [flags]``: the same as ``loraplex bench coldload``."""
 
 from __future__ import annotations
 
 import sys
 
-from benchmarks.coldload.cli import main
+from loraplex.engine.bench.coldload.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m benchmarks.coldload"))

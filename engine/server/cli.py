@@ -1,20 +1,19 @@
-"""The ``loraplex`` command: a registry of subcommands (serve, digest, ...).
+"""The ``loraplex`` command: a registry of subcommands (serve, digest, bench, ...).
 
 A subcommand is a module exposing ``COMMAND: Subcommand``; add one to ``BUILTIN_COMMANDS`` or
 call ``register`` before ``main``. Modules are imported when the parser is built, so they keep
-heavy imports (torch, the engine) inside their ``run`` function.
+heavy imports (torch, the engine) inside their ``run`` function. ``loraplex bench`` is built
+here from the studies of ``loraplex.engine.bench``, which never import this module.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
-import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from types import ModuleType
 
 __all__ = ["Subcommand", "BUILTIN_COMMANDS", "register", "build_parser", "main"]
 
@@ -42,19 +41,41 @@ def register(command: Subcommand) -> None:
 
 def _commands() -> dict[str, Subcommand]:
     found = {name: importlib.import_module(mod).COMMAND for name, mod in BUILTIN_COMMANDS.items()}
-    found.update(_source_checkout_commands())
+    found["bench"] = _bench_command()
     found.update(_EXTRA)
     return found
 
 
-def _source_checkout_commands() -> dict[str, Subcommand]:
-    """``loraplex bench``: benchmarks/ lives next to engine/ in a source checkout (not installed)."""
-    root = Path(__file__).resolve().parents[2]
-    if importlib.util.find_spec("benchmarks") is None and (root / "benchmarks").is_dir():
-        sys.path.append(str(root))
-    with contextlib.suppress(ImportError):
-        return {"bench": importlib.import_module("benchmarks.coldload.cli").COMMAND}
-    return {}
+def _benches() -> dict[str, ModuleType]:
+    """The studies of ``loraplex bench``: modules with ``HELP``, ``DESCRIPTION``,
+    ``add_arguments(parser)`` and ``run(args) -> int`` (import-light until ``run``)."""
+    from loraplex.engine.bench.coldload import cli as coldload
+
+    return {"coldload": coldload}
+
+
+def _bench_command() -> Subcommand:
+    benches = _benches()
+
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        sub = p.add_subparsers(dest="bench", metavar="BENCH")
+        sub.required = True
+        for name, study in benches.items():
+            q = sub.add_parser(
+                name, help=study.HELP, description=study.DESCRIPTION, formatter_class=_Formatter
+            )
+            study.add_arguments(q)
+            q.set_defaults(_bench_run=study.run)
+
+    def run(args: argparse.Namespace) -> int:
+        return int(args._bench_run(args) or 0)
+
+    return Subcommand(
+        name="bench",
+        help=f"benchmark studies ({', '.join(benches)}; extra: loraplex[bench])",
+        add_arguments=add_arguments,
+        run=run,
+    )
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):

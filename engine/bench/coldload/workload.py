@@ -11,7 +11,7 @@ import itertools
 import random
 from dataclasses import dataclass
 
-from benchmarks.coldload.config import PointConfig
+from loraplex.engine.bench.coldload.config import PointConfig
 
 __all__ = ["Arrival", "zipf_cdf", "make_arrivals"]
 

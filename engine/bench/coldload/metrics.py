@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.coldload.collect import STAGES, LoadRecord, WriteRecord
+from loraplex.engine.bench.coldload.collect import STAGES, LoadRecord, WriteRecord
 
 __all__ = [
     "PARTS",

@@ -1,25 +1,33 @@
-"""``loraplex bench coldload`` / ``python -m benchmarks.coldload``: the cold-load study.
+"""``loraplex bench coldload``: the cold-load study's flags and its run.
 
+The ``loraplex`` command registers the study from ``add_arguments`` and ``run`` (this module
+never imports the command line back); ``main`` serves ``python -m loraplex.engine.bench.coldload``.
 Import-light on purpose (the ``loraplex`` parser imports this module for every command):
-torch, the engine and matplotlib are imported when a study runs.
+the engine's model and matplotlib are imported when a study runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.coldload.config import SOURCES, SYNTHETIC, Lengths, PointConfig
-from loraplex.engine.server.cli import Subcommand
+from loraplex.engine.bench.coldload.config import SOURCES, SYNTHETIC, Lengths, PointConfig
 
-__all__ = ["COMMAND", "add_coldload_arguments", "run_coldload", "main"]
+__all__ = ["HELP", "DESCRIPTION", "add_arguments", "point_from_args", "run", "main"]
+
+HELP = "cold-load latency study"
+DESCRIPTION = (
+    "Cold-load latency study: synthetic adapters served by name from a local folder, S3 or "
+    "a Hub, an open-loop workload, and each request's TTFT split into its stages."
+)
 
 _D = PointConfig()  # defaults
 
 
-def add_coldload_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model").add_mutually_exclusive_group()
     m.add_argument("--model", metavar="DIR", help="a real checkpoint folder")
     m.add_argument(
@@ -113,14 +121,29 @@ def point_from_args(args: argparse.Namespace) -> PointConfig:
     )
 
 
-def run_coldload(args: argparse.Namespace) -> int:
-    from benchmarks.coldload.config import parse_sweep
-    from benchmarks.coldload.sweep import run_study
+def _check_extras(point: PointConfig, sweep: dict, *, plots: bool) -> None:
+    """Fail before the run, not after it, when a module of the ``bench`` extra is missing."""
+    need = []
+    if plots:
+        need.append(("matplotlib", "plots (or pass --no-plots)"))
+    if "s3" in (point.source, *sweep.get("source", ())):
+        need.append(("moto", "the s3 source"))
+    missing = [f"{mod} for {why}" for mod, why in need if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise ValueError(
+            f"missing {'; '.join(missing)}: install the extra with pip install 'loraplex[bench]'"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    from loraplex.engine.bench.coldload.config import parse_sweep
+    from loraplex.engine.bench.coldload.sweep import run_study
     from loraplex.engine.logging import configure_logging
 
     try:
         point = point_from_args(args)
         sweep = parse_sweep(args.sweep)
+        _check_extras(point, sweep, plots=not args.no_plots)
         configure_logging(args.log_level)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -140,46 +163,16 @@ def run_coldload(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- ``loraplex bench ...`` -----------------------------------------------------------------------
-
-BENCHES = {"coldload": (add_coldload_arguments, run_coldload, "cold-load latency study")}
-
-
-def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="bench", metavar="BENCH")
-    sub.required = True
-    for name, (add, run, help_) in BENCHES.items():
-        q = sub.add_parser(
-            name,
-            help=help_,
-            description=(__doc__ or "").split("\n")[0],
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        )
-        add(q)
-        q.set_defaults(_bench_run=run)
-
-
-def _run_bench(args: argparse.Namespace) -> int:
-    return int(args._bench_run(args) or 0)
-
-
-COMMAND = Subcommand(
-    name="bench",
-    help="benchmarks of a source checkout (coldload)",
-    add_arguments=_add_bench_arguments,
-    run=_run_bench,
-)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m benchmarks.coldload [flags]``."""
+def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    """``python -m loraplex.engine.bench.coldload [flags]`` (the same as ``loraplex bench
+    coldload``)."""
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.coldload",
-        description="Cold-load latency study of the loraplex engine.",
+        prog=prog or "python -m loraplex.engine.bench.coldload",
+        description=DESCRIPTION,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    add_coldload_arguments(p)
+    add_arguments(p)
     try:
-        return run_coldload(p.parse_args(argv))
+        return run(p.parse_args(argv))
     except KeyboardInterrupt:
         return 130

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.coldload.collect import STAGES, LoadRecord, WriteRecord
-from benchmarks.coldload.metrics import PARTS, TIERS, pct, split_stats
+from loraplex.engine.bench.coldload.collect import STAGES, LoadRecord, WriteRecord
+from loraplex.engine.bench.coldload.metrics import PARTS, TIERS, pct, split_stats
 
 __all__ = ["summarize"]
 

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.coldload.adapters import AdapterSet
-from benchmarks.coldload.servers import HubServer, S3Server
+from loraplex.engine.bench.coldload.adapters import AdapterSet
+from loraplex.engine.bench.coldload.servers import HubServer, S3Server
 
 __all__ = ["Source", "SourcePool", "environment"]
 

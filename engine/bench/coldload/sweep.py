@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.coldload.adapters import AdapterSet, model_config, write_adapter_set
-from benchmarks.coldload.config import PointConfig, grid, label_of
-from benchmarks.coldload.report import point_line, write_point, write_sweep
-from benchmarks.coldload.run import PointResult, run_point
-from benchmarks.coldload.servers import hf_cache_env
-from benchmarks.coldload.sources import SourcePool, environment
+from loraplex.engine.bench.coldload.adapters import AdapterSet, model_config, write_adapter_set
+from loraplex.engine.bench.coldload.config import PointConfig, grid, label_of
+from loraplex.engine.bench.coldload.report import point_line, write_point, write_sweep
+from loraplex.engine.bench.coldload.run import PointResult, run_point
+from loraplex.engine.bench.coldload.servers import hf_cache_env
+from loraplex.engine.bench.coldload.sources import SourcePool, environment
 
 __all__ = ["run_study", "Study"]
 
@@ -96,7 +96,7 @@ async def _run_all(
             dest = out / "points" / label if sweep else out
             files += write_point(res, dest)
             if plots:
-                from benchmarks.coldload.plots import plot_point
+                from loraplex.engine.bench.coldload.plots import plot_point
 
                 files += plot_point(res, dest)
             results.append(res)
@@ -137,7 +137,7 @@ def run_study(
     if sweep:
         files += write_sweep(results, out, base.to_dict())
         if plots:
-            from benchmarks.coldload.plots import plot_sweep
+            from loraplex.engine.bench.coldload.plots import plot_sweep
 
             p = plot_sweep(results, list(sweep), out / "sweep.png")
             if p is not None:

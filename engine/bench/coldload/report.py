@@ -9,8 +9,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks.coldload.collect import STAGES
-from benchmarks.coldload.run import PointResult
+from loraplex.engine.bench.coldload.collect import STAGES
+from loraplex.engine.bench.coldload.run import PointResult
 
 __all__ = ["write_point", "write_sweep", "point_line", "sweep_row"]
 

@@ -109,9 +109,14 @@ class Collector:
         elif event == "slot_write":
             self.writes.append(
                 WriteRecord(
-                    data["name"], int(data["slot"]), now, float(data["h2d_s"]),
-                    int(data["nbytes"]), data.get("h2d_gpu_s"), data.get("copy_bytes"),
-                )  # fmt: skip
+                    data["name"],
+                    int(data["slot"]),
+                    now,
+                    float(data["h2d_s"]),
+                    int(data["nbytes"]),
+                    data.get("h2d_gpu_s"),
+                    data.get("copy_bytes"),
+                )
             )
 
     def _on_load(self, now: float, data: dict[str, Any]) -> None:

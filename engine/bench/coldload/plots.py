@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.coldload.metrics import TIERS
-from benchmarks.coldload.run import PointResult
+from loraplex.engine.bench.coldload.metrics import TIERS
+from loraplex.engine.bench.coldload.run import PointResult
 
 __all__ = ["plot_point", "plot_sweep"]
 

@@ -11,20 +11,25 @@ from typing import Any
 
 import torch
 
-from benchmarks.coldload.adapters import AdapterSet, build_model, resolve_device, write_adapter_set
-from benchmarks.coldload.bandwidth import pinned_gbps, write_slot_gbps
-from benchmarks.coldload.collect import Collector, LoadRecord, WriteRecord
-from benchmarks.coldload.config import PointConfig
-from benchmarks.coldload.metrics import (
+from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
+from loraplex.engine.bench.coldload.adapters import (
+    AdapterSet,
+    build_model,
+    resolve_device,
+    write_adapter_set,
+)
+from loraplex.engine.bench.coldload.bandwidth import pinned_gbps, write_slot_gbps
+from loraplex.engine.bench.coldload.collect import Collector, LoadRecord, WriteRecord
+from loraplex.engine.bench.coldload.config import PointConfig
+from loraplex.engine.bench.coldload.metrics import (
     adapter_intervals,
     inflight_intervals,
     itl_samples,
     request_rows,
 )
-from benchmarks.coldload.progress import Progress
-from benchmarks.coldload.summary import summarize
-from benchmarks.coldload.workload import Arrival, make_arrivals
-from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
+from loraplex.engine.bench.coldload.progress import Progress
+from loraplex.engine.bench.coldload.summary import summarize
+from loraplex.engine.bench.coldload.workload import Arrival, make_arrivals
 
 __all__ = ["PointResult", "run_point", "engine_config"]
 
@@ -114,7 +119,7 @@ async def run_point(
     progress: bool = True,
 ) -> PointResult:
     """Run one engine over the point's workload; the source's environment must be set."""
-    from benchmarks.coldload.adapters import model_config
+    from loraplex.engine.bench.coldload.adapters import model_config
 
     cfg = model_config(point)
     model = await asyncio.to_thread(build_model, point, cfg)

@@ -1,24 +1,31 @@
-"""The cold-load study (benchmarks/coldload) on a tiny random model on CPU: files, the TTFT
-split, tiers against the engine's counters, sweeps, and the S3 / Hub sources."""
+"""The cold-load study (loraplex.engine.bench.coldload) on a tiny random model on CPU: the
+installed ``loraplex bench coldload`` outside the checkout, files, the TTFT split, tiers against
+the engine's counters, sweeps, and the S3 / Hub sources."""
 
 from __future__ import annotations
 
+import argparse
 import csv
+import importlib.util
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from benchmarks.coldload.adapters import TINY, write_adapter_set
-from benchmarks.coldload.config import Lengths, PointConfig, grid, label_of, parse_sweep
-from benchmarks.coldload.metrics import PARTS
-from benchmarks.coldload.sweep import run_study
-from benchmarks.coldload.workload import make_arrivals, zipf_cdf
-from loraplex.engine.server.cli import main as loraplex_main
+from loraplex.engine.bench.coldload import cli as coldload_cli
+from loraplex.engine.bench.coldload.adapters import TINY, write_adapter_set
+from loraplex.engine.bench.coldload.config import Lengths, PointConfig, grid, label_of, parse_sweep
+from loraplex.engine.bench.coldload.metrics import PARTS
+from loraplex.engine.bench.coldload.sweep import run_study
+from loraplex.engine.bench.coldload.workload import make_arrivals, zipf_cdf
 
 pytest.importorskip("matplotlib")
+
+CHECKOUT = Path(__file__).resolve().parents[2]
 
 FAST = dict(
     synthetic="tiny",
@@ -84,15 +91,54 @@ def _check_consistent(doc: dict[str, Any]) -> None:
     )
 
 
-def test_cli_short_local_study_writes_every_file(tmp_path: Path) -> None:
-    out, work = tmp_path / "out", tmp_path / "work"
+def _installed(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """The installed console script and an environment that does not see the checkout."""
+    script = Path(sys.executable).parent / "loraplex"
+    if not script.is_file():
+        pytest.skip("the loraplex console script is not installed next to this interpreter")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import importlib.util as u; print(u.find_spec('benchmarks'))"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert probe.stdout.strip() == "None"  # the checkout's benchmarks/ is out of reach
+    assert not Path.cwd().resolve().is_relative_to(tmp_path.resolve())
+    assert not tmp_path.resolve().is_relative_to(CHECKOUT)
+    return script, env
+
+
+def test_installed_help_outside_the_checkout(tmp_path: Path) -> None:
+    script, env = _installed(tmp_path)
+    top = subprocess.run(
+        [str(script), "bench", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert top.returncode == 0, top.stderr
+    assert "coldload" in top.stdout
+    out = subprocess.run(
+        [str(script), "bench", "coldload", "--help"], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    for flag in ("--synthetic", "--num-adapters", "--source", "--sweep", "--out", "--no-plots"):
+        assert flag in out.stdout, flag
+
+
+def test_installed_short_local_study_outside_the_checkout(tmp_path: Path) -> None:
+    """``loraplex bench coldload`` run from a folder outside the checkout writes every file."""
+    script, env = _installed(tmp_path)
     argv = ["bench", "coldload", "--synthetic", "tiny", "--device", "cpu", "--num-adapters", "10",
             "--rank", "4", "--targets", "q_proj,k_proj,v_proj,o_proj", "--distinct", "3",
             "--prompt-len", "4-24", "--output-len", "3-10", "--rate", "25", "--duration", "1.2",
             "--base-fraction", "0.1", "--max-loras", "2", "--max-cpu-loras", "16",
-            "--max-num-seqs", "8", "--out", str(out), "--workdir", str(work), "--no-progress",
+            "--max-num-seqs", "8", "--out", "out", "--workdir", "work", "--no-progress",
             "--quiet"]  # fmt: skip
-    assert loraplex_main(argv) == 0
+    proc = subprocess.run(
+        [str(script), *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out, work = tmp_path / "out", tmp_path / "work"
+    assert "wrote" in proc.stdout
     doc = _check_point_dir(out)
     assert (out / "summary.txt").read_text().startswith("[run]")
     _check_consistent(doc)
@@ -107,6 +153,21 @@ def test_cli_short_local_study_writes_every_file(tmp_path: Path) -> None:
     assert s["loads"]["bytes_fetched"] == len(cold) * size
     inodes = {p.stat().st_ino for p in (work / "set0" / "adapters").glob("*/*.safetensors")}
     assert len(inodes) == 3  # --distinct 3
+
+
+def test_missing_bench_extra_fails_before_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "moto" else real(name, *a)
+    )
+    p = argparse.ArgumentParser()
+    coldload_cli.add_arguments(p)
+    args = p.parse_args(["--source", "s3", "--no-plots", "--out", str(tmp_path / "out")])
+    assert coldload_cli.run(args) == 2
+    assert "loraplex[bench]" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_sweep_2x2_writes_points_table_and_plot(tmp_path: Path) -> None:

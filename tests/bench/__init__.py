@@ -1,0 +1,1 @@
+"""Tests of the benchmark studies shipped in the package (loraplex.engine.bench)."""
