@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import structlog
 from aiohttp import web
@@ -30,6 +29,7 @@ from loraplex.engine.server.completions import create_completion
 from loraplex.engine.server.drain import Drain
 from loraplex.engine.server.errors import APIError, error_middleware
 from loraplex.engine.server.limits import ServerLimits
+from loraplex.engine.server.lora_modules import LoraModule, check_lora_modules
 from loraplex.engine.server.state import (
     ADMIN_TOKEN_KEY,
     DRAIN_KEY,
@@ -39,9 +39,6 @@ from loraplex.engine.server.state import (
     PREP_POOL_KEY,
     base_model_root,
 )
-
-if TYPE_CHECKING:
-    from loraplex.engine.server.launch import LoraModule
 
 __all__ = ["create_app", "create_app_from_config"]
 
@@ -233,8 +230,6 @@ def create_app_from_config(
 
                 names = await register_demo_adapters(engine)
                 log.info("demo_adapters_registered", names=names)
-            from loraplex.engine.server.launch import check_lora_modules
-
             taken = [engine.model_name, *(a["name"] for a in engine.list_adapters())]
             check_lora_modules(lora_modules, taken)
             for m in lora_modules:
