@@ -1,13 +1,17 @@
 """Loads plugins from the ``loraplex.plugins`` entry-point group and calls their hooks.
 
 The host never calls hooks directly: it uses the typed wrappers ``resolver_for`` and
-``resolve_name`` with keyword arguments.
+``resolve_name`` with keyword arguments, or ``fetch_adapter`` (policy check, the URI's
+resolver, fetch). The resolver contract (``loraplex.resolvers.base``, ``.policy``) sits below
+this module: it never imports the plugin system.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 from typing import Any
 
 import pluggy
@@ -15,10 +19,10 @@ import pluggy
 from loraplex.engine.lora.errors import AdapterSourceError
 from loraplex.plugins import hookspecs
 from loraplex.plugins.hookspecs import ENTRY_POINT_GROUP, PROJECT_NAME
-from loraplex.resolvers.base import Resolver, ResolverSettings
-from loraplex.resolvers.policy import scheme_of
+from loraplex.resolvers.base import FetchResult, ProgressCallback, Resolver, ResolverSettings
+from loraplex.resolvers.policy import SourcePolicy, scheme_of
 
-__all__ = ["BUILTIN_PLUGINS", "PluginLoadError", "PluginManager"]
+__all__ = ["BUILTIN_PLUGINS", "PluginLoadError", "PluginManager", "fetch_adapter"]
 
 BUILTIN_PLUGINS = ("local", "huggingface", "s3")
 
@@ -120,6 +124,22 @@ class PluginManager:
         if uri is not None and not isinstance(uri, str):
             raise PluginLoadError(f"loraplex_resolve_adapter_name returned {uri!r}, not a str")
         return uri
+
+
+async def fetch_adapter(
+    uri: str,
+    dest: Path,
+    *,
+    manager: PluginManager,
+    policy: SourcePolicy | None = None,
+    progress: ProgressCallback | None = None,
+    max_bytes: int | None = None,
+) -> FetchResult:
+    """Check ``uri`` against ``policy`` (default: the manager's), pick its resolver, fetch."""
+    policy = policy if policy is not None else manager.settings.policy
+    await asyncio.to_thread(policy.check, uri)
+    resolver = manager.resolver_for(uri)
+    return await resolver.fetch(uri, dest, progress, max_bytes=max_bytes)
 
 
 def _entry_points(group: str) -> dict[str, EntryPoint]:

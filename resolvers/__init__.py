@@ -1,10 +1,15 @@
 """Built-in resolver plugins (local, huggingface, s3) and the resolver contract.
 
 The concrete resolvers are imported lazily, through the ``loraplex.plugins`` entry points, so
-importing this package does not pull in huggingface_hub or s3fs.
+importing this package does not pull in huggingface_hub or s3fs. ``fetch_adapter`` belongs to
+the plugin manager (``loraplex.plugins.manager``), which sits above the contract; it is
+re-exported here on first use, since the manager imports ``loraplex.resolvers.base`` (and so
+this package) while it loads.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from loraplex.resolvers.base import (
     ADAPTER_FILES,
@@ -15,7 +20,6 @@ from loraplex.resolvers.base import (
     Resolver,
     ResolverSettings,
     copy_file,
-    fetch_adapter,
 )
 from loraplex.resolvers.policy import SourcePolicy, scheme_of
 
@@ -32,3 +36,11 @@ __all__ = [
     "fetch_adapter",
     "scheme_of",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "fetch_adapter":
+        from loraplex.plugins.manager import fetch_adapter
+
+        return fetch_adapter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import aiofiles
 import structlog
@@ -32,9 +32,6 @@ from loraplex.engine.lora.errors import (
 )
 from loraplex.resolvers.policy import SourcePolicy, scheme_of
 
-if TYPE_CHECKING:
-    from loraplex.plugins.manager import PluginManager
-
 __all__ = [
     "ADAPTER_FILES",
     "AdapterSource",
@@ -44,7 +41,6 @@ __all__ = [
     "Resolver",
     "ResolverSettings",
     "copy_file",
-    "fetch_adapter",
 ]
 
 CONFIG_FILE = "adapter_config.json"
@@ -281,19 +277,3 @@ async def copy_file(
         while chunk := await fin.read(chunk_bytes):
             await fout.write(chunk)
             report(len(chunk))
-
-
-async def fetch_adapter(
-    uri: str,
-    dest: Path,
-    *,
-    manager: PluginManager,
-    policy: SourcePolicy | None = None,
-    progress: ProgressCallback | None = None,
-    max_bytes: int | None = None,
-) -> FetchResult:
-    """Check ``uri`` against ``policy`` (default: the manager's), pick its resolver, fetch."""
-    policy = policy if policy is not None else manager.settings.policy
-    await asyncio.to_thread(policy.check, uri)
-    resolver = manager.resolver_for(uri)
-    return await resolver.fetch(uri, dest, progress, max_bytes=max_bytes)
