@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from loraplex.engine.sampling_params import SamplingParams
 
@@ -16,7 +18,7 @@ if TYPE_CHECKING:
     from loraplex.engine.detokenizer import IncrementalDetokenizer
     from loraplex.engine.lora.manager import AdapterVersion
 
-__all__ = ["RequestStatus", "RequestOutput", "Request", "TokenLogprob"]
+__all__ = ["RequestStatus", "RequestOutput", "Request", "TokenLogprob", "Tokens"]
 
 
 class RequestStatus(enum.Enum):
@@ -49,6 +51,56 @@ class RequestOutput:
     error: BaseException | None = None
 
 
+class Tokens(Sequence[int]):
+    """Prompt then output tokens, read in place: building the whole list for every row of
+    every step cost O(context) per row (at 3 000-token contexts the largest item of the loop's
+    step work on the H200, BENCHMARKS.md "Cold-load storm"). Slices are lists."""
+
+    __slots__ = ("_prompt", "_output")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self._prompt = prompt
+        self._output = output
+
+    def __len__(self) -> int:
+        return len(self._prompt) + len(self._output)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        p = self._prompt
+        n = len(p)
+        if isinstance(i, slice):
+            lo, hi, step = i.indices(n + len(self._output))
+            if step != 1:
+                return list(self)[i]
+            if hi <= n:
+                return p[lo:hi]
+            if lo >= n:
+                return self._output[lo - n : hi - n]
+            return p[lo:] + self._output[: hi - n]
+        if i < 0:
+            i += len(self)
+        if 0 <= i < n:
+            return p[i]
+        return self._output[i - n]  # IndexError past the end, as a list
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain(self._prompt, self._output)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (Tokens, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Tokens({list(self)!r})"
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -74,8 +126,9 @@ class Request:
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def tokens(self) -> Tokens:
+        """Prompt + output tokens, without copying (see ``Tokens``)."""
+        return Tokens(self.prompt_ids, self.output_ids)
 
     @property
     def num_tokens(self) -> int:
