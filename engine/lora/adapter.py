@@ -6,6 +6,7 @@ Only safetensors are read: pickle-based weight files are refused, never opened.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,20 +61,33 @@ class LoRAWeights:
     b: torch.Tensor  # (out, r), LoRA scale already folded in
 
 
+class WeightsView(Mapping[tuple[int, str], LoRAWeights]):
+    """Read-only weights whose tensors are made on access (e.g. views of a packed slot image,
+    staging.PackedWeights); knows its rank and byte size without making them."""
+
+    rank: int
+    nbytes: int
+
+
 @dataclass
 class LoRAAdapter:
     name: str
     path: str
     config: PeftLoRAConfig
-    weights: dict[tuple[int, str], LoRAWeights]  # (layer index, module short name)
+    # (layer index, module short name) -> tensors; a WeightsView once packed (staging.py)
+    weights: dict[tuple[int, str], LoRAWeights] | WeightsView
 
     @property
     def rank(self) -> int:
         """Largest rank over all modules."""
+        if isinstance(self.weights, WeightsView):
+            return self.weights.rank
         return max((w.a.shape[0] for w in self.weights.values()), default=0)
 
     @property
     def nbytes(self) -> int:
+        if isinstance(self.weights, WeightsView):
+            return self.weights.nbytes
         return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values())
 
 

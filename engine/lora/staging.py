@@ -18,12 +18,13 @@ tensors at views of it (no second copy) and remembers the packed form for ``writ
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.engine.lora.adapter import LoRAWeights
+from loraplex.engine.lora.adapter import LoRAWeights, WeightsView
 from loraplex.engine.model.config import LORA_MODULES, ModelConfig
 
 if TYPE_CHECKING:
@@ -211,8 +212,35 @@ def stage_packed(
     return packed
 
 
+class PackedWeights(WeightsView):
+    """An adapter's weights as views of its packed buffer, made on first access: a slot write
+    never reads them, and making ~450 views per adapter when it is staged cost the engine's
+    GIL during load storms (H200 profile, BENCHMARKS.md "Cold-load storm")."""
+
+    def __init__(self, packed: PackedAdapter) -> None:
+        self.packed = packed
+        self._made: dict[tuple[int, str], LoRAWeights] = {}
+        entries = packed.entries.values()
+        self.rank = max((e.rank for e in entries), default=0)
+        elem = packed.buffer.element_size()
+        self.nbytes = sum(e.rank * (e.in_features + e.out_features) for e in entries) * elem
+
+    def __getitem__(self, key: tuple[int, str]) -> LoRAWeights:
+        w = self._made.get(key)
+        if w is None:
+            e = self.packed.entries[key]  # KeyError for a module the adapter does not target
+            w = self._made[key] = LoRAWeights(a=self.packed.a(e), b=self.packed.b(e)[:, : e.rank])
+        return w
+
+    def __iter__(self) -> Iterator[tuple[int, str]]:
+        return iter(self.packed.entries)
+
+    def __len__(self) -> int:
+        return len(self.packed.entries)
+
+
 def adopt_packed(adapter: LoRAAdapter, packed: PackedAdapter) -> None:
-    """Point ``adapter.weights`` at views of ``packed`` and attach it (see ``stage_packed``)."""
-    for k, e in packed.entries.items():
-        adapter.weights[k] = LoRAWeights(a=packed.a(e), b=packed.b(e)[:, : e.rank])
+    """Point ``adapter.weights`` at views of ``packed`` (made on access) and attach it (see
+    ``stage_packed``)."""
+    adapter.weights = PackedWeights(packed)
     attach_packed(adapter, packed)
