@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from loraplex.engine.lora.scatter import ScatterPlan, build_plan, scatter_triton
 from loraplex.engine.lora.staging import PackedAdapter, pack_adapter, packed_for
 from loraplex.engine.model.config import LORA_MODULES
 
@@ -53,6 +54,7 @@ class _ModelCache:
         default_factory=dict
     )  # slot -> (flat lora_a[s, slot] per site (R*in,), id(linear) -> flat lora_b[slot] (N*R,))
     staging: dict[tuple[torch.dtype, int], torch.Tensor] = field(default_factory=dict)
+    plans: dict[tuple, ScatterPlan] = field(default_factory=dict)  # packed layout -> plan
 
 
 _CACHES: weakref.WeakKeyDictionary[LlamaForCausalLM, _ModelCache] = weakref.WeakKeyDictionary()
@@ -100,13 +102,16 @@ def _check_slot(slot: int, c: _ModelCache) -> None:
 
 
 def _plan(
-    c: _ModelCache, slot: int, packed: PackedAdapter
+    c: _ModelCache, slot: int, packed: PackedAdapter, strides: list[int] | None = None
 ) -> tuple[list[torch.Tensor], list[tuple[int, int]], list[torch.Tensor]]:
-    """(destination views, (offset, numel) of each source in the buffer, views to zero)."""
+    """(destination views, (offset, numel) of each source in the buffer, views to zero).
+    ``strides``: if given, gets each destination's then each zero view's slot stride."""
     a_views, b_views = _slot_views(c, slot)
     dst: list[torch.Tensor] = []
     src: list[tuple[int, int]] = []
     zero: list[torch.Tensor] = []
+    dst_strides: list[int] = []
+    zero_strides: list[int] = []
     r_max = packed.max_rank
     run: list = []  # pending B run: [linear, lo, hi, src offset or None (zero)]
 
@@ -116,8 +121,10 @@ def _plan(
             view = b_views[id(lin)][lo * r_max : hi * r_max]
             if off is None:
                 zero.append(view)
+                zero_strides.append(lin.lora_b.stride(0))
             else:
                 dst.append(view)
+                dst_strides.append(lin.lora_b.stride(0))
                 src.append((off, (hi - lo) * r_max))
             run.clear()
 
@@ -125,9 +132,11 @@ def _plan(
     for i, site in enumerate(c.sites):
         e = packed.entries.get((site.layer, site.module))
         a_full = a_views[i]
+        a_stride = site.linear.lora_a.stride(1)  # type: ignore[union-attr]
         in_f = site.linear.in_features
         if e is None:
             zero.append(a_full)
+            zero_strides.append(a_stride)
             off = None
         else:
             found += 1
@@ -135,9 +144,11 @@ def _plan(
                 raise ValueError(f"packed {site.module} of layer {site.layer} has other shapes")
             n = e.rank * in_f
             dst.append(a_full[:n] if n < a_full.numel() else a_full)
+            dst_strides.append(a_stride)
             src.append((e.a_offset, n))
             if n < a_full.numel():
                 zero.append(a_full[n:])
+                zero_strides.append(a_stride)
             off = e.b_offset
         # extend the B run if this slice continues it in the slot and in the buffer
         if run and run[0] is site.linear and run[2] == site.lo:
@@ -153,7 +164,27 @@ def _plan(
     flush()
     if found != len(packed.entries):
         raise ValueError("the packed adapter targets modules this model does not have")
+    if strides is not None:
+        strides += dst_strides + zero_strides
     return dst, src, zero
+
+
+def _scatter_plan(c: _ModelCache, packed: PackedAdapter) -> ScatterPlan:
+    """The one-launch scatter of ``packed``'s layout (made once per layout, see scatter.py)."""
+    plan = c.plans.get(packed.layout)
+    if plan is None:
+        strides: list[int] = []
+        dst, ranges, zero = _plan(c, 0, packed, strides)
+        bufs = [t for lin in c.linears for t in (lin.lora_a, lin.lora_b) if t is not None]
+        base = min(bufs, key=lambda t: t.data_ptr())
+        copies = [
+            (d, st, o) for d, st, (o, _) in zip(dst, strides[: len(dst)], ranges, strict=True)
+        ]
+        zeros = list(zip(zero, strides[len(dst) :], strict=True))
+        if len(c.plans) >= 64:  # layouts seen: a handful (ranks x module sets) in practice
+            c.plans.pop(next(iter(c.plans)))
+        plan = c.plans[packed.layout] = build_plan(copies, zeros, base)
+    return plan
 
 
 def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -215,6 +246,7 @@ def write_slot(
     h2d_done: torch.cuda.Event | None = None,
     chunk_bytes: int | None = None,
     pace: Callable[[torch.cuda.Event], None] | None = None,
+    scatter: str = "auto",
 ) -> None:
     """Copy every module of ``adapter`` into ``slot``; modules it does not target are zeroed.
 
@@ -222,6 +254,8 @@ def write_slot(
     ``h2d_done``: recorded on the current stream right after the host -> device copy (before
     the on-device scatter), to time the transfer alone. ``chunk_bytes`` / ``pace``: move the
     image in pieces, each after ``pace`` saw the previous one land (see slot_writer.py).
+    ``scatter``: "triton" (one launch, scatter.py), "torch" (batched ``_foreach`` copies, the
+    reference twin) or "auto" (Triton on CUDA).
     """
     c = _cache(model)
     _check_slot(slot, c)
@@ -237,6 +271,17 @@ def write_slot(
         packed = packed_for(adapter)  # type: ignore[assignment]
         if packed is None or packed.max_rank != r_max:
             packed = pack_adapter(adapter, r_max, pin=device.type == "cuda", dtype=dtype)
+    if scatter == "auto":
+        scatter = "triton" if device.type == "cuda" else "torch"
+    if scatter == "triton":
+        plan = _scatter_plan(c, packed)
+        src = _source(c, packed, device, dtype, chunk_bytes, pace) if packed.entries else None
+        if h2d_done is not None:
+            h2d_done.record()
+        scatter_triton(src if src is not None else plan.base, plan, slot)
+        return
+    if scatter != "torch":
+        raise ValueError(f"scatter must be 'auto', 'triton' or 'torch', not {scatter!r}")
     dst, ranges, zero = _plan(c, slot, packed)
     if dst:
         base = _source(c, packed, device, dtype, chunk_bytes, pace)

@@ -17,6 +17,7 @@ tensors at views of it (no second copy) and remembers the packed form for ``writ
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -75,6 +76,12 @@ class PackedAdapter:
     @property
     def dtype(self) -> torch.dtype:
         return self.buffer.dtype
+
+    @functools.cached_property
+    def layout(self) -> tuple:
+        """Hashable: equal for packed images with the same blocks at the same offsets (slot
+        writes cache their scatter plan per layout)."""
+        return (self.max_rank, tuple(self.entries.values()))
 
     def a(self, e: PackEntry) -> torch.Tensor:
         """View of e's A block, (r, in)."""

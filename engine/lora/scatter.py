@@ -1,0 +1,94 @@
+"""A slot write's on-device half in one launch: copy the packed image's blocks into a slot's
+regions of every LoRA layer and zero the regions the adapter does not fill.
+
+``slots.write_slot`` first moves the packed image host -> device into a staging tensor; the
+scatter then puts ~450 blocks (A per module, runs of B per fused layer) where they belong.
+With ``torch._foreach_copy_`` / ``_foreach_zero_`` that meant building ~450 views and their
+lists on the host for every write, under the GIL, next to the step thread (H200 profile of the
+cold-load storm, BENCHMARKS.md): here the plan is made once per packed layout, as a device
+table, and a write is one kernel launch with the slot index as an argument.
+
+The plan's offsets count in elements from the LoRA buffer with the lowest address (``base``);
+every LoRA buffer of a model has one dtype. A destination of slot ``s`` is
+``base + dst0 + s * slot_stride``. Rows with ``src < 0`` are zero-filled. The torch reference
+twin is the ``_foreach`` path in slots.py (``write_slot(..., scatter="torch")``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ScatterPlan", "build_plan", "scatter_triton", "BLOCK"]
+
+BLOCK = 8192  # elements per program (16 KB of bf16)
+
+
+@dataclass(frozen=True)
+class ScatterPlan:
+    table: torch.Tensor  # (nblocks, 4) int64 on the device: dst0, slot_stride, src (-1: zero), n
+    base: torch.Tensor  # the destination buffer every dst0 counts from
+    nblocks: int
+
+
+def build_plan(
+    copies: Sequence[tuple[torch.Tensor, int, int]],
+    zeros: Sequence[tuple[torch.Tensor, int]],
+    base: torch.Tensor,
+) -> ScatterPlan:
+    """``copies``: (contiguous destination view in slot 0, its slot stride, source offset);
+    ``zeros``: (destination view in slot 0, its slot stride). Views must lie in buffers of
+    ``base``'s dtype and device (any of the model's LoRA buffers)."""
+    elem = base.element_size()
+    start = base.data_ptr()
+    rows: list[tuple[int, int, int, int]] = []
+
+    def add(view: torch.Tensor, stride: int, src: int) -> None:
+        if view.dtype != base.dtype or view.device != base.device or not view.is_contiguous():
+            raise ValueError("a scatter destination must be contiguous, of the base's dtype")
+        delta = view.data_ptr() - start
+        if delta < 0 or delta % elem:
+            raise ValueError("a scatter destination lies below the base buffer or off its grid")
+        dst0, n = delta // elem, view.numel()
+        for lo in range(0, n, BLOCK):
+            rows.append((dst0 + lo, stride, src + lo if src >= 0 else -1, min(BLOCK, n - lo)))
+
+    for view, stride, src in copies:
+        add(view, stride, src)
+    for view, stride in zeros:
+        add(view, stride, -1)
+    table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).to(base.device)
+    return ScatterPlan(table, base, len(rows))
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scatter_kernel(src_ptr, base_ptr, table_ptr, slot, BLOCK: tl.constexpr):
+        row = table_ptr + tl.program_id(0) * 4
+        dst0 = tl.load(row)
+        stride = tl.load(row + 1)
+        src = tl.load(row + 2)
+        n = tl.load(row + 3)
+        offs = tl.arange(0, BLOCK)
+        n_read = n * (src >= 0).to(tl.int64)  # zero-fill rows read nothing
+        vals = tl.load(src_ptr + src + offs, mask=offs < n_read, other=0.0)
+        tl.store(base_ptr + dst0 + slot * stride + offs, vals, mask=offs < n)
+
+    return scatter_kernel
+
+
+def scatter_triton(src: torch.Tensor, plan: ScatterPlan, slot: int) -> None:
+    """Run ``plan`` for ``slot`` from the staged image ``src`` on the current stream."""
+    if plan.nblocks == 0:
+        return
+    if src.dtype != plan.base.dtype:
+        raise ValueError(f"staged image is {src.dtype}, the slots are {plan.base.dtype}")
+    _kernel()[(plan.nblocks,)](src, plan.base, plan.table, slot, BLOCK=BLOCK, num_warps=4)
