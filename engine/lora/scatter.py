@@ -70,7 +70,9 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # NOTE: slot is not specialised: Triton would compile a variant for slot 1 (and per
+    # divisibility by 16) on first use while serving
+    @triton.jit(do_not_specialize=["slot"])
     def scatter_kernel(src_ptr, base_ptr, table_ptr, slot, BLOCK: tl.constexpr):
         row = table_ptr + tl.program_id(0) * 4
         dst0 = tl.load(row)
