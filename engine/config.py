@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraplex.engine.model.backend import KERNEL_BACKENDS
+
 __all__ = ["EngineConfig"]
 
 
@@ -34,6 +36,9 @@ class EngineConfig:
     # CPU only: torch intra-op threads; None: one core fewer than the machine has (never more
     # than torch already uses), so the event loop and the step thread keep a core
     cpu_threads: int | None = None
+    # which forward and LoRA kernels run: auto | fused | sgmv | torch (model/backend.py);
+    # auto: fused on CUDA, torch on CPU
+    kernel_backend: str = "auto"
     cuda_graphs: bool = True  # decode through captured CUDA graphs (GPU only)
     # steps that mix decode rows with short prefill chunks (each <= 64 tokens, at most this many
     # tokens in all) replay CUDA graphs too (cold loads' short prompts don't stall streams);
@@ -64,6 +69,11 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}"
+            )
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(
+                f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, "
+                f"not {self.kernel_backend!r}"
             )
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_lora_rank"):
             if getattr(self, name) < 1:

@@ -1,0 +1,53 @@
+"""Kernel backends: which forward and which LoRA kernels a model runner uses.
+
+One selector, ``EngineConfig.kernel_backend`` (``loraplex serve --kernel-backend``), picked
+once per runner:
+
+| name    | forward                                             | LoRA kernels                 |
+|---------|-----------------------------------------------------|------------------------------|
+| `fused` | ``fused.py``: augmented GEMMs, fused epilogues,     | Triton epilogues             |
+|         | Triton paged attention; CUDA graphs on the GPU      |                              |
+| `sgmv`  | ``llama.py`` reference forward, torch attention     | Triton SGMV shrink / expand  |
+| `torch` | ``llama.py`` reference forward, torch attention     | torch twins (``lora/ops``)   |
+| `auto`  | `fused` on CUDA, `torch` elsewhere                  |                              |
+
+Triton on CPU runs only under ``TRITON_INTERPRET=1`` (the tests). A ``KernelBackend`` is the
+pair of switches behind a name; tests may build one directly (the fused forward with the
+epilogues' torch twins: ``KernelBackend(fused=True, triton=False)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["KERNEL_BACKENDS", "KernelBackend", "resolve_kernel_backend"]
+
+KERNEL_BACKENDS = ("auto", "fused", "sgmv", "torch")
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    fused: bool  # the GPU forward (fused.py), else the reference forward (llama.py)
+    triton: bool  # LoRA kernels as Triton, else their torch twins
+
+
+_NAMED = {
+    "fused": KernelBackend(fused=True, triton=True),
+    "sgmv": KernelBackend(fused=False, triton=True),
+    "torch": KernelBackend(fused=False, triton=False),
+}
+
+
+def resolve_kernel_backend(
+    backend: str | KernelBackend, device: torch.device | str
+) -> KernelBackend:
+    """The switches behind ``backend`` on ``device`` (``auto``: fused on CUDA, torch elsewhere)."""
+    if isinstance(backend, KernelBackend):
+        return backend
+    if backend == "auto":
+        backend = "fused" if torch.device(device).type == "cuda" else "torch"
+    if backend not in _NAMED:
+        raise ValueError(f"kernel backend {backend!r} is not one of {', '.join(KERNEL_BACKENDS)}")
+    return _NAMED[backend]
