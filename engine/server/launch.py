@@ -51,6 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, help="largest adapter rank served")
     p.add_argument("--max-num-seqs", type=int, help="running requests per step")
     p.add_argument("--max-model-len", type=int, help="context length (prompt + output)")
+    p.add_argument(
+        "--kernel-backend", choices=("auto", "fused", "sgmv", "torch"), default="auto",
+        help="LoRA kernels: fused (augmented GEMMs + fused Triton epilogues), sgmv (Triton "
+        "shrink/expand), torch (reference); auto: fused on CUDA, torch on CPU",
+    )  # fmt: skip
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     p.add_argument(
         "--mixed-graph-tokens", type=int, metavar="N",
@@ -106,6 +111,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "allow_sources": tuple(args.lora_allow),
         "local_roots": tuple(str(Path(r).expanduser().resolve()) for r in args.lora_local_root),
         "enabled_plugins": tuple(args.plugins) if args.plugins is not None else None,
+        "kernel_backend": args.kernel_backend,
         "cuda_graphs": not args.enforce_eager,
         "async_scheduling": not args.no_async_scheduling,
     }
