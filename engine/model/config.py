@@ -1,4 +1,9 @@
-"""Base-model configuration read from a HF ``config.json`` (Llama, Mistral, Qwen2)."""
+"""Base-model configuration read from a HF ``config.json`` (Llama, Mistral, Qwen2).
+
+Which families are served is the registry's business (``registry.py``): ``from_dict`` asks it
+for the architecture first, so an unsupported model fails with ``UnknownArchitectureError``
+before any field is read.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,6 @@ __all__ = ["ModelConfig", "LORA_MODULES", "ModelConfigError"]
 
 # NOTE: the order is the order of slices in the fused layers: qkv = (q, k, v), gate_up = (gate, up).
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
 
 class ModelConfigError(ValueError):
@@ -40,6 +44,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    architecture: str = "LlamaForCausalLM"  # the registered HF architecture (registry.py)
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -65,11 +70,12 @@ class ModelConfig:
 
     @staticmethod
     def from_dict(cfg: dict[str, Any]) -> ModelConfig:
+        from loraplex.engine.model.registry import architecture_for  # NOTE: it imports this
+
         mtype = cfg.get("model_type")
-        if mtype not in SUPPORTED_TYPES:
-            raise ModelConfigError(
-                f"model_type {mtype!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})"
-            )
+        names = cfg.get("architectures")
+        names = [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+        arch = architecture_for(names, mtype)
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -110,6 +116,7 @@ class ModelConfig:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+                architecture=arch,
                 raw=cfg,
             )
         except KeyError as e:

@@ -3,10 +3,14 @@
 Projections are fused (qkv, gate_up) for one base GEMM each; LoRA still applies per original
 module because each fused layer keeps one slice per module. The forward works on a flat batch
 of T tokens from many sequences (varlen), reading and writing a paged KV cache.
+
+``FAMILY`` is what the registry serves for Llama, Mistral and Qwen2: this class and
+``LlamaWeights``, the map from HF checkpoint keys to its (fused) tensors.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import torch
@@ -20,9 +24,11 @@ from loraplex.engine.model.attention import (
     write_kv,
 )
 from loraplex.engine.model.config import ModelConfig
+from loraplex.engine.model.loader import ModelLoadError
+from loraplex.engine.model.registry import ModelFamily
 from loraplex.engine.model.rope import RotaryEmbedding, apply_rotary
 
-__all__ = ["LlamaForCausalLM", "RMSNorm"]
+__all__ = ["LlamaForCausalLM", "LlamaWeights", "RMSNorm", "FAMILY"]
 
 
 class RMSNorm(torch.nn.Module):
@@ -135,6 +141,14 @@ class LlamaForCausalLM(torch.nn.Module):
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device
         )
 
+    @property
+    def max_loras(self) -> int:
+        return self.layers[0].qkv_proj.max_loras
+
+    @property
+    def max_lora_rank(self) -> int:
+        return self.layers[0].qkv_proj.max_rank
+
     def lora_linears(self) -> Iterator[tuple[int, dict[str, LoRALinear]]]:
         for i, layer in enumerate(self.layers):
             yield i, layer.lora_linears()
@@ -179,3 +193,69 @@ class LlamaForCausalLM(torch.nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32."""
         return F.linear(hidden, self.lm_head).float()
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# HF module -> (our fused module attribute, slice name)
+_FUSED = {
+    "self_attn.q_proj": ("qkv_proj", "q_proj"),
+    "self_attn.k_proj": ("qkv_proj", "k_proj"),
+    "self_attn.v_proj": ("qkv_proj", "v_proj"),
+    "self_attn.o_proj": ("o_proj", "o_proj"),
+    "mlp.gate_proj": ("gate_up_proj", "gate_proj"),
+    "mlp.up_proj": ("gate_up_proj", "up_proj"),
+    "mlp.down_proj": ("down_proj", "down_proj"),
+}
+
+
+class LlamaWeights:
+    """HF Llama checkpoint keys -> ``LlamaForCausalLM`` tensors (``registry.WeightMap``)."""
+
+    def target(self, model: LlamaForCausalLM, name: str) -> torch.Tensor | None:
+        """The tensor (or slice of a fused tensor) that checkpoint key ``name`` loads into."""
+        if name == "model.embed_tokens.weight":
+            return model.embed_tokens
+        if name == "model.norm.weight":
+            return model.norm.weight
+        if name == "lm_head.weight":
+            return None if model.cfg.tie_word_embeddings else model.lm_head
+        m = _LAYER.match(name)
+        if m is None:
+            return None
+        idx, rest = int(m.group(1)), m.group(2)
+        if idx >= len(model.layers):
+            raise ModelLoadError(f"checkpoint has layer {idx}, config has {len(model.layers)}")
+        layer = model.layers[idx]
+        if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            return getattr(layer, rest.split(".")[0]).weight
+        module, _, kind = rest.rpartition(".")
+        if module not in _FUSED or kind not in ("weight", "bias"):
+            return None
+        attr, slice_name = _FUSED[module]
+        fused = getattr(layer, attr)
+        s = fused.slice_index(slice_name)
+        lo, hi = fused.slice_offsets[s], fused.slice_offsets[s + 1]
+        param = fused.weight if kind == "weight" else fused.bias
+        if param is None:
+            raise ModelLoadError(f"{name}: the config declares no bias for this module")
+        return param[lo:hi]
+
+    def units(self, model: LlamaForCausalLM) -> list[tuple[str, torch.Tensor]]:
+        """Every weight the checkpoint must fill."""
+        units = [("model.embed_tokens", model.embed_tokens), ("model.norm", model.norm.weight)]
+        if not model.cfg.tie_word_embeddings:
+            units.append(("lm_head", model.lm_head))
+        for i, layer in enumerate(model.layers):
+            for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                lin = getattr(layer, attr)
+                units.append((f"layers.{i}.{attr}.weight", lin.weight))
+                if lin.bias is not None:
+                    units.append((f"layers.{i}.{attr}.bias", lin.bias))
+            units.append((f"layers.{i}.input_layernorm", layer.input_layernorm.weight))
+            units.append(
+                (f"layers.{i}.post_attention_layernorm", layer.post_attention_layernorm.weight)
+            )
+        return units
+
+
+FAMILY = ModelFamily(LlamaForCausalLM, LlamaWeights())

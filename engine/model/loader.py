@@ -1,33 +1,26 @@
 """Load a HF safetensors checkpoint (single file or sharded with an index) into the model.
 
-Only safetensors is read: no pickle, no code from the model folder.
+The model comes from the registry (config.json's architecture), and so does the map from
+checkpoint keys to its tensors. Only safetensors is read: no pickle, no code from the model
+folder.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
+from loraplex.engine.model import registry
 from loraplex.engine.model.config import ModelConfig
-from loraplex.engine.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from loraplex.engine.model.protocol import CausalLM
 
 __all__ = ["load_model", "ModelLoadError", "resolve_dtype"]
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# HF module -> (our fused module attribute, slice name or None)
-_FUSED = {
-    "self_attn.q_proj": ("qkv_proj", "q_proj"),
-    "self_attn.k_proj": ("qkv_proj", "k_proj"),
-    "self_attn.v_proj": ("qkv_proj", "v_proj"),
-    "self_attn.o_proj": ("o_proj", "o_proj"),
-    "mlp.gate_proj": ("gate_up_proj", "gate_proj"),
-    "mlp.up_proj": ("gate_up_proj", "up_proj"),
-    "mlp.down_proj": ("down_proj", "down_proj"),
-}
 
 
 class ModelLoadError(RuntimeError):
@@ -58,54 +51,6 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _target(model: LlamaForCausalLM, name: str) -> torch.Tensor | None:
-    """The tensor (or slice of a fused tensor) that checkpoint key ``name`` loads into."""
-    if name == "model.embed_tokens.weight":
-        return model.embed_tokens
-    if name == "model.norm.weight":
-        return model.norm.weight
-    if name == "lm_head.weight":
-        return None if model.cfg.tie_word_embeddings else model.lm_head
-    m = _LAYER.match(name)
-    if m is None:
-        return None
-    idx, rest = int(m.group(1)), m.group(2)
-    if idx >= len(model.layers):
-        raise ModelLoadError(f"checkpoint has layer {idx}, config has {len(model.layers)}")
-    layer = model.layers[idx]
-    if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-        return getattr(layer, rest.split(".")[0]).weight
-    module, _, kind = rest.rpartition(".")
-    if module not in _FUSED or kind not in ("weight", "bias"):
-        return None
-    attr, slice_name = _FUSED[module]
-    fused = getattr(layer, attr)
-    s = fused.slice_index(slice_name)
-    lo, hi = fused.slice_offsets[s], fused.slice_offsets[s + 1]
-    param = fused.weight if kind == "weight" else fused.bias
-    if param is None:
-        raise ModelLoadError(f"{name}: the config declares no bias for this module")
-    return param[lo:hi]
-
-
-def _expected(model: LlamaForCausalLM) -> dict[int, tuple[str, int]]:
-    """data_ptr of each weight the checkpoint must fill -> (name, element count)."""
-    units = [("model.embed_tokens", model.embed_tokens), ("model.norm", model.norm.weight)]
-    if not model.cfg.tie_word_embeddings:
-        units.append(("lm_head", model.lm_head))
-    for i, layer in enumerate(model.layers):
-        for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            lin = getattr(layer, attr)
-            units.append((f"layers.{i}.{attr}.weight", lin.weight))
-            if lin.bias is not None:
-                units.append((f"layers.{i}.{attr}.bias", lin.bias))
-        units.append((f"layers.{i}.input_layernorm", layer.input_layernorm.weight))
-        units.append(
-            (f"layers.{i}.post_attention_layernorm", layer.post_attention_layernorm.weight)
-        )
-    return {t.data_ptr(): (name, t.numel()) for name, t in units}
-
-
 def load_model(
     path: str | Path,
     *,
@@ -113,18 +58,20 @@ def load_model(
     device: str | torch.device,
     max_loras: int = 0,
     max_lora_rank: int = 16,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
-    model = LlamaForCausalLM(
+    family = registry.family(cfg.architecture)
+    model = family.model(
         cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, device=device
     )
-    expected = _expected(model)
+    # data_ptr of each weight the checkpoint must fill -> (name, element count)
+    expected = {t.data_ptr(): (name, t.numel()) for name, t in family.weights.units(model)}
     filled: dict[int, int] = {}
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                dst = _target(model, key)
+                dst = family.weights.target(model, key)
                 if dst is None:
                     continue
                 src = f.get_tensor(key)
