@@ -27,8 +27,17 @@ TOP = {
 }
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    # typed errors and the frozen engine config: shared by everything, import nothing of ours
-    ("leaves", ("loraplex.engine.errors", "loraplex.engine.lora.errors", "loraplex.engine.config")),
+    # typed errors, the frozen engine config and the kernel-backend names it checks: shared
+    # by everything, they import nothing of ours but each other
+    (
+        "leaves",
+        (
+            "loraplex.engine.errors",
+            "loraplex.engine.lora.errors",
+            "loraplex.engine.config",
+            "loraplex.engine.model.backend",
+        ),
+    ),
     # the resolver contract (Resolver, ResolverSettings, FetchResult) and the source policy
     ("resolver contract", ("loraplex.resolvers.base", "loraplex.resolvers.policy")),
     # the plugin system: hookspecs typed with the contract, the manager, fetch_adapter
