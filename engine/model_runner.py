@@ -1,12 +1,13 @@
 """Model runner: turns scheduled sequence chunks into tensors, runs the model, returns logits.
 
 It owns the model, the paged KV cache and the slot -> rank table that LoRA mappings need.
-It knows nothing of requests or queues (that is the scheduler's job).
+It knows nothing of requests or queues (that is the scheduler's job). Its kernel backend
+(``model/backend.py``) is fixed at construction: the fused GPU forward or the reference one,
+LoRA kernels in Triton or as torch twins.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +15,9 @@ import torch
 from loraplex.engine.cuda_graph import DecodeGraphs
 from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.attention import AttentionMetadata
+from loraplex.engine.model.backend import KernelBackend, resolve_kernel_backend
 from loraplex.engine.model.fused import fused_forward
-from loraplex.engine.model.llama import LlamaForCausalLM
+from loraplex.engine.model.protocol import CausalLM
 
 __all__ = ["StepItem", "ModelRunner"]
 
@@ -37,13 +39,14 @@ class StepItem:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         *,
         num_blocks: int,
         block_size: int,
         max_model_len: int | None = None,
         use_cuda_graphs: bool = True,
         max_graph_batch: int = 256,
+        kernel_backend: str | KernelBackend = "auto",
     ) -> None:
         max_model_len = max_model_len or model.cfg.max_position_embeddings
         cfg = model.cfg
@@ -51,11 +54,10 @@ class ModelRunner:
         self.device = model.device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # GPU: augmented GEMMs + fused kernels (model/fused.py); CPU: the reference path.
-        # LORAPLEX_FUSED=1 forces the fused path (with TRITON_INTERPRET=1 it runs on CPU).
-        env = os.environ.get("LORAPLEX_FUSED")
-        self.fused = self.device.type == "cuda" if env is None else env == "1"
-        model.set_base_layout(transposed=not self.fused)  # see LlamaForCausalLM.set_base_layout
+        # auto: augmented GEMMs + fused kernels (model/fused.py) on GPU, the reference path on CPU
+        self.backend = resolve_kernel_backend(kernel_backend, self.device)
+        self.fused = self.backend.fused
+        model.set_base_layout(transposed=not self.fused)  # see CausalLM.set_base_layout
         # NOTE: the reference path keeps one spare block past num_blocks that no table names
         # and nothing writes: its zeros stand in for key slots past a sequence's length
         spare = 0 if self.fused else 1
@@ -68,12 +70,12 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
-        max_loras = model.layers[0].qkv_proj.max_loras
-        self.slot_ranks: list[int] = [0] * max_loras
+        self.slot_ranks: list[int] = [0] * model.max_loras
         self.graphs: DecodeGraphs | None = None
         self.last_was_graph = False
         self.last_events: tuple | None = None  # CUDA events around the last graph replay
-        if self.fused and self.device.type == "cuda" and use_cuda_graphs:
+        # NOTE: the graphs run the Triton epilogues (cuda_graph.py); a twins backend stays eager
+        if self.fused and self.backend.triton and self.device.type == "cuda" and use_cuda_graphs:
             self.graphs = DecodeGraphs(
                 model,
                 self.kv_caches,
@@ -83,7 +85,7 @@ class ModelRunner:
             )
 
     @staticmethod
-    def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int) -> int:
+    def kv_bytes_per_block(model: CausalLM, block_size: int) -> int:
         cfg = model.cfg
         elem = torch.empty((), dtype=model.dtype).element_size()
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
@@ -123,7 +125,7 @@ class ModelRunner:
             zero_slot=self.zero_slot,
         )
         mapping = (  # NOTE: the fused path reads token slots directly, no segments
-            LoRAMapping.build(token_slots, self.slot_ranks, device=dev)
+            LoRAMapping.build(token_slots, self.slot_ranks, dev, triton=self.backend.triton)
             if not self.fused and any(s >= 0 for s in token_slots)
             else None
         )
@@ -184,7 +186,10 @@ class ModelRunner:
                 dev, non_blocking=True
             )
             meta.max_query_len = max(len(it.token_ids) for it in items)
-            hidden = fused_forward(self.model, ids, pos, self.kv_caches, meta, token_slots)
+            hidden = fused_forward(
+                self.model, ids, pos, self.kv_caches, meta, token_slots,
+                triton=self.backend.triton,
+            )  # fmt: skip
         else:
             hidden = self.model(ids, pos, self.kv_caches, meta, mapping)
         return self.model.compute_logits(hidden.index_select(0, last))

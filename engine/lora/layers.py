@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine.lora.mapping import LoRAMapping
-from loraplex.engine.lora.ops import add_lora, use_triton
+from loraplex.engine.lora.ops import add_lora
 from loraplex.engine.lora.ops.runs import add_lora_runs
 
 __all__ = ["LoRALinear"]
@@ -126,7 +126,7 @@ class LoRALinear(torch.nn.Module):
             y = F.linear(x, self.weight, self.bias)  # (T, N_total)
         if mapping is None or not mapping.has_lora or self.lora_a is None:
             return y
-        if mapping.runs is not None and y.dtype == torch.float32 and not use_triton(y):
+        if mapping.runs is not None and y.dtype == torch.float32 and not mapping.triton:
             # rows grouped by slot (CPU path): row slices, no gather / scatter
             add_lora_runs(y, x, self.lora_a, self.lora_b, self.slice_offsets, mapping.runs)
         else:

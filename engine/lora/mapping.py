@@ -1,8 +1,9 @@
-"""Per-step LoRA mapping: which adapter slot each token of the flat batch uses.
+"""Per-step LoRA metadata: which adapter slot each token of the flat batch uses.
 
-Built once per step by the model runner and read by every LoRA layer. Tokens are grouped
-by slot into *segments* (SGMV style) through a permutation, so one kernel launch covers all
-adapters of the batch:
+Built once per step (the model runner, or the fused forward from its token slots) and read by
+every LoRA kernel: the fused epilogues (``model/kernels``) read ``token_slots`` only; the
+grouped SGMV ops (``lora/ops``) read the *segments*, tokens grouped by slot through a
+permutation, so one kernel launch covers all adapters of the batch:
 
     sorted_token_ids[seg_starts[g] : seg_starts[g] + seg_lens[g]]   # tokens of segment g
     seg_slots[g]                                                     # their slot (>= 0)
@@ -12,6 +13,9 @@ NOTE: slot -1 means "base model only"; such tokens appear in no segment.
 When every segment's tokens are consecutive rows of the batch (the model runner sorts rows by
 slot on the CPU path), ``runs`` lists them on the host as (slot, first row, length, rank), and
 the torch path works on row slices instead of gathers (ops/runs.py).
+
+``triton`` says which implementation every kernel reading this step runs: the Triton kernel or
+its torch twin (the kernel backend, ``model/backend.py``, decides it once per runner).
 """
 
 from __future__ import annotations
@@ -27,23 +31,33 @@ __all__ = ["LoRAMapping"]
 @dataclass(frozen=True)
 class LoRAMapping:
     token_slots: torch.Tensor  # (T,) int32, -1 = base
-    sorted_token_ids: torch.Tensor  # (T_lora,) int32, token indices grouped by slot
-    seg_slots: torch.Tensor  # (G,) int32, slot of each segment
-    seg_starts: torch.Tensor  # (G,) int32, start of each segment in sorted_token_ids
-    seg_lens: torch.Tensor  # (G,) int32, token count of each segment
-    seg_ranks: torch.Tensor  # (G,) int32, rank of the adapter in each segment's slot
-    max_seg_len: int  # host-side, sizes kernel grids
-    num_tokens: int
+    triton: bool = False  # kernels run as Triton (on CPU: TRITON_INTERPRET=1), else torch twins
+    # SGMV segments; None when built from token slots alone (the fused path reads no segments)
+    sorted_token_ids: torch.Tensor | None = None  # (T_lora,) int32, token indices by slot
+    seg_slots: torch.Tensor | None = None  # (G,) int32, slot of each segment
+    seg_starts: torch.Tensor | None = None  # (G,) int32, start of each segment in sorted ids
+    seg_lens: torch.Tensor | None = None  # (G,) int32, token count of each segment
+    seg_ranks: torch.Tensor | None = None  # (G,) int32, rank of the adapter in the segment's slot
+    max_seg_len: int = 0  # host-side, sizes kernel grids
     # host (slot, first row, length, rank) per segment when each segment is a run of
     # consecutive rows; None otherwise
     runs: tuple[tuple[int, int, int, int], ...] | None = None
 
     @property
+    def num_tokens(self) -> int:
+        return int(self.token_slots.shape[0])
+
+    @property
+    def has_segments(self) -> bool:
+        return self.seg_slots is not None
+
+    @property
     def num_segments(self) -> int:
-        return int(self.seg_slots.shape[0])
+        return 0 if self.seg_slots is None else int(self.seg_slots.shape[0])
 
     @property
     def has_lora(self) -> bool:
+        """Some segment exists, i.e. some token uses an adapter (SGMV view of the step)."""
         return self.num_segments > 0
 
     @staticmethod
@@ -51,6 +65,8 @@ class LoRAMapping:
         token_slots: Sequence[int],
         slot_ranks: Sequence[int],
         device: torch.device | str = "cpu",
+        *,
+        triton: bool = False,
     ) -> LoRAMapping:
         """Group tokens by slot. ``slot_ranks[s]`` is the rank loaded in slot ``s``."""
         groups: dict[int, list[int]] = {}
@@ -77,12 +93,12 @@ class LoRAMapping:
 
         return LoRAMapping(
             token_slots=i32([int(s) for s in token_slots]),
+            triton=triton,
             sorted_token_ids=i32(sorted_ids),
             seg_slots=i32(order),
             seg_starts=i32(starts),
             seg_lens=i32(lens),
             seg_ranks=i32(ranks),
             max_seg_len=max(lens, default=0),
-            num_tokens=len(token_slots),
             runs=runs,
         )

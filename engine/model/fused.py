@@ -12,9 +12,16 @@ Per decoder layer, eight launches and no separate LoRA launch:
     d_aug   = act @ [Wd; A_d].T
     (next layer's add_rmsnorm takes d_aug)
 
-The row -> adapter mapping is just ``token_slots`` (T,) int32 (-1 = base): no segments, no
-host-side sizes, so the whole step can be captured in a CUDA graph. Numerics follow the
-reference path (llama.py) and HF: the kernels' torch twins pin them.
+The row -> adapter mapping is just ``token_slots`` (T,) int32 (-1 = base), wrapped once per
+forward in the step's ``LoRAMapping`` (no segments, no host-side sizes), so the whole step can
+be captured in a CUDA graph. ``triton=False`` runs the epilogues as their torch twins (tests on
+CPU; paged attention stays Triton). Numerics follow the reference path (llama.py) and HF: the
+kernels' torch twins pin them.
+
+The model must have the Llama layer structure; this forward reads ``embed_tokens``, ``norm``,
+``rope`` (``cos``, ``sin``) and per layer ``qkv_proj``, ``o_proj``, ``gate_up_proj``,
+``down_proj`` (``LoRALinear``: ``weight_aug``, ``bias_aug``, ``lora_b``), ``input_layernorm``,
+``post_attention_layernorm`` and ``scale``.
 """
 
 from __future__ import annotations
@@ -24,62 +31,58 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul, rmsnorm
-from loraplex.engine.model.llama import LlamaForCausalLM
 from loraplex.engine.model.paged_attention import paged_attention
+from loraplex.engine.model.protocol import CausalLM
 
 __all__ = ["fused_forward"]
 
 
 def fused_forward(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     meta: AttentionMetadata,
     token_slots: torch.Tensor,
     attention: Callable[..., torch.Tensor] = paged_attention,
+    *,
+    triton: bool = True,
 ) -> torch.Tensor:
     """input_ids, positions, token_slots: (T,). Returns final normed hidden states (T, H).
 
-    ``attention``: ``paged_attention``'s signature; mixed-step graphs pass their own split."""
+    ``attention``: ``paged_attention``'s signature; mixed-step graphs pass their own split.
+    ``triton``: the epilogues as Triton kernels, else as their torch twins."""
     cfg = model.cfg
     t = input_ids.shape[0]
     eps = cfg.rms_norm_eps
     layers = model.layers
     first = layers[0]
-    lin = first.qkv_proj
-    num_slots, rank = lin.max_loras, lin.max_rank
+    mapping = LoRAMapping(token_slots, triton=triton)  # the step's LoRA metadata, built once
     residual = F.embedding(input_ids, model.embed_tokens)  # updated in place by add_rmsnorm
     h = torch.empty_like(residual)
-    rmsnorm(residual, first.input_layernorm.weight, eps, h)
+    rmsnorm(residual, first.input_layernorm.weight, eps, h, triton=triton)
     q = torch.empty(t, cfg.num_heads, cfg.head_dim, dtype=h.dtype, device=h.device)
     act = torch.empty(t, cfg.intermediate_size, dtype=h.dtype, device=h.device)
     for i, layer in enumerate(layers):
         k_cache, v_cache = kv_caches[i]
         qkv = linear(h, layer.qkv_proj.weight_aug, layer.qkv_proj.bias_aug)
         lora_qkv_rope(
-            qkv, cfg.q_size, cfg.kv_size, cfg.head_dim, layer.qkv_proj.lora_b, token_slots,
-            num_slots, rank, positions, model.rope.cos, model.rope.sin, k_cache, v_cache,
-            meta.slot_mapping, q,
+            qkv, layer.qkv_proj.lora_b, mapping, positions, model.rope.cos, model.rope.sin,
+            k_cache, v_cache, meta.slot_mapping, q,
         )  # fmt: skip
         attn = attention(q, k_cache, v_cache, meta, layer.scale, cfg.sliding_window)
         o = linear(attn.view(t, cfg.q_size), layer.o_proj.weight_aug, layer.o_proj.bias_aug)
         lora_add_rmsnorm(
-            o, cfg.hidden_size, residual, layer.o_proj.lora_b, token_slots, num_slots, rank,
-            layer.post_attention_layernorm.weight, eps, h,
+            o, residual, layer.o_proj.lora_b, mapping, layer.post_attention_layernorm.weight,
+            eps, h,
         )  # fmt: skip
         gu = linear(h, layer.gate_up_proj.weight_aug, layer.gate_up_proj.bias_aug)
-        lora_silu_mul(
-            gu, 2 * cfg.intermediate_size, layer.gate_up_proj.lora_b, token_slots, num_slots,
-            rank, act,
-        )  # fmt: skip
+        lora_silu_mul(gu, layer.gate_up_proj.lora_b, mapping, act)
         d = linear(act, layer.down_proj.weight_aug, layer.down_proj.bias_aug)
         norm_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.norm.weight
-        lora_add_rmsnorm(
-            d, cfg.hidden_size, residual, layer.down_proj.lora_b, token_slots, num_slots, rank,
-            norm_w, eps, h,
-        )  # fmt: skip
+        lora_add_rmsnorm(d, residual, layer.down_proj.lora_b, mapping, norm_w, eps, h)
     return h

@@ -177,26 +177,31 @@ def test_triton_explicit_configs(case: str) -> None:
 
 
 def test_add_lora_dispatch_and_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mapping's ``triton`` flag picks the kernels; both give the docstring loop."""
+    _triton_kernels()
     slots, ranks, offsets, x, y_big, a, b, mapping = _data(
         "mixed_ranks_unequal_slices", torch.float32
     )
     n = offsets[-1]
+    calls = []
+    real = ops.shrink_triton
+    monkeypatch.setattr(ops, "shrink_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     results = []
-    for backend in ("torch", "triton"):
-        monkeypatch.setenv(ops.BACKEND_ENV, backend)
+    for triton in (False, True):
+        m = LoRAMapping.build(slots, ranks, device=DEVICE, triton=triton)
         y = y_big[:, :n].clone()
         buf = torch.full((4, x.shape[0] + 3, a.shape[2] + 2), float("nan"), device=DEVICE)
-        ops.add_lora(y, x, a, b, offsets, mapping, buffer=buf)
+        ops.add_lora(y, x, a, b, offsets, m, buffer=buf)
         results.append(y)
+        assert len(calls) == int(triton)
     torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-4)
     want = _naive_expand(
         y_big[:, :n], _naive_shrink(x, a, slots, ranks)[0], b, offsets, slots, ranks
     )
     torch.testing.assert_close(results[0].cpu(), want, rtol=1e-4, atol=1e-4)
 
-    monkeypatch.delenv(ops.BACKEND_ENV)
     y = y_big[:, :n].clone()
-    ops.add_lora(y, x, a, b, offsets, mapping)  # default dispatch, allocated buffer
+    ops.add_lora(y, x, a, b, offsets, mapping)  # the default (torch), allocated buffer
     torch.testing.assert_close(y, results[0], rtol=1e-4, atol=1e-4)
 
 
@@ -225,6 +230,8 @@ def test_shape_errors() -> None:
         ops.add_lora(
             y_big[:, :48], x, a, b, offsets, mapping, buffer=torch.zeros(3, 1, 16, device=DEVICE)
         )
+    with pytest.raises(ValueError, match="segments"):  # the fused path's mapping has none
+        ops.add_lora(y_big[:, :48], x, a, b, offsets, LoRAMapping(mapping.token_slots))
 
 
 # Llama-3-8B decode shapes: name -> (in_features, slice widths)

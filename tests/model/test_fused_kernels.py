@@ -7,6 +7,7 @@ cases only on a GPU (the interpreter's bfloat16 tl.dot is broken).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -22,6 +23,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from loraplex.engine.lora.mapping import LoRAMapping  # noqa: E402
 from loraplex.engine.model import kernels as K  # noqa: E402
 from loraplex.engine.model.rope import RotaryEmbedding  # noqa: E402
 
@@ -34,11 +36,12 @@ L, R, EPS = 3, 8, 1e-5
 HQ, HKV, D = 4, 2, 16
 
 
-def _aug(slots: list[int], n_base: int, num_slices: int, dtype: torch.dtype, seed: int = 0):
-    """y_aug (T, N + S*L*R) as a column window of a wider tensor, B (L, N, R) strided.
+def _aug(slots: list[int], n_base: int, num_slices: int, dtype: torch.dtype, triton: bool = False):
+    """y_aug (T, N + S*L*R) as a column window of a wider tensor, B (L, N, R) strided, and the
+    step's mapping (``triton``: its kernel choice).
 
     Slots no token uses get huge shrink columns and B rows: reading them shows up loudly."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(0)
     t, width = len(slots), n_base + num_slices * L * R
     big = torch.randn(t, width + 5, generator=g)
     b = torch.randn(L, n_base, R + 3, generator=g) * R**-0.5
@@ -49,13 +52,19 @@ def _aug(slots: list[int], n_base: int, num_slices: int, dtype: torch.dtype, see
             big[:, c : c + R] = 1e3
     y_aug = big.to(DEVICE, dtype)[:, 2 : 2 + width]
     lora_b = b.to(DEVICE, dtype)[:, :, :R]
-    return y_aug, lora_b, torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    return y_aug, lora_b, _mapping(torch.tensor(slots, dtype=torch.int32, device=DEVICE), triton)
 
 
-def _naive_proj(y_aug, n_base, lora_b, slots, s, lo, hi):
+def _mapping(token_slots: torch.Tensor, triton: bool = False) -> LoRAMapping:
+    """The step's LoRA metadata as the fused forward builds it (token slots, no segments)."""
+    return LoRAMapping(token_slots, triton=triton)
+
+
+def _naive_proj(y_aug, n_base, lora_b, mapping, s, lo, hi):
     """Per-token loop: round(base + hA @ B[slot].T) for slice s (B rows lo..hi)."""
     rows = []
-    for t, slot in enumerate(slots.tolist() if lora_b is not None else [-1] * len(y_aug)):
+    slots = mapping.token_slots.tolist() if lora_b is not None else [-1] * len(y_aug)
+    for t, slot in enumerate(slots):
         row = y_aug[t, lo:hi].float()
         if slot >= 0:
             c = n_base + (s * L + slot) * R
@@ -87,16 +96,16 @@ def _hf_close(got, want, dtype):
 # --- inputs and runners per op: fn(impl) -> tuple of outputs ---------------------------------
 
 
-def _run_add_rmsnorm(dtype, lora, impl, cfg=None):
+def _run_add_rmsnorm(dtype, lora, impl, cfg=None, triton=False):
     h = 64
-    y_aug, lora_b, slots = _aug(SLOTS, h, 1, dtype)
+    y_aug, lora_b, slots = _aug(SLOTS, h, 1, dtype, triton)
     g = torch.Generator().manual_seed(1)
     res = torch.randn(len(SLOTS), h + 3, generator=g).to(DEVICE, dtype)[:, 1 : 1 + h]
     w = torch.randn(h, generator=g).to(DEVICE, dtype)
     out = torch.full((len(SLOTS), h + 4), float("nan"), dtype=dtype, device=DEVICE)[:, :h]
-    b, sl = (lora_b, slots) if lora else (None, None)
+    b = lora_b if lora else None
     res0 = res.clone()
-    impl(y_aug, h, res, b, sl, L, R, w, EPS, out, **({"config": cfg} if cfg else {}))
+    impl(y_aug, res, b, slots, w, EPS, out, **({"config": cfg} if cfg else {}))
     if impl is K.lora_add_rmsnorm_torch:  # naive composition of the same inputs
         want_res = res0 + _naive_proj(y_aug, h, b, slots, 0, 0, h)
         _hf_close(res, want_res, dtype)
@@ -114,12 +123,12 @@ def _run_rmsnorm(dtype, lora, impl, cfg=None):
     return (out,)
 
 
-def _run_silu_mul(dtype, lora, impl, cfg=None):
+def _run_silu_mul(dtype, lora, impl, cfg=None, triton=False):
     inter = 128
-    y_aug, lora_b, slots = _aug(SLOTS, 2 * inter, 2, dtype)
+    y_aug, lora_b, slots = _aug(SLOTS, 2 * inter, 2, dtype, triton)
     out = torch.full((len(SLOTS), inter), float("nan"), dtype=dtype, device=DEVICE)
-    b, sl = (lora_b, slots) if lora else (None, None)
-    impl(y_aug, 2 * inter, b, sl, L, R, out, **({"config": cfg} if cfg else {}))
+    b = lora_b if lora else None
+    impl(y_aug, b, slots, out, **({"config": cfg} if cfg else {}))
     if impl is K.lora_silu_mul_torch:
         gate = _naive_proj(y_aug, 2 * inter, b, slots, 0, 0, inter)
         up = _naive_proj(y_aug, 2 * inter, b, slots, 1, inter, 2 * inter)
@@ -127,10 +136,10 @@ def _run_silu_mul(dtype, lora, impl, cfg=None):
     return (out,)
 
 
-def _qkv_inputs(dtype, lora, slot_mapping):
+def _qkv_inputs(dtype, lora, slot_mapping, triton=False):
     q_size, kv_size = HQ * D, HKV * D
     n = q_size + 2 * kv_size
-    y_aug, lora_b, slots = _aug(SLOTS, n, 3, dtype)
+    y_aug, lora_b, slots = _aug(SLOTS, n, 3, dtype, triton)
     t = len(SLOTS)
     positions = torch.tensor([0, 5, 3, 17, 2, 9, 31][:t], device=DEVICE)
     rope = RotaryEmbedding(D, 32, 10000.0, None, DEVICE)
@@ -140,23 +149,24 @@ def _qkv_inputs(dtype, lora, slot_mapping):
     ]
     q_out = torch.full((t, HQ, D + 1), float("nan"), dtype=dtype, device=DEVICE)[..., :D]
     smap = torch.tensor(slot_mapping, dtype=torch.int64, device=DEVICE)
-    b, sl = (lora_b, slots) if lora else (None, None)
-    args = (y_aug, q_size, kv_size, D, b, sl, L, R, positions, rope.cos, rope.sin)
+    b = lora_b if lora else None
+    args = (y_aug, b, slots, positions, rope.cos, rope.sin)
     return args, caches, smap, q_out
 
 
-def _run_qkv_rope(dtype, lora, impl, cfg=None, slot_mapping=(3, -1, 0, 15, -1, 8, 9)):
-    args, (kc, vc), smap, q_out = _qkv_inputs(dtype, lora, list(slot_mapping))
+def _run_qkv_rope(dtype, lora, impl, cfg=None, triton=False, slot_mapping=(3, -1, 0, 15, -1, 8, 9)):
+    args, (kc, vc), smap, q_out = _qkv_inputs(dtype, lora, list(slot_mapping), triton)
     kc0, vc0 = kc.clone(), vc.clone()
     impl(*args, kc, vc, smap, q_out, **({"config": cfg} if cfg else {}))
     if impl is K.lora_qkv_rope_torch:  # naive: per-slice projection, HF rotary, loop write
-        y_aug, q_size, kv_size, _, b, slots, *_ = args
+        y_aug, b, slots, *_ = args
+        q_size, kv_size = HQ * D, HKV * D
         n, t = q_size + 2 * kv_size, len(SLOTS)
         q = _naive_proj(y_aug, n, b, slots, 0, 0, q_size).view(t, HQ, D)
         k = _naive_proj(y_aug, n, b, slots, 1, q_size, q_size + kv_size).view(t, HKV, D)
         v = _naive_proj(y_aug, n, b, slots, 2, q_size + kv_size, n).view(t, HKV, D)
-        cos = args[9][args[8]].unsqueeze(1).to(dtype)
-        sin = args[10][args[8]].unsqueeze(1).to(dtype)
+        cos = args[4][args[3]].unsqueeze(1).to(dtype)
+        sin = args[5][args[3]].unsqueeze(1).to(dtype)
         _hf_close(q_out, q * cos + _rotate_half(q) * sin, dtype)
         k = k * cos + _rotate_half(k) * sin
         for ti, slot in enumerate(smap.tolist()):
@@ -248,9 +258,9 @@ def test_augmented_gemm_layout_matches_peft_style_math() -> None:
     a = torch.randn(2, L, R, hidden, generator=g) / hidden**0.5  # (S, L, R, in)
     b = torch.randn(L, 2 * inter, R, generator=g) / R**0.5
     y_aug = x @ torch.cat([w, a.reshape(-1, hidden)]).T
-    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    slots = _mapping(torch.tensor(SLOTS, dtype=torch.int32))
     out = torch.empty(t, inter)
-    K.lora_silu_mul_torch(y_aug, 2 * inter, b, slots, L, R, out)
+    K.lora_silu_mul_torch(y_aug, b, slots, out)
     gu = x @ w.T
     for ti, slot in enumerate(SLOTS):
         if slot >= 0:
@@ -259,27 +269,29 @@ def test_augmented_gemm_layout_matches_peft_style_math() -> None:
     _close(out, F.silu(gu[:, :inter]) * gu[:, inter:], 1e-5)
 
 
-def test_dispatch_backend_and_shape_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dispatch_by_the_mapping_and_shape_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ops run the Triton kernel or the twin as the step's mapping says."""
     pytest.importorskip("triton")
-    for backend in ("torch", "triton"):
-        monkeypatch.setenv(K.BACKEND_ENV, backend)
-        _close(_run_silu_mul(torch.float32, True, K.lora_silu_mul)[0],
+    from loraplex.engine.model.kernels import silu_mul
+
+    calls = []
+    real = silu_mul.lora_silu_mul_triton
+    monkeypatch.setattr(silu_mul, "lora_silu_mul_triton", lambda *a: calls.append(1) or real(*a))
+    for triton in (False, True):
+        _close(_run_silu_mul(torch.float32, True, K.lora_silu_mul, triton=triton)[0],
                _run_silu_mul(torch.float32, True, K.lora_silu_mul_torch)[0], 1e-5)  # fmt: skip
-        _run_rmsnorm(torch.float32, False, K.rmsnorm)
-        _run_add_rmsnorm(torch.float32, True, K.lora_add_rmsnorm)
-        _run_qkv_rope(torch.float32, True, K.lora_qkv_rope)
-    monkeypatch.setenv(K.BACKEND_ENV, "cuda")
-    with pytest.raises(ValueError, match="expected"):
-        _run_rmsnorm(torch.float32, False, K.rmsnorm)
-    monkeypatch.delenv(K.BACKEND_ENV)
+        assert len(calls) == int(triton)
+        _run_rmsnorm(torch.float32, False, functools.partial(K.rmsnorm, triton=triton))
+        _run_add_rmsnorm(torch.float32, True, K.lora_add_rmsnorm, triton=triton)
+        _run_qkv_rope(torch.float32, True, K.lora_qkv_rope, triton=triton)
     y_aug, lora_b, slots = _aug(SLOTS, 64, 2, torch.float32)
     out = torch.empty(len(SLOTS), 32, device=DEVICE)
     with pytest.raises(ValueError, match="N \\+ S\\*L\\*R"):
-        K.lora_silu_mul(y_aug, 64, lora_b, slots, L + 5, R, out)
+        K.lora_silu_mul(y_aug[:, :-1], lora_b, slots, out)
     with pytest.raises(ValueError, match="lora_b"):
-        K.lora_silu_mul(y_aug, 64, lora_b[:, :32], slots, L, R, out)
+        K.lora_silu_mul(y_aug, lora_b[:, :32], slots, out)
     with pytest.raises(ValueError, match="token_slots"):
-        K.lora_silu_mul(y_aug, 64, lora_b, slots[:3], L, R, out)
+        K.lora_silu_mul(y_aug, lora_b, _mapping(slots.token_slots[:3]), out)
 
 
 # --- GPU: Llama-3-8B decode sizes, bfloat16 ----------------------------------------------------
@@ -295,6 +307,7 @@ def _llama8b_inputs(t: int, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     bf = {"device": "cuda", "dtype": torch.bfloat16}
     slots = torch.randint(-1, L8, (t,), generator=g, device="cuda", dtype=torch.int32)
+    slots = _mapping(slots)
     smap = torch.randperm(4096, generator=g, device="cuda")[:t]
     smap[torch.rand(t, generator=g, device="cuda") < 0.1] = -1
     pos = torch.randint(0, 8192, (t,), generator=g, device="cuda")
@@ -322,15 +335,15 @@ def test_llama3_8b_decode_sizes_gpu(t: int) -> None:
     outs = []
     for fn in (K.lora_add_rmsnorm_torch, lora_add_rmsnorm_triton):
         r, o = res.clone(), torch.full_like(res, float("nan"))
-        fn(y, H8, r, b, slots, L8, R8, w, EPS, o)
+        fn(y, r, b, slots, w, EPS, o)
         outs.append((r, o))
     assert _rel(outs[1][0], outs[0][0]) < 1e-2 and _rel(outs[1][1], outs[0][1]) < 1e-2
 
     y, b = ya(2 * I8, 2), lb(2 * I8)
     o_ref = torch.full((t, I8), float("nan"), device="cuda", dtype=torch.bfloat16)
     o = o_ref.clone()
-    K.lora_silu_mul_torch(y, 2 * I8, b, slots, L8, R8, o_ref)
-    lora_silu_mul_triton(y, 2 * I8, b, slots, L8, R8, o)
+    K.lora_silu_mul_torch(y, b, slots, o_ref)
+    lora_silu_mul_triton(y, b, slots, o)
     assert _rel(o, o_ref) < 1e-2
 
     qs, ks = HQ8 * D8, HKV8 * D8
@@ -340,7 +353,7 @@ def test_llama3_8b_decode_sizes_gpu(t: int) -> None:
     for fn in (K.lora_qkv_rope_torch, lora_qkv_rope_triton):
         kc = torch.zeros(256, 16, HKV8, D8, device="cuda", dtype=torch.bfloat16)
         vc, q = kc.clone(), torch.full((t, HQ8, D8), float("nan"), device="cuda", dtype=kc.dtype)
-        fn(y, qs, ks, D8, b, slots, L8, R8, pos, rope.cos, rope.sin, kc, vc, smap, q)
+        fn(y, b, slots, pos, rope.cos, rope.sin, kc, vc, smap, q)
         res_qkv.append((q, kc, vc))
     for got, want in zip(res_qkv[1], res_qkv[0], strict=True):
         assert _rel(got, want) < 1e-2
@@ -359,20 +372,22 @@ def test_cuda_graph_replay_with_new_slots_gpu() -> None:
     kc, vc = torch.zeros(256, 16, 2, D8, **bf), torch.zeros(256, 16, 2, D8, **bf)
     rope = RotaryEmbedding(D8, 8192, 500000.0, None, "cuda")
 
-    def step(fns) -> None:
-        fns[0](y_o, h, res, b_o, slots, L8, R8, w, EPS, normed)
-        fns[1](y_gu, 2 * inter, b_gu, slots, L8, R8, act)
-        fns[2](y_qkv, qs, ks, D8, b_qkv, slots, L8, R8, pos, rope.cos, rope.sin, kc, vc, smap, q)
+    def step(fns, mapping) -> None:
+        fns[0](y_o, res, b_o, mapping, w, EPS, normed)
+        fns[1](y_gu, b_gu, mapping, act)
+        fns[2](y_qkv, b_qkv, mapping, pos, rope.cos, rope.sin, kc, vc, smap, q)
 
     fused = (K.lora_add_rmsnorm, K.lora_silu_mul, K.lora_qkv_rope)
     twins = (K.lora_add_rmsnorm_torch, K.lora_silu_mul_torch, K.lora_qkv_rope_torch)
-    step(fused)  # compile outside the capture
+    on_triton = _mapping(slots.token_slots, triton=True)
+    step(fused, on_triton)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step(fused)
+        step(fused, on_triton)
     for seed in (8, 9):
         new_slots, new_smap, new_pos, *_ = _llama8b_inputs(t, seed=seed)
-        for dst, src in ((slots, new_slots), (smap, new_smap), (pos, new_pos)):
+        pairs = ((slots.token_slots, new_slots.token_slots), (smap, new_smap), (pos, new_pos))
+        for dst, src in pairs:
             dst.copy_(src)
         for y in (y_o, y_gu, y_qkv):
             y.normal_()
@@ -381,6 +396,6 @@ def test_cuda_graph_replay_with_new_slots_gpu() -> None:
         graph.replay()
         got = [x.clone() for x in (res, normed, act, q, kc, vc)]
         res.copy_(res0), kc.zero_(), vc.zero_()
-        step(twins)
+        step(twins, slots)
         for g_, w_ in zip(got, (res, normed, act, q, kc, vc), strict=True):
             assert _rel(g_, w_) < 1e-2

@@ -14,6 +14,7 @@ import torch
 
 from loraplex.engine.lora.adapter import load_adapter
 from loraplex.engine.lora.slots import write_slot
+from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.loader import load_model
 from loraplex.engine.model_runner import ModelRunner, StepItem
 from tests.helpers.models import make_peft_adapter, make_tiny_model
@@ -181,20 +182,28 @@ def test_mixed_batch_matches_peft(setup):
     assert diff > 1e-2, f"adapter row equals base row (rel diff {diff:.1e})"
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_fused_path_matches_peft(setup, monkeypatch, backend):
+BACKENDS = {  # kernel backends other than the CPU default (torch); Triton runs interpreted
+    "fused_twins": KernelBackend(fused=True, triton=False),  # epilogues as their torch twins
+    "fused": "fused",
+    "sgmv": "sgmv",
+}
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_kernel_backends_match_peft(setup, backend):
     """The GPU forward (augmented GEMMs, fused LoRA epilogues, paged attention kernels) on CPU:
-    fused kernels as torch twins or Triton (interpreted), paged attention in Triton."""
+    epilogues as torch twins or Triton, paged attention in Triton; and the reference forward
+    with the Triton SGMV shrink / expand kernels."""
     kind, model_dir, adapters = setup
-    if backend == "triton" and kind != "llama":
+    if backend != "fused_twins" and kind != "llama":
         pytest.skip("the interpreter is slow: one model kind covers the Triton kernels")
-    monkeypatch.setenv("LORAPLEX_FUSED", "1")
-    monkeypatch.setenv("LORAPLEX_FUSED_BACKEND", backend)
     g = random.Random(9)
     prompts = [[g.randrange(3, 200) for _ in range(n)] for _, n in ROWS]
     names = [n for n, _ in ROWS]
     hf_steps, hf_tokens = hf_mixed_batch(model_dir, adapters, prompts, names)
-    our_steps = ours(model_dir, adapters, prompts, names, hf_tokens)
+    our_steps = ours(
+        model_dir, adapters, prompts, names, hf_tokens, kernel_backend=BACKENDS[backend]
+    )
     for step, (a, b) in enumerate(zip(our_steps, hf_steps, strict=True)):
         for row in range(len(prompts)):
             err = ((a[row] - b[row]).norm() / b[row].norm()).item()

@@ -1,11 +1,10 @@
 """Grouped (SGMV-style) LoRA ops: one launch covers every adapter and slice of the batch.
 
-Public entry points dispatch per call:
-
-- ``LORAPLEX_LORA_BACKEND=torch`` forces the torch reference;
-- ``LORAPLEX_LORA_BACKEND=triton`` forces the Triton kernels (with ``TRITON_INTERPRET=1`` set
-  before the first Triton call, they run on CPU through the interpreter);
-- otherwise Triton for CUDA tensors (when Triton is installed), the torch reference elsewhere.
+Public entry points dispatch per call on the step's ``LoRAMapping.triton`` (the kernel backend
+chose it, ``model/backend.py``): the Triton kernels (on CPU they run through the interpreter
+when ``TRITON_INTERPRET=1`` is set before the first Triton call), else the torch reference.
+Every entry point takes the step's ``LoRAMapping``, built with its segments
+(``LoRAMapping.build``).
 
 Triton is imported lazily, so this package imports without it.
 """
@@ -13,8 +12,6 @@ Triton is imported lazily, so this package imports without it.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -32,17 +29,7 @@ __all__ = [
     "expand_torch",
     "shrink_triton",
     "expand_triton",
-    "triton_available",
-    "use_triton",
-    "BACKEND_ENV",
 ]
-
-BACKEND_ENV = "LORAPLEX_LORA_BACKEND"
-
-
-@functools.cache
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 @functools.cache
@@ -71,16 +58,9 @@ def expand_triton(
     _kernels()[1].expand_triton(y, shrunk, lora_b, slice_offsets, mapping, **kw)
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    """Whether the public ops take the Triton kernels for a tensor on ``t``'s device."""
-    forced = os.environ.get(BACKEND_ENV, "").strip().lower()
-    if forced == "torch":
-        return False
-    if forced == "triton":
-        return True
-    if forced:
-        raise ValueError(f"{BACKEND_ENV}={forced!r}: expected 'torch' or 'triton'")
-    return t.is_cuda and triton_available()
+def _check_mapping(mapping: LoRAMapping) -> None:
+    if not mapping.has_segments:
+        raise ValueError("the grouped ops need a LoRAMapping with segments (LoRAMapping.build)")
 
 
 def _check_shrink(x: torch.Tensor, lora_a: torch.Tensor, out: torch.Tensor) -> None:
@@ -131,8 +111,9 @@ def lora_shrink(
 
     Columns >= rank and rows of base tokens (slot -1) are unspecified afterwards.
     """
+    _check_mapping(mapping)
     _check_shrink(x, lora_a, out)
-    if use_triton(x):
+    if mapping.triton:
         shrink_triton(x, lora_a, mapping, out)
     else:
         shrink_torch(x, lora_a, mapping, out)
@@ -158,8 +139,9 @@ def lora_expand(
 
     fp32 math, one rounding into y's dtype; base tokens (slot -1) are untouched.
     """
+    _check_mapping(mapping)
     _check_expand(y, shrunk, lora_b, slice_offsets)
-    if use_triton(y):
+    if mapping.triton:
         expand_triton(y, shrunk, lora_b, slice_offsets, mapping)
     else:
         expand_torch(y, shrunk, lora_b, slice_offsets, mapping)
@@ -179,6 +161,7 @@ def add_lora(
     ``buffer``: optional float32 scratch of shape (>= S, >= T, >= R); a (S, T, R) view of it is
     used as the shrink output. Allocated when not given. No-op when no token uses an adapter.
     """
+    _check_mapping(mapping)
     if not mapping.has_lora:
         return
     s, _, r, _ = lora_a.shape

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.kernels.lora_delta import block_r, lora_delta
 
 __all__ = ["NormConfig", "norm_config", "lora_add_rmsnorm_triton", "rmsnorm_triton"]
@@ -119,8 +120,6 @@ def _launch(
     residual: torch.Tensor,
     lora_b: torch.Tensor | None,
     token_slots: torch.Tensor | None,
-    num_slots: int,
-    rank: int,
     norm_weight: torch.Tensor,
     eps: float,
     out: torch.Tensor,
@@ -132,6 +131,7 @@ def _launch(
     cfg = config or norm_config(t, h)
     use_dot = cfg.block_t >= 16
     has_lora = lora_b is not None
+    num_slots, rank = (lora_b.shape[0], lora_b.shape[2]) if lora_b is not None else (0, 1)
     ya = y_aug if y_aug is not None else residual
     b = lora_b if lora_b is not None else ya
     b_strides = lora_b.stride() if lora_b is not None else (0, 0, 0)
@@ -169,12 +169,9 @@ def _launch(
 
 def lora_add_rmsnorm_triton(
     y_aug: torch.Tensor,
-    n_base: int,
     residual: torch.Tensor,
     lora_b: torch.Tensor | None,
-    token_slots: torch.Tensor | None,
-    num_slots: int,
-    rank: int,
+    mapping: LoRAMapping,
     norm_weight: torch.Tensor,
     eps: float,
     out: torch.Tensor,
@@ -182,8 +179,7 @@ def lora_add_rmsnorm_triton(
     config: NormConfig | None = None,
 ) -> None:
     """Triton ``lora_add_rmsnorm``; see ``reference.lora_add_rmsnorm_torch``."""
-    assert n_base == residual.shape[1]
-    _launch(y_aug, residual, lora_b, token_slots, num_slots, rank, norm_weight, eps, out, config)
+    _launch(y_aug, residual, lora_b, mapping.token_slots, norm_weight, eps, out, config)
 
 
 def rmsnorm_triton(
@@ -195,4 +191,4 @@ def rmsnorm_triton(
     config: NormConfig | None = None,
 ) -> None:
     """Triton ``rmsnorm``; see ``reference.rmsnorm_torch``."""
-    _launch(None, x, None, None, 0, 1, weight, eps, out, config)
+    _launch(None, x, None, None, weight, eps, out, config)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.kernels.lora_delta import block_r, lora_delta
 
 __all__ = ["QKVRopeConfig", "qkv_rope_config", "lora_qkv_rope_triton"]
@@ -148,13 +149,8 @@ def _qkv_rope_kernel(
 
 def lora_qkv_rope_triton(
     y_aug: torch.Tensor,
-    q_size: int,
-    kv_size: int,
-    head_dim: int,
     lora_b: torch.Tensor | None,
-    token_slots: torch.Tensor | None,
-    num_slots: int,
-    rank: int,
+    mapping: LoRAMapping,
     positions: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -169,19 +165,21 @@ def lora_qkv_rope_triton(
     t = y_aug.shape[0]
     if t == 0:
         return
-    cfg = config or qkv_rope_config(t, num_slots if lora_b is not None else 0)
+    num_slots, rank = (lora_b.shape[0], lora_b.shape[2]) if lora_b is not None else (0, 1)
+    cfg = config or qkv_rope_config(t, num_slots)
     use_dot = cfg.block_t >= 16
     min_n = 16 if use_dot else 1
-    hq, hkv = q_size // head_dim, kv_size // head_dim
+    hq, head_dim, hkv = q_out.shape[1], q_out.shape[2], k_cache.shape[2]
+    q_size, kv_size = hq * head_dim, hkv * head_dim
     b = lora_b if lora_b is not None else y_aug
     b_strides = lora_b.stride() if lora_b is not None else (0, 0, 0)
-    slots = token_slots if token_slots is not None else y_aug
+    slots = mapping.token_slots
     grid = (triton.cdiv(t, cfg.block_t), hq + hkv)
     _qkv_rope_kernel[grid](
         y_aug, b, slots, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out,
         t, hq, q_size, kv_size, head_dim, num_slots, rank, k_cache.shape[1],
         y_aug.stride(0), y_aug.stride(1), *b_strides,
-        slots.stride(0) if token_slots is not None else 0,
+        slots.stride(0),
         positions.stride(0), *cos.stride(), *sin.stride(),
         *k_cache.stride(), *v_cache.stride(),
         slot_mapping.stride(0), *q_out.stride(),

@@ -3,7 +3,8 @@
 Shared inputs. ``y_aug`` (T, N + S * L * R) is the output of one augmented GEMM,
 ``x @ [W; A].T``: base columns ``0 .. N`` then, for slice ``s`` and slot ``l``, the shrink
 ``y_aug[t, N + (s * L + l) * R + r] = x[t] . A[s, l, r]``. ``lora_b`` (L, N, R), scale folded in,
-slice ``s`` owning rows ``lo_s .. hi_s``. ``token_slots`` (T,) int32, -1 = base (no delta)::
+slice ``s`` owning rows ``lo_s .. hi_s``. ``mapping.token_slots`` (T,) int32, -1 = base (no
+delta)::
 
     delta_s[t, j] = sum_r y_aug[t, N + (s * L + slot_t) * R + r] * lora_b[slot_t, lo_s + j, r]
 
@@ -21,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from loraplex.engine.lora.mapping import LoRAMapping
+
 __all__ = [
     "lora_delta_torch",
     "lora_add_rmsnorm_torch",
@@ -34,9 +37,7 @@ def lora_delta_torch(
     y_aug: torch.Tensor,
     n_base: int,
     lora_b: torch.Tensor,
-    token_slots: torch.Tensor,
-    num_slots: int,
-    rank: int,
+    mapping: LoRAMapping,
     s: int,
     lo: int,
     hi: int,
@@ -46,11 +47,12 @@ def lora_delta_torch(
     One matmul over all slots: the shrink columns of other slots are masked to zero.
     """
     t = y_aug.shape[0]
+    num_slots, _, rank = lora_b.shape
     c0 = n_base + s * num_slots * rank
     h = y_aug[:, c0 : c0 + num_slots * rank].float().view(t, num_slots, rank)
-    own = token_slots.long().unsqueeze(1) == torch.arange(num_slots, device=y_aug.device)
+    own = mapping.token_slots.long().unsqueeze(1) == torch.arange(num_slots, device=y_aug.device)
     h = (h * own.unsqueeze(2)).reshape(t, num_slots * rank)  # (T, L*R)
-    b = lora_b[:, lo:hi, :rank].float().permute(0, 2, 1).reshape(num_slots * rank, hi - lo)
+    b = lora_b[:, lo:hi].float().permute(0, 2, 1).reshape(num_slots * rank, hi - lo)
     return h @ b
 
 
@@ -58,9 +60,7 @@ def _projection(
     y_aug: torch.Tensor,
     n_base: int,
     lora_b: torch.Tensor | None,
-    token_slots: torch.Tensor | None,
-    num_slots: int,
-    rank: int,
+    mapping: LoRAMapping,
     s: int,
     lo: int,
     hi: int,
@@ -69,8 +69,7 @@ def _projection(
     base = y_aug[:, lo:hi]
     if lora_b is None:
         return base
-    assert token_slots is not None
-    delta = lora_delta_torch(y_aug, n_base, lora_b, token_slots, num_slots, rank, s, lo, hi)
+    delta = lora_delta_torch(y_aug, n_base, lora_b, mapping, s, lo, hi)
     return (base.float() + delta).to(y_aug.dtype)
 
 
@@ -90,17 +89,15 @@ def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.
 
 def lora_add_rmsnorm_torch(
     y_aug: torch.Tensor,
-    n_base: int,
     residual: torch.Tensor,
     lora_b: torch.Tensor | None,
-    token_slots: torch.Tensor | None,
-    num_slots: int,
-    rank: int,
+    mapping: LoRAMapping,
     norm_weight: torch.Tensor,
     eps: float,
     out: torch.Tensor,
 ) -> None:
-    """Projection epilogue + residual add + RMSNorm (S = 1 slice, ``n_base`` = H). Loop form::
+    """Projection epilogue + residual add + RMSNorm (S = 1 slice, N = H = residual width).
+    Loop form::
 
     for t:
         y = round(y_aug[t, :H] + delta_0[t])          # no delta when lora_b is None
@@ -108,30 +105,28 @@ def lora_add_rmsnorm_torch(
         v = float(residual[t])
         out[t] = weight * round(v * rsqrt(mean(v * v) + eps))
     """
-    y = _projection(y_aug, n_base, lora_b, token_slots, num_slots, rank, 0, 0, n_base)
+    n_base = residual.shape[1]
+    y = _projection(y_aug, n_base, lora_b, mapping, 0, 0, n_base)
     residual.copy_((residual.float() + y.float()).to(residual.dtype))
     _rmsnorm(residual, norm_weight, eps, out)
 
 
 def lora_silu_mul_torch(
     y_aug: torch.Tensor,
-    n_base: int,
     lora_b: torch.Tensor | None,
-    token_slots: torch.Tensor | None,
-    num_slots: int,
-    rank: int,
+    mapping: LoRAMapping,
     out: torch.Tensor,
 ) -> None:
-    """gate_up epilogue + SiLU-and-mul (S = 2 slices of width I = n_base // 2). Loop form::
+    """gate_up epilogue + SiLU-and-mul (S = 2 slices of width I = out's width). Loop form::
 
     for t:
         g = round(y_aug[t, :I] + delta_0[t])          # gate: B rows 0 .. I
         u = round(y_aug[t, I:2I] + delta_1[t])        # up:   B rows I .. 2I
         out[t] = round(round(silu(g)) * u)            # HF: act_fn(gate) * up, silu in fp32
     """
-    i = n_base // 2
-    g = _projection(y_aug, n_base, lora_b, token_slots, num_slots, rank, 0, 0, i)
-    u = _projection(y_aug, n_base, lora_b, token_slots, num_slots, rank, 1, i, n_base)
+    i = out.shape[1]
+    g = _projection(y_aug, 2 * i, lora_b, mapping, 0, 0, i)
+    u = _projection(y_aug, 2 * i, lora_b, mapping, 1, i, 2 * i)
     act = F.silu(g.float()).to(g.dtype)
     out.copy_((act.float() * u.float()).to(out.dtype))
 
@@ -143,13 +138,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def lora_qkv_rope_torch(
     y_aug: torch.Tensor,
-    q_size: int,
-    kv_size: int,
-    head_dim: int,
     lora_b: torch.Tensor | None,
-    token_slots: torch.Tensor | None,
-    num_slots: int,
-    rank: int,
+    mapping: LoRAMapping,
     positions: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -158,7 +148,8 @@ def lora_qkv_rope_torch(
     slot_mapping: torch.Tensor,
     q_out: torch.Tensor,
 ) -> None:
-    """qkv epilogue + rotary embedding + paged KV-cache write (S = 3 slices q, k, v). Loop form::
+    """qkv epilogue + rotary embedding + paged KV-cache write (S = 3 slices q, k, v); heads and
+    head_dim D from ``q_out`` (T, Hq, D) and ``k_cache`` (blocks, block_size, Hkv, D). Loop form::
 
     for t:
         q, k, v = round(y_aug[t, slice s] + delta_s[t]) for s = 0, 1, 2, viewed (heads, D)
@@ -169,11 +160,12 @@ def lora_qkv_rope_torch(
             blk, off = divmod(slot_mapping[t], block_size)
             k_cache[blk, off], v_cache[blk, off] = k, v
     """
-    t = y_aug.shape[0]
+    t, hq, head_dim = q_out.shape
+    q_size, kv_size = hq * head_dim, k_cache.shape[2] * head_dim
     n_base = q_size + 2 * kv_size
     bounds = (0, q_size, q_size + kv_size, n_base)
     q, k, v = (
-        _projection(y_aug, n_base, lora_b, token_slots, num_slots, rank, s, lo, hi)
+        _projection(y_aug, n_base, lora_b, mapping, s, lo, hi)
         for s, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False))
     )
     q = q.reshape(t, -1, head_dim)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.kernels.lora_delta import block_r, lora_delta
 
 __all__ = ["SiluMulConfig", "silu_mul_config", "lora_silu_mul_triton"]
@@ -103,11 +104,8 @@ def _silu_mul_kernel(
 
 def lora_silu_mul_triton(
     y_aug: torch.Tensor,
-    n_base: int,
     lora_b: torch.Tensor | None,
-    token_slots: torch.Tensor | None,
-    num_slots: int,
-    rank: int,
+    mapping: LoRAMapping,
     out: torch.Tensor,
     *,
     config: SiluMulConfig | None = None,
@@ -116,12 +114,13 @@ def lora_silu_mul_triton(
     t = y_aug.shape[0]
     if t == 0:
         return
-    cfg = config or silu_mul_config(t, num_slots if lora_b is not None else 0)
+    num_slots, rank = (lora_b.shape[0], lora_b.shape[2]) if lora_b is not None else (0, 1)
+    cfg = config or silu_mul_config(t, num_slots)
     use_dot = cfg.block_t >= 16
-    inter = n_base // 2
+    inter = out.shape[1]
     b = lora_b if lora_b is not None else y_aug
     b_strides = lora_b.stride() if lora_b is not None else (0, 0, 0)
-    slots = token_slots if token_slots is not None else y_aug
+    slots = mapping.token_slots
     grid = (triton.cdiv(t, cfg.block_t), triton.cdiv(inter, cfg.block_n))
     _silu_mul_kernel[grid](
         y_aug,
@@ -135,7 +134,7 @@ def lora_silu_mul_triton(
         y_aug.stride(0),
         y_aug.stride(1),
         *b_strides,
-        slots.stride(0) if token_slots is not None else 0,
+        slots.stride(0),
         out.stride(0),
         out.stride(1),
         BLOCK_T=cfg.block_t,
