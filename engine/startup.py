@@ -19,8 +19,8 @@ from loraplex.engine.cuda_graph import MixedGraphs
 from loraplex.engine.lora.pool import HostPool
 from loraplex.engine.lora.staging import slot_image_numel
 from loraplex.engine.model.config import ModelConfig
-from loraplex.engine.model.llama import LlamaForCausalLM
 from loraplex.engine.model.loader import load_model, resolve_dtype
+from loraplex.engine.model.protocol import CausalLM
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.tokenizer import Tokenizer, TokenizerError
 from loraplex.engine.warmup import COMPILES, warm_eager_steps
@@ -34,7 +34,7 @@ GPU_HEADROOM = 2 << 30  # activations, CUDA-graph pool, cuBLAS workspaces, slot 
 
 
 def build_core(
-    config: EngineConfig, wake: Callable[[], None], model: LlamaForCausalLM | None = None
+    config: EngineConfig, wake: Callable[[], None], model: CausalLM | None = None
 ) -> EngineCore:
     """Load model, KV cache and tokenizer (blocking: call from a worker thread).
 
@@ -82,6 +82,7 @@ def build_core(
         max_model_len=max_len,
         use_cuda_graphs=config.cuda_graphs,
         max_graph_batch=config.max_num_seqs,
+        kernel_backend=config.kernel_backend,
     )
     COMPILES.install()
     COMPILES.starting()
@@ -130,7 +131,7 @@ def set_cpu_threads(threads: int | None) -> int:
     return torch.get_num_threads()
 
 
-def host_pool(config: EngineConfig, model: LlamaForCausalLM, *, shared: bool) -> HostPool | None:
+def host_pool(config: EngineConfig, model: CausalLM, *, shared: bool) -> HostPool | None:
     """The CPU tier's pinned host memory, allocated (and registered with CUDA) once, here:
     ``max_cpu_loras`` + ``max_concurrent_loads`` regions of one full-rank slot image each.
     None on CPU without loader processes (plain buffers serve there)."""
