@@ -15,8 +15,8 @@ import torch
 from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.fused import fused_forward
 from loraplex.engine.model.gemm import linear, tune
-from loraplex.engine.model.llama import LlamaForCausalLM
 from loraplex.engine.model.paged_attention import paged_decode_attention, paged_prefill_attention
+from loraplex.engine.model.protocol import CausalLM
 
 __all__ = ["DecodeGraphs", "MixedGraphs", "BUCKETS", "capture_graph"]
 
@@ -45,7 +45,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         *,
         block_size: int,
@@ -211,7 +211,7 @@ class MixedGraphs:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         *,
         block_size: int,
