@@ -25,7 +25,7 @@ from loraplex.engine.model.config import LORA_MODULES
 if TYPE_CHECKING:
     from loraplex.engine.lora.adapter import LoRAAdapter
     from loraplex.engine.lora.layers import LoRALinear
-    from loraplex.engine.model.llama import LlamaForCausalLM
+    from loraplex.engine.model.protocol import CausalLM
 
 __all__ = ["write_slot", "clear_slot", "write_slot_reference", "measure_slot_write"]
 
@@ -57,7 +57,7 @@ class _ModelCache:
     plans: dict[tuple, ScatterPlan] = field(default_factory=dict)  # packed layout -> plan
 
 
-_CACHES: weakref.WeakKeyDictionary[LlamaForCausalLM, _ModelCache] = weakref.WeakKeyDictionary()
+_CACHES: weakref.WeakKeyDictionary[CausalLM, _ModelCache] = weakref.WeakKeyDictionary()
 
 
 def _signature(linears: list[LoRALinear]) -> tuple[int, ...]:
@@ -68,7 +68,7 @@ def _signature(linears: list[LoRALinear]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _cache(model: LlamaForCausalLM) -> _ModelCache:
+def _cache(model: CausalLM) -> _ModelCache:
     """The model's sites and cached slot views (rebuilt if a layer's LoRA buffers were replaced;
     the layers themselves are assumed to stay)."""
     c = _CACHES.get(model)
@@ -239,7 +239,7 @@ def _source(
 
 @torch.no_grad()
 def write_slot(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     slot: int,
     adapter: LoRAAdapter | PackedAdapter,
     *,
@@ -293,7 +293,7 @@ def write_slot(
 
 
 @torch.no_grad()
-def clear_slot(model: LlamaForCausalLM, slot: int) -> None:
+def clear_slot(model: CausalLM, slot: int) -> None:
     """Zero ``slot`` of every LoRA layer (batched)."""
     c = _cache(model)
     _check_slot(slot, c)
@@ -303,7 +303,7 @@ def clear_slot(model: LlamaForCausalLM, slot: int) -> None:
 
 
 @torch.no_grad()
-def write_slot_reference(model: LlamaForCausalLM, slot: int, adapter: LoRAAdapter) -> None:
+def write_slot_reference(model: CausalLM, slot: int, adapter: LoRAAdapter) -> None:
     """The per-module write (~4 launches per module and layer): the oracle of the tests."""
     for layer_idx, linears in model.lora_linears():
         for module, linear in linears.items():
@@ -315,7 +315,7 @@ def write_slot_reference(model: LlamaForCausalLM, slot: int, adapter: LoRAAdapte
 
 
 def measure_slot_write(
-    model: LlamaForCausalLM, packed: PackedAdapter, repeats: int = 10, *, slot: int = 0
+    model: CausalLM, packed: PackedAdapter, repeats: int = 10, *, slot: int = 0
 ) -> float:
     """GB/s of ``write_slot`` (H2D bytes of ``packed`` over wall time); overwrites ``slot``."""
     cuda = model.device.type == "cuda"
