@@ -12,14 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loraplex.engine.model.errors import ModelConfigError
+from loraplex.engine.model.registry import architecture_for
+
 __all__ = ["ModelConfig", "LORA_MODULES", "ModelConfigError"]
 
 # NOTE: the order is the order of slices in the fused layers: qkv = (q, k, v), gate_up = (gate, up).
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-class ModelConfigError(ValueError):
-    """config.json is missing, malformed or describes an unsupported architecture."""
 
 
 @dataclass(frozen=True)
@@ -70,8 +69,6 @@ class ModelConfig:
 
     @staticmethod
     def from_dict(cfg: dict[str, Any]) -> ModelConfig:
-        from loraplex.engine.model.registry import architecture_for  # NOTE: it imports this
-
         mtype = cfg.get("model_type")
         names = cfg.get("architectures")
         names = [n for n in names if isinstance(n, str)] if isinstance(names, list) else []

@@ -1,6 +1,7 @@
-"""Load a HF safetensors checkpoint (single file or sharded with an index) into the model.
+"""Build models through the registry, and load a HF safetensors checkpoint (single file or
+sharded with an index) into one.
 
-The model comes from the registry (config.json's architecture), and so does the map from
+The model class comes from the registry (config.json's architecture), and so does the map from
 checkpoint keys to its tensors. Only safetensors is read: no pickle, no code from the model
 folder.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from safetensors import safe_open
@@ -20,7 +21,7 @@ from loraplex.engine.model.config import ModelConfig
 if TYPE_CHECKING:
     from loraplex.engine.model.protocol import CausalLM
 
-__all__ = ["load_model", "ModelLoadError", "resolve_dtype"]
+__all__ = ["build_model", "load_model", "ModelLoadError", "resolve_dtype"]
 
 
 class ModelLoadError(RuntimeError):
@@ -51,6 +52,21 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
+def build_model(
+    cfg: ModelConfig,
+    *,
+    max_loras: int = 0,
+    max_lora_rank: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> CausalLM:
+    """The model of ``cfg``'s family, weights uninitialised (``load_model`` fills them)."""
+    model = registry.family(cfg.architecture).model(
+        cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, device=device
+    )
+    return cast("CausalLM", model)
+
+
 def load_model(
     path: str | Path,
     *,
@@ -61,17 +77,17 @@ def load_model(
 ) -> CausalLM:
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
-    family = registry.family(cfg.architecture)
-    model = family.model(
+    model = build_model(
         cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, device=device
     )
+    weights = registry.family(cfg.architecture).weights
     # data_ptr of each weight the checkpoint must fill -> (name, element count)
-    expected = {t.data_ptr(): (name, t.numel()) for name, t in family.weights.units(model)}
+    expected = {t.data_ptr(): (name, t.numel()) for name, t in weights.units(model)}
     filled: dict[int, int] = {}
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                dst = family.weights.target(model, key)
+                dst = weights.target(model, key)
                 if dst is None:
                     continue
                 src = f.get_tensor(key)

@@ -1,8 +1,9 @@
 """What the engine needs from a model: the ``CausalLM`` protocol.
 
 Engine modules outside ``engine/model`` name this protocol, never a model class; models are
-built through the registry (``registry.py``). A family implements it with LoRA-capable
-projections (``LoRALinear``), one per fused group of original modules.
+built through the registry (``registry.py``) by ``loader.build_model`` / ``loader.load_model``.
+A family implements it with LoRA-capable projections (``LoRALinear``), one per fused group of
+original modules.
 
 Who reads what:
 

@@ -7,7 +7,10 @@ architecture (none at all, or an old spelling) fall back to the family registere
 
 Adding a family: one model file with a ``FAMILY = ModelFamily(...)`` plus one line in
 ``_FAMILIES`` (docs/architecture.md, "Adding a model family"). Tests and host apps may
-``register`` more at run time.
+``register`` more at run time. ``loader.build_model`` / ``loader.load_model`` build models.
+
+NOTE: below config.py, which asks ``architecture_for`` first: this module imports no other
+module of the model package (families are imported by name).
 """
 
 from __future__ import annotations
@@ -15,15 +18,11 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-from loraplex.engine.model.config import ModelConfigError
-
-if TYPE_CHECKING:
-    from loraplex.engine.model.config import ModelConfig
-    from loraplex.engine.model.protocol import CausalLM
+from loraplex.engine.model.errors import UnknownArchitectureError
 
 __all__ = [
     "ModelFamily",
@@ -34,8 +33,28 @@ __all__ = [
     "supported",
     "architecture_for",
     "family",
-    "build_model",
 ]
+
+
+class WeightMap(Protocol):
+    """Where a checkpoint's tensors go in a model of the family (a ``protocol.CausalLM``)."""
+
+    def target(self, model: torch.nn.Module, name: str) -> torch.Tensor | None:
+        """The tensor (or slice of a fused tensor) checkpoint key ``name`` loads into; None:
+        a key the model does not use. Raises ``ModelLoadError`` for keys that cannot fit."""
+        ...
+
+    def units(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """Every weight the checkpoint must fill, as (name for messages, tensor)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    # (cfg, *, max_loras, max_lora_rank, dtype, device) -> a protocol.CausalLM, weights empty
+    model: Callable[..., torch.nn.Module]
+    weights: WeightMap
+
 
 # HF architectures name: (its config.json model_type, "module:attribute" of its ModelFamily)
 _FAMILIES: dict[str, tuple[str, str | ModelFamily]] = {
@@ -43,30 +62,6 @@ _FAMILIES: dict[str, tuple[str, str | ModelFamily]] = {
     "MistralForCausalLM": ("mistral", "loraplex.engine.model.llama:FAMILY"),
     "Qwen2ForCausalLM": ("qwen2", "loraplex.engine.model.llama:FAMILY"),
 }
-
-
-class UnknownArchitectureError(ModelConfigError):
-    """config.json names an architecture (and model_type) no registered family serves."""
-
-
-class WeightMap(Protocol):
-    """Where a checkpoint's tensors go in a model of the family."""
-
-    def target(self, model: CausalLM, name: str) -> torch.Tensor | None:
-        """The tensor (or slice of a fused tensor) checkpoint key ``name`` loads into; None:
-        a key the model does not use. Raises ``ModelLoadError`` for keys that cannot fit."""
-        ...
-
-    def units(self, model: CausalLM) -> list[tuple[str, torch.Tensor]]:
-        """Every weight the checkpoint must fill, as (name for messages, tensor)."""
-        ...
-
-
-@dataclass(frozen=True)
-class ModelFamily:
-    # (cfg, *, max_loras, max_lora_rank, dtype, device) -> model with empty weights
-    model: Callable[..., CausalLM]
-    weights: WeightMap
 
 
 def register(architecture: str, model_type: str, family: ModelFamily | str) -> None:
@@ -111,17 +106,3 @@ def family(architecture: str) -> ModelFamily:
         assert isinstance(fam, ModelFamily), f"{module}:{attr} is not a ModelFamily"
         _FAMILIES[architecture] = (model_type, fam)
     return fam
-
-
-def build_model(
-    cfg: ModelConfig,
-    *,
-    max_loras: int = 0,
-    max_lora_rank: int = 16,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-) -> CausalLM:
-    """The model of ``cfg``'s family, weights uninitialised (``loader.load_model`` fills them)."""
-    return family(cfg.architecture).model(
-        cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, device=device
-    )

@@ -11,7 +11,7 @@ import torch
 from loraplex.engine.model import registry
 from loraplex.engine.model.config import ModelConfig, ModelConfigError
 from loraplex.engine.model.llama import LlamaForCausalLM, LlamaWeights
-from loraplex.engine.model.loader import load_model
+from loraplex.engine.model.loader import build_model, load_model
 from loraplex.engine.model.protocol import CausalLM
 from loraplex.engine.model.registry import ModelFamily, UnknownArchitectureError
 from loraplex.engine.model_runner import ModelRunner, StepItem
@@ -30,7 +30,7 @@ def test_registry_resolves_the_three_families(arch: str) -> None:
     cfg = ModelConfig.from_dict(dict(FIELDS, architectures=[arch], model_type=FAMILIES[arch]))
     assert cfg.architecture == arch
     assert registry.family(arch).model is LlamaForCausalLM
-    model = registry.build_model(cfg, max_loras=2, max_lora_rank=4)
+    model = build_model(cfg, max_loras=2, max_lora_rank=4)
     assert isinstance(model, LlamaForCausalLM) and isinstance(model, CausalLM)
     assert (model.max_loras, model.max_lora_rank) == (2, 4)
     assert model.layers[0].qkv_proj.lora_b is not None
