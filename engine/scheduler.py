@@ -29,6 +29,9 @@ from loraplex.engine.request import Request, RequestStatus
 
 __all__ = ["Scheduler", "ScheduledChunk", "SchedulerOutput"]
 
+# where a waiting request's adapter stands (``Scheduler._adapter_stage``)
+_READY, _FAILED, _LOADING, _NO_SLOT, _WRITING = range(5)
+
 
 @dataclass
 class ScheduledChunk:
@@ -55,6 +58,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    """The waiting and running queues and the choice of each step's rows (event loop only).
+
+    The engine core calls ``add`` (a new request), ``schedule`` (the next step), ``chain``
+    (the next decode step while one is in flight), ``mark_computed`` (after a step) and
+    ``finish`` (end, abort or failure); ``has_work``, ``waiting``, ``running`` and
+    ``num_preemptions`` are read. KV blocks come from ``blocks``, slot assignment and
+    references from ``adapters``; requests failed on their adapter are handed back in
+    ``SchedulerOutput.failed`` (the caller fails them).
+    """
+
     def __init__(self, config: EngineConfig, blocks: BlockManager, adapters: AdapterManager):
         self.config = config
         self.blocks = blocks
@@ -64,15 +77,21 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
+        """Queue a new request (waiting, FIFO). Its adapter user count is the caller's."""
         self.waiting.append(req)
 
     @property
     def has_work(self) -> bool:
+        """Some request is waiting or running."""
         return bool(self.waiting or self.running)
 
     # -- step -----------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """The next step (the policy in the module docstring): chunks of running and newly
+        admitted requests, slot writes that must precede them, and waiting requests failed on
+        their adapter (removed from the queue; the caller fails them). Takes the KV blocks
+        and slot references of what it schedules; may preempt running requests."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         now = time.monotonic()
@@ -104,13 +123,17 @@ class Scheduler:
         for req in order:
             if budget <= 0 or len(scheduled) >= self.config.max_num_seqs:
                 break
-            verdict = self._adapter_ready(req, out)
-            if verdict == "fail":
-                continue
-            if verdict == "wait":
-                if req is head:
-                    break  # let slots drain for the starved request
-                continue
+            v = req.adapter
+            if v is not None:
+                stage = self._adapter_stage(v)
+                if stage == _FAILED:
+                    self.waiting.remove(req)
+                    out.failed.append((req, v.error or RuntimeError("adapter load failed")))
+                    continue
+                if stage != _READY:
+                    if req is head:
+                        break  # let slots drain for the starved request
+                    continue
             if not self.blocks.can_allocate(req.request_id, req.tokens, req.adapter_key):
                 break  # FIFO on memory: later requests would only take blocks it needs
             cached = self.blocks.allocate(req.request_id, req.tokens, req.adapter_key)
@@ -169,18 +192,16 @@ class Scheduler:
         for r in self.waiting:
             v = r.adapter
             if v is not None:
-                if v.state is AdapterState.FAILED:
+                stage = self._adapter_stage(v)
+                if stage == _FAILED:
                     return True
-                if v.state is not AdapterState.CPU:
-                    self.adapters.ensure_loaded(v)
-                    continue
-                if v.slot is None:
+                if stage == _NO_SLOT:
                     starved = now - r.arrival > self.config.starvation_timeout_s
                     if self.adapters.can_assign_slot(force=starved):
                         return True
                     continue
-                if not v.slot_ready:
-                    continue  # its write lands first (poll_slot_events)
+                if stage != _READY:
+                    continue  # loading, or its write lands first (poll_slot_events)
             if len(self.running) >= self.config.max_num_seqs:
                 return False
             return self.blocks.can_allocate(r.request_id, r.tokens, r.adapter_key)
@@ -203,20 +224,22 @@ class Scheduler:
         for req, _ in out.failed:
             self.waiting.remove(req)
 
-    def _adapter_ready(self, req: Request, out: SchedulerOutput) -> str:
-        v = req.adapter
-        if v is None:
-            return "ok"
-        if v.state is AdapterState.FAILED:
-            self.waiting.remove(req)
-            out.failed.append((req, v.error or RuntimeError("adapter load failed")))
-            return "fail"
-        if v.state is not AdapterState.CPU:
+    def _adapter_stage(self, v: AdapterVersion) -> int:
+        """Where a waiting request's adapter stands on its way to admission: ``_READY`` (its
+        GPU slot is written), ``_FAILED``, ``_LOADING`` (not in the CPU tier yet; starts the
+        load if none runs, single-flight), ``_NO_SLOT`` (in the CPU tier, no GPU slot) or
+        ``_WRITING`` (its slot write has not landed). The one adapter check of admission:
+        ``schedule`` and ``_admission_possible`` (``chain``) both decide on it."""
+        state = v.state
+        if state is AdapterState.CPU:
+            if v.slot is None:
+                return _NO_SLOT
+            return _READY if v.slot_ready else _WRITING
+        if state is AdapterState.FAILED:
+            return _FAILED
+        if state is not AdapterState.LOADING:
             self.adapters.ensure_loaded(v)
-            return "wait"
-        if v.slot is None or not v.slot_ready:
-            return "wait"
-        return "ok"
+        return _LOADING
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         table = self.blocks.block_table(req.request_id)
@@ -260,6 +283,8 @@ class Scheduler:
         req.finish_reason = reason
 
     def mark_computed(self, chunk: ScheduledChunk) -> None:
+        """After the step ran ``chunk``: its tokens' KV is written (full blocks join the
+        prefix cache)."""
         req = chunk.req
         req.num_computed += chunk.num_tokens
         if req.request_id in self.blocks:
