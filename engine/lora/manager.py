@@ -17,7 +17,7 @@ import asyncio
 import enum
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,19 @@ Loader = Callable[[AdapterVersion], "Any"]  # async: fills version.adapter (and 
 
 
 class AdapterManager:
+    """Versions, their CPU-tier residency, GPU slots and references (event loop only).
+
+    The engine core calls: ``new_version`` / ``register`` / ``unregister`` / ``forget`` /
+    ``pin`` / ``get`` / ``names`` / ``versions`` (registry); ``add_user`` / ``drop_user`` (a
+    request starts / ends using a version; the first user starts its load); ``make_room``
+    (the loader needs host memory) and ``reset_failed`` (after a failed load's waiters were
+    failed); ``slot_owner`` / ``resident`` (slot writes and their completion). The scheduler
+    calls ``ensure_loaded``, ``assign_slot`` / ``can_assign_slot`` and ``acquire_slot`` /
+    ``release_slot`` (a running request's reference on its slot). ``loader`` is the async
+    load itself; ``on_change`` is called when a load ends (either way), ``on_drop`` when a
+    version is forgotten, ``on_unload`` when its CPU-tier tensors are dropped.
+    """
+
     def __init__(
         self,
         *,
@@ -136,6 +149,7 @@ class AdapterManager:
         return v
 
     def unregister(self, name: str) -> None:
+        """Remove ``name``; its version lives on while requests use it."""
         if self._current.pop(name, None) is None:
             raise AdapterNotFoundError(f"adapter {name!r} is not loaded", field="lora_name")
         self._collect()
@@ -151,15 +165,18 @@ class AdapterManager:
         self.get(name).pinned = pinned
 
     def get(self, name: str) -> AdapterVersion:
+        """The current version of ``name`` (AdapterNotFoundError if none)."""
         v = self._current.get(name)
         if v is None:
             raise AdapterNotFoundError(f"adapter {name!r} does not exist", field="model")
         return v
 
     def names(self) -> list[str]:
+        """Names with a current version."""
         return list(self._current)
 
     def versions(self) -> list[AdapterVersion]:
+        """Every live version (current ones and superseded ones still in use)."""
         return list(self._versions)
 
     def _collect(self) -> None:
@@ -191,6 +208,8 @@ class AdapterManager:
         return tier
 
     def drop_user(self, v: AdapterVersion) -> None:
+        """A request of ``v`` ended; the last one cancels a load still running (and lets a
+        superseded version go)."""
         assert v.users > 0, f"user count of {v.key} would go negative"
         v.users -= 1
         if v.users == 0 and v.state is AdapterState.LOADING and v.load_task is not None:
@@ -198,11 +217,14 @@ class AdapterManager:
         self._collect()
 
     def acquire_slot(self, v: AdapterVersion) -> None:
+        """A request starts running on ``v``'s slot (written and ready); the slot is not
+        reassigned while such references remain."""
         assert v.slot is not None and v.slot_ready
         v.slot_refs += 1
         v.last_used = time.monotonic()
 
     def release_slot(self, v: AdapterVersion) -> None:
+        """A running request on ``v``'s slot finished or was preempted."""
         assert v.slot_refs > 0, f"slot refcount of {v.key} would go negative"
         v.slot_refs -= 1
 
@@ -287,13 +309,7 @@ class AdapterManager:
         if free:
             slot = free[0]
         else:
-            idle = [
-                o
-                for o in self._slots
-                if o is not None and o.slot_refs == 0 and o.slot_ready and not self._pinned(o)
-            ]
-            if not force:
-                idle = [o for o in idle if o.users == 0]
+            idle = list(self._idle_owners(force))
             if not idle:
                 if all(o is not None and self._pinned(o) for o in self._slots):
                     raise SlotFullError(
@@ -313,15 +329,21 @@ class AdapterManager:
 
     def can_assign_slot(self, *, force: bool = False) -> bool:
         """Whether ``assign_slot`` would find a slot now (no side effects)."""
-        return any(
-            o is None
-            or (
-                o.slot_refs == 0
-                and o.slot_ready
-                and not self._pinned(o)
-                and (force or o.users == 0)
-            )
+        return None in self._slots or next(self._idle_owners(force), None) is not None
+
+    def _idle_owners(self, force: bool) -> Iterator[AdapterVersion]:
+        """Slot owners that may lose their slot now: no running request reads it, its write
+        completed, no operator pin holds it, and (unless ``force``: a starved request needs a
+        slot) no request waits for it. The one idle-slot check of ``assign_slot`` and
+        ``can_assign_slot``."""
+        return (
+            o
             for o in self._slots
+            if o is not None
+            and o.slot_refs == 0
+            and o.slot_ready
+            and not self._pinned(o)
+            and (force or o.users == 0)
         )
 
     def _pinned(self, v: AdapterVersion) -> bool:
@@ -330,8 +352,10 @@ class AdapterManager:
         return v.pinned and self._current.get(v.name) is v
 
     def slot_owner(self, slot: int) -> AdapterVersion | None:
+        """The version ``slot`` is assigned to, if any."""
         return self._slots[slot]
 
     @property
     def resident(self) -> list[AdapterVersion]:
+        """Versions holding a GPU slot (their write may still be pending)."""
         return [v for v in self._slots if v is not None]
