@@ -83,7 +83,9 @@ class Tokens(Sequence[int]):
             return p[lo:] + self._output[: hi - n]
         if i < 0:
             i += len(self)
-        if 0 <= i < n:
+            if i < 0:
+                raise IndexError("token index out of range")
+        if i < n:
             return p[i]
         return self._output[i - n]  # IndexError past the end, as a list
 
