@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Window", "pct", "drift_corrected", "table", "plot_timeline"]
+__all__ = ["Window", "pct", "ends_in", "drift_corrected", "table", "plot_timeline"]
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -22,6 +22,13 @@ class Window:
     t0: float
     t1: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def ends_in(w: Window, a: float, b: float) -> bool:
+    """A gap (a, b) belongs to the window it ends in: a stall that a window's first action
+    causes (e.g. 64 registrations handled at once on the loop) counts there even though the
+    gap began just before it; windows are contiguous, so each gap counts once."""
+    return w.t0 < b <= w.t1
 
 
 def drift_corrected(rows: list[dict], times: list[list[float]], windows: list[Window]) -> None:
@@ -50,7 +57,7 @@ def drift_corrected(rows: list[dict], times: list[list[float]], windows: list[Wi
             (b - a) * 1e3 * pb / trend((a + b) / 2)
             for ts in times
             for a, b in itertools.pairwise(ts)
-            if a >= w.t0 and b <= w.t1
+            if ends_in(w, a, b)
         ]
         row = by_name[w.name]
         row["reference"] = before.name

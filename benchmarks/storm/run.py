@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from benchmarks.coldload.adapters import TINY
-from benchmarks.storm.report import Window, drift_corrected, pct
+from benchmarks.storm.report import Window, drift_corrected, ends_in, pct
 from benchmarks.storm.threads import GilProfile, cpu_by_thread, thread_cpu
 from benchmarks.synthetic import LLAMA3_8B, random_model, write_adapter, write_model_config
 from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
@@ -176,7 +176,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         idle_writes = idle_slot_writes(engine) if device == "cuda" else {}
     rows = []
     for w in windows:
-        gaps = [b - a for ts in times for a, b in itertools.pairwise(ts) if a >= w.t0 and b <= w.t1]
+        gaps = [b - a for ts in times for a, b in itertools.pairwise(ts) if ends_in(w, a, b)]
         lag = [s for t, s in lags if w.t0 <= t <= w.t1]
         comp = [name for t, name in compiles.events if w.t0 <= t <= w.t1]
         row = {
@@ -218,7 +218,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         # the largest gaps of running streams, with the steps that ended around them
         big = sorted(
             ((b - a, i, a, b) for i, ts in enumerate(times) for a, b in itertools.pairwise(ts)
-             if a >= w.t0 and b <= w.t1),
+             if ends_in(w, a, b)),
             reverse=True,
         )[:3]  # fmt: skip
         row["largest_gaps"] = [
