@@ -17,6 +17,7 @@ import itertools
 import torch
 from triton.testing import do_bench_cudagraph
 
+from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.kernels.qkv_rope import (
     QKVRopeConfig,
     lora_qkv_rope_triton,
@@ -39,8 +40,10 @@ QKV = [
 ] + [QKVRopeConfig(1, 4, 0)]
 
 
-def sorted_slots(t: int, loras: int, dev: str) -> torch.Tensor:
-    return (torch.arange(t, device=dev, dtype=torch.int32) * loras // t).to(torch.int32)
+def sorted_slots(t: int, loras: int, dev: str) -> LoRAMapping:
+    """The step's LoRA metadata with rows grouped by slot."""
+    slots = (torch.arange(t, device=dev, dtype=torch.int32) * loras // t).to(torch.int32)
+    return LoRAMapping(slots)
 
 
 def err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -55,11 +58,11 @@ def silu_case(t: int, loras: int) -> list[tuple[str, float, float]]:
     b = (0.05 * torch.randn(loras, n, R, device=dev, generator=g)).to(torch.bfloat16)
     slots = sorted_slots(t, loras, dev)
     ref = torch.empty(t, INTER, device=dev, dtype=torch.bfloat16)
-    lora_silu_mul_torch(y, n, b, slots, loras, R, ref)
+    lora_silu_mul_torch(y, b, slots, ref)
     rows = []
     for cfg in SILU:
         out = torch.empty_like(ref)
-        fn = functools.partial(lora_silu_mul_triton, y, n, b, slots, loras, R, out, config=cfg)
+        fn = functools.partial(lora_silu_mul_triton, y, b, slots, out, config=cfg)
         try:
             fn()
             us = do_bench_cudagraph(fn, rep=30) * 1e3
@@ -100,7 +103,7 @@ def qkv_case(t: int, loras: int) -> list[tuple[str, float, float]]:
         return kc, torch.zeros_like(kc), torch.empty(t, HQ, D, device=dev, dtype=torch.bfloat16)
 
     kc0, vc0, q0 = bufs()
-    args = (y, q_size, kv_size, D, b, slots, loras, R, pos, cos, sin)
+    args = (y, b, slots, pos, cos, sin)
     lora_qkv_rope_torch(*args, kc0, vc0, smap, q0)
     rows = []
     for cfg in QKV:

@@ -13,6 +13,7 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from benchmarks.synthetic import LLAMA3_8B, random_model
+from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model import gemm
 from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul
@@ -48,7 +49,7 @@ def case(model, loras: int, t: int, ctx_len: int) -> dict[str, float]:
     act = torch.empty(t, mc.intermediate_size, dtype=torch.bfloat16, device=dev)
     out = torch.empty_like(h)
     mods = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-    L, R = layer.qkv_proj.max_loras, layer.qkv_proj.max_rank
+    mapping = LoRAMapping(slots, triton=True)  # the step's LoRA metadata, as fused_forward's
     qkv = linear(h, layer.qkv_proj.weight_aug)
     o = linear(q.view(t, -1), layer.o_proj.weight_aug)
     gu = linear(h, layer.gate_up_proj.weight_aug)
@@ -57,14 +58,14 @@ def case(model, loras: int, t: int, ctx_len: int) -> dict[str, float]:
     gemm.tune([m.weight_aug for m in mods] + [model.lm_head], t)  # as at graph capture
     parts = {
         "qkv gemm": lambda: linear(h, layer.qkv_proj.weight_aug),
-        "qkv_rope": lambda: lora_qkv_rope(qkv, mc.q_size, mc.kv_size, mc.head_dim, layer.qkv_proj.lora_b, slots, L, R, pos, model.rope.cos, model.rope.sin, k_cache, v_cache, smap, q),
+        "qkv_rope": lambda: lora_qkv_rope(qkv, layer.qkv_proj.lora_b, mapping, pos, model.rope.cos, model.rope.sin, k_cache, v_cache, smap, q),
         "attention": lambda: paged_decode_attention(q, k_cache, v_cache, tables, ctx, layer.scale),
         "o gemm": lambda: linear(q.view(t, -1), layer.o_proj.weight_aug),
-        "add_rmsnorm": lambda: lora_add_rmsnorm(o, mc.hidden_size, residual, layer.o_proj.lora_b, slots, L, R, w, 1e-5, out),
+        "add_rmsnorm": lambda: lora_add_rmsnorm(o, residual, layer.o_proj.lora_b, mapping, w, 1e-5, out),
         "gate_up gemm": lambda: linear(h, layer.gate_up_proj.weight_aug),
-        "silu_mul": lambda: lora_silu_mul(gu, 2 * mc.intermediate_size, layer.gate_up_proj.lora_b, slots, L, R, act),
+        "silu_mul": lambda: lora_silu_mul(gu, layer.gate_up_proj.lora_b, mapping, act),
         "down gemm": lambda: linear(act, layer.down_proj.weight_aug),
-        "add_rmsnorm(down)": lambda: lora_add_rmsnorm(d, mc.hidden_size, residual, layer.down_proj.lora_b, slots, L, R, w, 1e-5, out),
+        "add_rmsnorm(down)": lambda: lora_add_rmsnorm(d, residual, layer.down_proj.lora_b, mapping, w, 1e-5, out),
     }  # fmt: skip
     times = {k: bench(fn) for k, fn in parts.items()}
     times["lm_head (per step)"] = bench(lambda: linear(h, model.lm_head).float())

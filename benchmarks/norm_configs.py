@@ -11,6 +11,7 @@ import functools
 import torch
 from triton.testing import do_bench_cudagraph
 
+from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.kernels.add_rmsnorm import NormConfig, lora_add_rmsnorm_triton
 from loraplex.engine.model.kernels.reference import lora_add_rmsnorm_torch
 
@@ -36,24 +37,19 @@ def main() -> None:
             b = (0.01 * torch.randn(max(loras, 1), h, r, device=dev, generator=g)).to(
                 torch.bfloat16
             )
-            slots = (
-                (torch.arange(t, device=dev, dtype=torch.int32) % max(loras, 1)) if loras else None
-            )
+            slots = LoRAMapping(torch.arange(t, device=dev, dtype=torch.int32) % max(loras, 1))
             lb = b if loras else None
             ref_res, ref_out = res0.clone(), torch.empty_like(res0)
-            lora_add_rmsnorm_torch(y, h, ref_res, lb, slots, max(loras, 1), r, w, 1e-5, ref_out)
+            lora_add_rmsnorm_torch(y, ref_res, lb, slots, w, 1e-5, ref_out)
             cells = []
             for cfg in CONFIGS:
                 res, out = res0.clone(), torch.empty_like(res0)
                 try:
-                    lora_add_rmsnorm_triton(
-                        y, h, res, lb, slots, max(loras, 1), r, w, 1e-5, out, config=cfg
-                    )
+                    lora_add_rmsnorm_triton(y, res, lb, slots, w, 1e-5, out, config=cfg)
                     err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
                     fn = functools.partial(
-                        lora_add_rmsnorm_triton, y, h, res, lb, slots, max(loras, 1), r, w, 1e-5,
-                        out, config=cfg,
-                    )  # fmt: skip
+                        lora_add_rmsnorm_triton, y, res, lb, slots, w, 1e-5, out, config=cfg
+                    )
                     us = do_bench_cudagraph(fn, rep=30) * 1e3
                     cells.append(f"{us:.1f}us/{err:.0e}")
                 except Exception as e:  # noqa: BLE001
