@@ -6,7 +6,15 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Window", "pct", "ends_in", "drift_corrected", "table", "plot_timeline"]
+__all__ = [
+    "Window",
+    "pct",
+    "ends_in",
+    "ttft_breakdown",
+    "drift_corrected",
+    "table",
+    "plot_timeline",
+]
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -29,6 +37,46 @@ def ends_in(w: Window, a: float, b: float) -> bool:
     causes (e.g. 64 registrations handled at once on the loop) counts there even though the
     gap began just before it; windows are contiguous, so each gap counts once."""
     return w.t0 < b <= w.t1
+
+
+def ttft_breakdown(
+    reqs: list[tuple[str, float, float]],
+    loads: list[dict],
+    writes: list[tuple[float, dict]],
+    step_s: float,
+) -> dict[str, Any]:
+    """Each storm request's TTFT split: waiting for a load turn (``max_concurrent_loads``),
+    its own load (stage, plus fetch + verify if it ran now), waiting for a slot, and the rest
+    in steps. ``reqs``: (adapter, sent, first token) perf_counter times. The target of the
+    issue ("TTFT <= its fetch + verify + stage + 2 steps" for a request whose adapter can get a
+    free slot) is checked on the requests whose slot write began within one step of their
+    load ending (a slot was free)."""
+    load = {d["name"]: d for d in loads if d.get("ok")}
+    landed = {d["name"]: (t, d.get("h2d_s") or 0.0) for t, d in writes}
+    out = []
+    for name, sent, first in reqs:
+        d, w = load.get(name), landed.get(name)
+        if d is None or w is None:
+            continue
+        own = d.get("total_s", 0.0)
+        began = d["t"] - own
+        write_start = w[0] - w[1]
+        out.append({
+            "ttft_s": first - sent,
+            "load_wait_s": max(0.0, began - sent),
+            "own_load_s": own,
+            "slot_wait_s": max(0.0, write_start - d["t"]),
+            "steps_after_load": (first - max(began, sent) - own) / step_s,
+        })  # fmt: skip
+    free = [r for r in out if r["slot_wait_s"] <= step_s]
+    return {
+        "requests": len(out),
+        "free_slot": len(free),
+        "free_slot_steps_after_load_max": max((r["steps_after_load"] for r in free), default=None),
+        "free_slot_load_wait_max_s": max((r["load_wait_s"] for r in free), default=None),
+        "steps_after_load_p50": pct([r["steps_after_load"] for r in out], 50) if out else None,
+        "per_request": out,
+    }
 
 
 def drift_corrected(rows: list[dict], times: list[list[float]], windows: list[Window]) -> None:
@@ -120,6 +168,15 @@ def table(result: dict[str, Any]) -> str:
                 for e in gap["steps"]
             )
             lines.append(f"gap {gap['gap_ms']:.1f} ms in {r['window']}: {steps}")
+    for r in rows:
+        b = r.get("ttft_breakdown")
+        if b and b["free_slot"]:
+            lines.append(
+                f"TTFT in {r['window']}: {b['free_slot']} of {b['requests']} requests found a free"
+                f" slot; they got their first token <= {b['free_slot_steps_after_load_max']:.1f} "
+                f"steps after their own load (waited <= {b['free_slot_load_wait_max_s']:.2f} s for"
+                f" a load turn); all: p50 {b['steps_after_load_p50']:.1f} steps after their load"
+            )
     for r in rows:
         if r.get("thread_cpu") and r["window"].startswith(("quiet", "register", "requests")):
             lines.append(f"CPU by thread in {r['window']} (cores): " + ", ".join(
