@@ -107,7 +107,7 @@ class Timed:
 
 async def ours(engine: AsyncEngine, prompts, names, new: int) -> tuple[list[list[int]], dict]:
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    timed: Timed = engine.core.runner.execute
+    timed: Timed = engine.testing.executor.runner.execute
     timed.calls.clear()
 
     async def one(i: int) -> list[int]:
@@ -143,7 +143,7 @@ async def bench(args) -> list[dict]:
     async with AsyncEngine(cfg) as engine:
         for i, path in enumerate(adapters):
             await engine.add_adapter(f"a{i}", str(path))
-        Timed(engine.core.runner)
+        Timed(engine.testing.executor.runner)
         g = random.Random(0)
         for rep in range(args.repeats + 1):  # repeat 0 warms both up and is not counted
             for batch, kind in args.cases:
@@ -220,7 +220,7 @@ def profile(args) -> None:
         async with AsyncEngine(cfg) as engine:
             for i, path in enumerate(args.adapters):
                 await engine.add_adapter(f"a{i}", str(path))
-            Timed(engine.core.runner)
+            Timed(engine.testing.executor.runner)
             names = names_for(args.profile_kind, 8)
             prompts = [[100 + i] * args.prompt for i in range(8)]
             await ours(engine, prompts, names, 8)

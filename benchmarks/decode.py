@@ -57,9 +57,9 @@ def pct(xs: list[float], q: float) -> float:
 async def run_batch(engine, batch: int, names: list[str | None], ctx: int, steps: int, seed: int):
     g = random.Random(seed)
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-    vocab = engine.core.model.cfg.vocab_size
+    vocab = engine.testing.executor.model.cfg.vocab_size
     prompts = [[g.randrange(vocab // 8, vocab - 1) for _ in range(ctx)] for _ in range(batch)]
-    engine.core.step_log.clear()
+    engine.testing.step_log.clear()
 
     async def one(i):
         n = 0
@@ -70,11 +70,11 @@ async def run_batch(engine, batch: int, names: list[str | None], ctx: int, steps
     t0 = time.perf_counter()
     produced = sum(await asyncio.gather(*(one(i) for i in range(batch))))
     wall = time.perf_counter() - t0
-    log = list(engine.core.step_log)
-    full = [e for e in log if e[3] and e[1] == batch][3:]  # decode steps, every row; skip capture
-    gpu = [e[5] / 1e3 for e in full if e[5] is not None]
-    host = [e[6] for e in full]
-    steps = [e[0] for e in full]
+    log = list(engine.testing.step_log)
+    full = [e for e in log if e.decode and e.rows == batch][3:]  # every row decodes; skip capture
+    gpu = [e.gpu_ms / 1e3 for e in full if e.gpu_ms is not None]
+    host = [e.host_s for e in full]
+    steps = [e.seconds for e in full]
     return {"wall": wall, "tokens": produced, "steps": steps, "gpu": gpu, "host": host, "log": log}
 
 
@@ -125,14 +125,15 @@ async def engine_cases(args, bw, adapters: list[Path], model_dir: Path, rows: li
                     wbytes + a_bytes + kv_bytes(args.cfg, batch, args.ctx + args.steps // 2)
                 ) / bw
                 if args.dump_steps:
-                    slow = sorted(r["log"], key=lambda e: -e[0])[:8]
+                    slow = sorted(r["log"], key=lambda e: -e.seconds)[:8]
                     print(f"   {len(r['log'])} steps, wall {r['wall']:.2f}s; slowest (ms, rows, "
                           "tokens, decode, pipelined):",
-                          [(round(e[0] * 1e3, 1), e[1], e[2], e[3], e[7]) for e in slow])  # fmt: skip
+                          [(round(e.seconds * 1e3, 1), e.rows, e.tokens, e.decode, e.pipelined)
+                           for e in slow])  # fmt: skip
                 p50, p99 = statistics.median(r["steps"]), pct(r["steps"], 0.99)
                 gpu = statistics.median(r["gpu"]) if r["gpu"] else float("nan")
                 host = statistics.median(r["host"]) if r["host"] else float("nan")
-                loop = (r["wall"] - sum(e[0] for e in r["log"])) / max(len(r["log"]), 1)
+                loop = (r["wall"] - sum(e.seconds for e in r["log"])) / max(len(r["log"]), 1)
                 print(
                     f"   host before queueing {host * 1e3:.2f} ms; loop between steps {loop * 1e3:.2f} ms"
                 )
@@ -177,17 +178,16 @@ async def coldload(engine, args, names, rows):
     task = asyncio.create_task(late())
     r = await run_batch(engine, batch, used, args.ctx, args.steps * 4, seed=3)
     await task
-    during = [e[0] for e in r["log"] if e[3] and e[1] == batch and e[4]]
-    quiet = [e[0] for e in r["log"] if e[3] and e[1] == batch and not e[4]][3:]
-    loads = [v for v in engine.core.adapters.versions() if v.name == "cold"]
+    during = [e.seconds for e in r["log"] if e.decode and e.rows == batch and e.loading]
+    quiet = [e.seconds for e in r["log"] if e.decode and e.rows == batch and not e.loading][3:]
+    loads = [v for v in engine.testing.adapters.versions() if v.name == "cold"]
     t = loads[0].timings if loads else {}
     from loraplex.engine.lora.slots import measure_slot_write
     from loraplex.engine.lora.staging import packed_for
 
     packed = packed_for(loads[0].adapter) if loads and loads[0].adapter is not None else None
-    slot_gbs = (
-        measure_slot_write(engine.core.model, packed, 10) if packed is not None else float("nan")
-    )
+    model = engine.testing.executor.model
+    slot_gbs = measure_slot_write(model, packed, 10) if packed is not None else float("nan")
     pinned = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
     side = torch.cuda.Stream()
     dst = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -217,7 +217,7 @@ async def profile(engine, names, args) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    runner = engine.core.runner
+    runner = engine.testing.executor.runner
     graphs, runner.graphs = runner.graphs, None
     try:
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:

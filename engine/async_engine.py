@@ -1,6 +1,6 @@
 """AsyncEngine: the embeddable engine. One asyncio task runs the step loop; the blocking
 step (slot writes, tensors, forward, sampling) runs in one worker thread so the event loop
-stays free. Only the loop task touches scheduler state.
+stays free. Only the loop task steps the engine; everything goes through ``EngineCore``'s API.
 
     async with AsyncEngine(EngineConfig(model=...)) as engine:
         async for out in engine.generate([1, 2, 3], SamplingParams(max_tokens=8), adapter="sql"):
@@ -20,12 +20,13 @@ from typing import Any
 import structlog
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.core import EngineCore
+from loraplex.engine.core import EngineCore, EngineInternals, Planned
 from loraplex.engine.errors import EngineClosedError, InvalidRequestError
-from loraplex.engine.loop_lag import LoopLag
+from loraplex.engine.executor import InFlightStep
 from loraplex.engine.request import Request, RequestOutput
-from loraplex.engine.sampler import make_generator
+from loraplex.engine.sampler import SamplerOutput
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.startup import build_core, capacity_report
 from loraplex.engine.warmup import COMPILES
 
 __all__ = ["AsyncEngine"]
@@ -35,8 +36,8 @@ log = structlog.get_logger("loraplex.engine")
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, *, model: Any = None) -> None:
-        """``model``: optionally a ready LlamaForCausalLM (random-weight benchmarks, apps that
-        build their own); the checkpoint in ``config.model`` is then not loaded."""
+        """``model``: optionally a ready model (random-weight benchmarks, apps that build
+        their own); the checkpoint in ``config.model`` is then not loaded."""
         self.config = config
         self._model = model
         self.core: EngineCore | None = None
@@ -57,7 +58,7 @@ class AsyncEngine:
             # Python code would then hold the step thread for 5 ms at a time (process-wide)
             sys.setswitchinterval(interval)
         self.core = await loop.run_in_executor(
-            self._executor, EngineCore.build, self.config, self._wake.set, self._model
+            self._executor, build_core, self.config, self._wake.set, self._model
         )
         self._model = None
         # NOTE: start-up leaves ~10^5 long-lived objects (modules, tensors, graphs); frozen,
@@ -65,11 +66,9 @@ class AsyncEngine:
         gc.collect()
         gc.freeze()
         COMPILES.serving()  # from here on a Triton compile stalls streams: each is logged
-        core = self.core
-        core.loop_lag = LoopLag(lambda lag: core.emit("loop_lag", lag_s=lag))
-        core.loop_lag.start()
+        self.core.start()
         self._loop_task = loop.create_task(self._run(), name="loraplex-step-loop")
-        log.info("engine_started", **self.core.capacity_report())
+        log.info("engine_started", **capacity_report(self.core))
 
     async def close(self) -> None:
         if self._closed:
@@ -82,9 +81,7 @@ class AsyncEngine:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         gc.unfreeze()  # (what start-up froze is collectable again once the engine is gone)
         if self.core is not None:
-            if self.core.loop_lag is not None:
-                await self.core.loop_lag.stop()
-            await self.core.adapters_close()
+            await self.core.close()
         self._executor.shutdown(wait=True)
 
     async def __aenter__(self) -> AsyncEngine:
@@ -116,15 +113,20 @@ class AsyncEngine:
     def subscribe(self, fn: Callable[[str, dict[str, Any]], None]) -> None:
         """Call ``fn(event, data)`` on engine events: "request_finished", "adapter_load",
         "slot_write", "loop_lag" (every few ms: ``lag_s``)."""
-        self._core().listeners.append(fn)
+        self._core().subscribe(fn)
 
     def unsubscribe(self, fn: Callable[[str, dict[str, Any]], None]) -> None:
-        listeners = self._core().listeners
-        if fn in listeners:
-            listeners.remove(fn)
+        self._core().unsubscribe(fn)
 
     def capacity_report(self) -> dict[str, Any]:
-        return self._core().capacity_report()
+        return capacity_report(self._core())
+
+    @property
+    def testing(self) -> EngineInternals:
+        """The one hook of tests and benchmarks into a running engine's internals: step log,
+        scheduler, adapter manager, loader, step executor (see ``EngineInternals``).
+        Applications use the methods of this class; the hook follows the internals."""
+        return self._core().internals
 
     # -- adapters -------------------------------------------------------------------------------
 
@@ -139,19 +141,14 @@ class AsyncEngine:
         return {"name": v.name, "uri": v.uri, "digest": v.digest, "version": v.version}
 
     async def remove_adapter(self, name: str) -> None:
-        self._core().adapters.unregister(name)
+        self._core().remove_adapter(name)
 
     def pin_adapter(self, name: str, pinned: bool = True) -> None:
         """Keep ``name`` in its GPU slot once loaded (operator pin)."""
-        self._core().adapters.pin(name, pinned)
+        self._core().pin_adapter(name, pinned)
 
     def list_adapters(self) -> list[dict[str, Any]]:
-        core = self._core()
-        out = []
-        for name in core.adapters.names():
-            v = core.adapters.get(name)
-            out.append({"name": name, "uri": v.uri, "digest": v.digest, "state": v.state.value})
-        return out
+        return self._core().list_adapters()
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -168,22 +165,8 @@ class AsyncEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use", field="request_id")
-        version = core.resolve_adapter(adapter) if adapter is not None else None
-        try:
-            prompt_ids = core.encode_prompt(prompt, params)
-            req = Request(rid, prompt_ids, params, version, eos_ids=frozenset(core.eos_ids))
-            if params.seed is not None:
-                req.generator = make_generator(params.seed, core.device)
-            req.detok = core.make_detokenizer(req)
-        except BaseException:
-            if version is not None:
-                core.drop_unused_adapter(version)  # a rejected request registers no name
-            raise
-        if version is not None:
-            req.meta["tier"] = core.adapters.add_user(version)
+        req = core.submit(rid, prompt, params, adapter)
         self._requests[rid] = req
-        core.counters["requests"] += 1
-        core.scheduler.add(req)
         self._wake.set()
         try:
             while True:
@@ -202,9 +185,7 @@ class AsyncEngine:
         req = self._requests.get(request_id)
         if req is None or req.is_finished or self.core is None:
             return False
-        req.aborted = True
-        if req not in self.core.in_flight:
-            self.core.finish(req, "abort")
+        if self.core.abort(req):  # else it ends when its step in flight is applied
             self._requests.pop(request_id, None)
         self._wake.set()
         return True
@@ -228,31 +209,25 @@ class AsyncEngine:
                 self._requests = {k: r for k, r in self._requests.items() if not r.is_finished}
 
     async def _iterate(self, core: EngineCore, loop: asyncio.AbstractEventLoop) -> None:
-        """One turn of the step loop: schedule, run the step in the worker thread, postprocess.
+        """One turn of the step loop: plan, run the step in the worker thread, apply it.
 
         Pipelined decode: while a step is in flight, the next one (same requests, one token
         further) is planned and launched behind it before its tokens are collected, for as
         long as ``core.chain`` allows; then the loop schedules normally again.
         """
         self._wake.clear()
-        core.poll_slot_events()
-        for req, err in core.drain_failed_adapters():
-            core.fail(req, err)
-        plan = core.scheduler.schedule()
-        for req, err in plan.failed:
-            core.fail(req, err)
-        if plan.empty:
+        planned = core.plan()
+        if planned is None:
             if core.pending_slot_writes():
                 await asyncio.sleep(0.0005)  # a side-stream write is landing
             else:
                 await self._wake.wait()
             return
-        items = core.prepare(plan)
+        plan, items = planned
         plans = [plan]
         try:
             step = await loop.run_in_executor(self._executor, core.launch, plan, items)
             while not self._closed:
-                core.poll_slot_events()
                 nxt = core.chain(step)
                 if nxt is None:
                     break
@@ -261,25 +236,25 @@ class AsyncEngine:
                     self._executor, self._launch_collect, core, nxt, step
                 )
                 plans.pop(0)
-                core.in_flight = {c.req for c in nstep.plan.chunks}
-                core.postprocess(step.plan, result)
+                core.apply(step, result, behind=nstep)
                 self._forget_finished()
                 step = nstep
                 await asyncio.sleep(0)  # let consumers take their outputs
             result = await loop.run_in_executor(self._executor, core.collect, step)
         except Exception as e:  # noqa: BLE001 - one bad step must not stop the engine
             log.exception("step_failed")
-            for p in plans:
-                core.fail_step(p, e)
+            core.fail_steps(plans, e)
             return
         finally:
-            core.in_flight = set()
-        core.postprocess(step.plan, result)
+            core.end_steps()
+        core.apply(step, result)
         self._forget_finished()
         await asyncio.sleep(0)
 
     @staticmethod
-    def _launch_collect(core: EngineCore, nxt: tuple, step: Any) -> tuple[Any, Any]:
+    def _launch_collect(
+        core: EngineCore, nxt: Planned, step: InFlightStep
+    ) -> tuple[InFlightStep, SamplerOutput | None]:
         """Step thread: queue the next step behind ``step``, then wait for ``step``'s tokens."""
         nstep = core.launch(nxt[0], nxt[1], step)
         return nstep, core.collect(step)

@@ -1,6 +1,9 @@
-"""EngineCore: the synchronous heart of the engine, driven by AsyncEngine's loop task.
+"""EngineCore: the engine's state and the one owner of its requests, driven by AsyncEngine.
 
-Methods run on the event loop except ``execute`` (the worker thread) and ``build``.
+The core holds the scheduler and KV blocks, the adapters (manager and cold-load pipeline), the
+requests in flight, counters and event listeners, and a ``StepExecutor`` (executor.py) that
+runs steps on the device. Start-up (model, KV cache, tokenizer, graphs) is
+``startup.build_core``; nothing here imports it.
 """
 
 from __future__ import annotations
@@ -10,53 +13,97 @@ import collections
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
-import torch
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.cuda_graph import MixedGraphs
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.errors import InvalidRequestError
+from loraplex.engine.executor import InFlightStep, StepExecutor, StepRecord
 from loraplex.engine.kv import BlockManager
 from loraplex.engine.loop_lag import LoopLag
 from loraplex.engine.lora.errors import AdapterNotFoundError
 from loraplex.engine.lora.loader import AdapterLoader
 from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion
 from loraplex.engine.lora.pool import HostPool
-from loraplex.engine.lora.slot_writer import SlotWriter
 from loraplex.engine.lora.staging import packed_for
-from loraplex.engine.model_runner import ModelRunner
-from loraplex.engine.observe import engine_stats, request_summary
-from loraplex.engine.output import final_output
+from loraplex.engine.model.protocol import CausalLM
+from loraplex.engine.model_runner import ModelRunner, StepItem
+from loraplex.engine.observe import request_summary
+from loraplex.engine.output import append_token, final_output
 from loraplex.engine.request import Request
-from loraplex.engine.sampler import Sampler
+from loraplex.engine.sampler import SamplerOutput, make_generator
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
-from loraplex.engine.step import StepMixin
 from loraplex.engine.tokenizer import Tokenizer
-from loraplex.engine.warmup import warm_slot_writes
+from loraplex.engine.warmup import COMPILES
 
-__all__ = ["EngineCore"]
+__all__ = ["EngineCore", "EngineInternals", "Planned"]
 
 log = structlog.get_logger("loraplex.engine")
 
+# A planned step: the scheduler's plan and its step items (the executor's inputs).
+Planned = tuple[SchedulerOutput, list[StepItem]]
 
-class EngineCore(StepMixin):
+
+@dataclass(frozen=True)
+class EngineInternals:
+    """What tests and benchmarks may read or wrap of a running engine (``AsyncEngine.testing``).
+
+    Not an application API: it follows the engine's inner structure.
+    ``scheduler``: queues (``running``, ``waiting``), ``schedule`` / ``add``;
+    ``adapters``: versions, slots, refcounts; ``loader``: plugins, helper processes, host pool,
+    staging dir; ``executor``: ``prepare`` / ``launch``, ``runner``, ``model``,
+    ``mixed_graphs`` and the ``step_log`` of ``StepRecord``.
+    """
+
+    scheduler: Scheduler
+    adapters: AdapterManager
+    loader: AdapterLoader
+    executor: StepExecutor
+
+    @property
+    def step_log(self) -> collections.deque[StepRecord]:
+        return self.executor.step_log
+
+
+class EngineCore:
+    """The engine's state: scheduler, KV blocks, adapters, requests; ``executor`` runs steps.
+
+    ``AsyncEngine`` uses only this API, on the event loop unless noted:
+
+    - lifetime: ``start()`` (on the running loop: loop-lag sampling), ``await close()``;
+    - requests: ``submit(request_id, prompt, params, adapter)`` -> the queued ``Request``
+      (typed errors for unknown adapters and bad prompts); ``abort(req)`` -> True when it
+      finished now, False when a step in flight holds it (that step's ``apply`` ends it);
+    - steps: ``plan()`` -> the next ``Planned`` step, or None when nothing can run (then
+      ``pending_slot_writes()`` says whether a slot write is about to land);
+      ``launch(plan, items, prev)`` and ``collect(step)`` in the step thread;
+      ``chain(step)`` -> the ``Planned`` step to queue behind ``step`` while it is in flight
+      (pipelined decode), or None; ``apply(step, result, behind)`` a collected step;
+      ``end_steps()`` when the loop leaves its steps (also on errors and cancellation);
+      ``fail_steps(plans, error)`` / ``fail_all(error)`` when a step / the loop fails;
+    - adapters: ``add_adapter``, ``remove_adapter``, ``pin_adapter``, ``list_adapters``;
+    - observing: ``subscribe(fn)`` / ``unsubscribe(fn)``, ``stats()``; ``model_name``,
+      ``tokenizer``, ``max_model_len``; ``internals`` (the testing hook).
+    """
+
     def __init__(
         self,
         config: EngineConfig,
-        model,
+        model: CausalLM,
         runner: ModelRunner,
-        tokenizer,
-        wake,
+        tokenizer: Tokenizer | None,
+        wake: Callable[[], None],
         pool: HostPool | None = None,
+        mixed_graphs: MixedGraphs | None = None,
     ) -> None:
         self.config = config
-        self.model = model
-        self.runner = runner
-        self.tokenizer: Tokenizer | None = tokenizer
+        self.model = model  # read for its config, dtype and device; run by the executor
+        self.tokenizer = tokenizer
         self.device = model.device
         cfg = model.cfg
         self.model_name = config.served_model_name or (
@@ -80,24 +127,49 @@ class EngineCore(StepMixin):
             runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.blocks, self.adapters)
-        self.sampler = Sampler(seed=config.seed)
-        self.in_flight: set[Request] = set()
-        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.slot_writer: SlotWriter | None = None
-        if self.side_stream is not None and pool is not None and config.max_loras:
-            warm_slot_writes(model, pool, self.side_stream)
-            self.slot_writer = SlotWriter(model, self.side_stream)
-        self.last_step_event: Any = None
-        self.last_result_time = 0.0  # perf_counter when the last step's tokens reached the host
+        self.executor = StepExecutor(
+            config, model, runner, self.blocks, self.adapters, pool, mixed_graphs
+        )
+        self._sync_slot_writes = self.executor.side_stream is None  # they land at the step's end
+        self.in_flight: set[Request] = set()  # requests of launched, not yet applied steps
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0, "steps": 0}
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self._load_gate: asyncio.Semaphore | None = None
-        self.step_log: collections.deque[tuple] = collections.deque(maxlen=100_000)
-        self.loop_lag: LoopLag | None = None  # started by AsyncEngine on its loop
-        self.mixed_graphs: MixedGraphs | None = None  # set by start-up (CUDA graphs on)
+        self.loop_lag: LoopLag | None = None  # started by ``start`` on the engine's loop
 
-    def loop_lag_summary(self) -> dict[str, float]:
-        return self.loop_lag.summary() if self.loop_lag is not None else {}
+    @property
+    def internals(self) -> EngineInternals:
+        return EngineInternals(self.scheduler, self.adapters, self.loader, self.executor)
+
+    @property
+    def step_log(self) -> collections.deque[StepRecord]:
+        """The executor's step log (read by the cold-load study)."""
+        return self.executor.step_log
+
+    # -- lifetime and events --------------------------------------------------------------------
+
+    def start(self) -> None:
+        """On the engine's running loop: sample its lag (``loop_lag`` events, stats)."""
+        self.loop_lag = LoopLag(lambda lag: self.emit("loop_lag", lag_s=lag))
+        self.loop_lag.start()
+
+    async def close(self) -> None:
+        """Stop lag sampling, cancel loads, stop the slot writer and the loader."""
+        if self.loop_lag is not None:
+            await self.loop_lag.stop()
+        tasks = [v.load_task for v in self.adapters.versions() if v.load_task is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.to_thread(self.executor.close)
+        await asyncio.to_thread(self.loader.close)
+
+    def subscribe(self, fn: Callable[[str, dict[str, Any]], None]) -> None:
+        self.listeners.append(fn)
+
+    def unsubscribe(self, fn: Callable[[str, dict[str, Any]], None]) -> None:
+        if fn in self.listeners:
+            self.listeners.remove(fn)
 
     def emit(self, event: str, **data: Any) -> None:
         """Tell subscribers (metrics, studies) about ``event``; a failing one is logged, not raised."""
@@ -106,18 +178,6 @@ class EngineCore(StepMixin):
                 fn(event, data)
             except Exception:  # noqa: BLE001
                 log.exception("listener_failed", event=event)
-
-    @staticmethod
-    def build(config: EngineConfig, wake: Callable[[], None], model: Any = None) -> EngineCore:
-        """Load model, KV cache and tokenizer (blocking: call from a worker thread)."""
-        from loraplex.engine.startup import build_core
-
-        return build_core(config, wake, model)
-
-    def capacity_report(self) -> dict[str, Any]:
-        from loraplex.engine.startup import capacity_report
-
-        return capacity_report(self)
 
     # -- adapters -------------------------------------------------------------------------------
 
@@ -140,7 +200,20 @@ class EngineCore(StepMixin):
         await self.loader.trim_staging(self.adapters.versions(), keep=v)
         return v
 
-    def resolve_adapter(self, name: str) -> AdapterVersion:
+    def remove_adapter(self, name: str) -> None:
+        self.adapters.unregister(name)
+
+    def pin_adapter(self, name: str, pinned: bool = True) -> None:
+        self.adapters.pin(name, pinned)
+
+    def list_adapters(self) -> list[dict[str, Any]]:
+        out = []
+        for name in self.adapters.names():
+            v = self.adapters.get(name)
+            out.append({"name": name, "uri": v.uri, "digest": v.digest, "state": v.state.value})
+        return out
+
+    def _resolve_adapter(self, name: str) -> AdapterVersion:
         """The current version of ``name``; unknown names go through dynamic resolution."""
         try:
             return self.adapters.get(name)
@@ -151,7 +224,7 @@ class EngineCore(StepMixin):
         v = self.adapters.new_version(name, uri, dynamic=True)
         return self.adapters.register(v)
 
-    def drop_unused_adapter(self, v: AdapterVersion) -> None:
+    def _drop_unused_adapter(self, v: AdapterVersion) -> None:
         """Forget a dynamic version resolved for a request that was then rejected, unless some
         other request uses it (else made-up names would pile up in the registry)."""
         if v.dynamic and v.users == 0 and v.state is AdapterState.REGISTERED:
@@ -199,16 +272,7 @@ class EngineCore(StepMixin):
             nbytes=v.adapter.nbytes,
         )
 
-    async def adapters_close(self) -> None:
-        tasks = [v.load_task for v in self.adapters.versions() if v.load_task is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self.slot_writer is not None:
-            await asyncio.to_thread(self.slot_writer.close)
-        await asyncio.to_thread(self.loader.close)
-
-    def drain_failed_adapters(self) -> list[tuple[Request, BaseException]]:
+    def _drain_failed_adapters(self) -> list[tuple[Request, BaseException]]:
         failed = [
             r
             for r in self.scheduler.waiting
@@ -221,7 +285,7 @@ class EngineCore(StepMixin):
             self.adapters.reset_failed(v)
         return out
 
-    def poll_slot_events(self) -> None:
+    def _poll_slot_events(self) -> None:
         for v in self.adapters.resident:
             if not v.slot_ready and v.slot_event is not None and v.slot_event.query():
                 self._slot_landed(v)
@@ -237,7 +301,7 @@ class EngineCore(StepMixin):
             gpu_s = start.elapsed_time(v.slot_event) / 1e3  # transfer + on-device scatter
             copy_s = start.elapsed_time(copied) / 1e3  # the host -> device transfer alone
         v.slot_ready, v.slot_event, v.slot_timing = True, None, None
-        self.runner.slot_ranks[v.slot] = v.rank
+        self.executor.set_slot_rank(v.slot, v.rank)
         h2d = time.perf_counter() - v.timings.get("h2d_start", time.perf_counter())
         v.timings["h2d"] = h2d
         nbytes = v.adapter.nbytes if v.adapter is not None else 0
@@ -250,7 +314,41 @@ class EngineCore(StepMixin):
 
     # -- requests -------------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+    def submit(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        adapter: str | None = None,
+    ) -> Request:
+        """Check and queue a request; raises typed errors (unknown adapter, bad prompt...)."""
+        version = self._resolve_adapter(adapter) if adapter is not None else None
+        try:
+            prompt_ids = self._encode_prompt(prompt, params)
+            req = Request(request_id, prompt_ids, params, version, eos_ids=frozenset(self.eos_ids))
+            if params.seed is not None:
+                req.generator = make_generator(params.seed, self.device)
+            req.detok = self._detokenizer(req)
+        except BaseException:
+            if version is not None:
+                self._drop_unused_adapter(version)  # a rejected request registers no name
+            raise
+        if version is not None:
+            req.meta["tier"] = self.adapters.add_user(version)
+        self.counters["requests"] += 1
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, req: Request) -> bool:
+        """Mark ``req`` aborted; True if it finished now, False if a step in flight holds it
+        (applying that step finishes it)."""
+        req.aborted = True
+        if req in self.in_flight:
+            return False
+        self.finish(req, "abort")
+        return True
+
+    def _encode_prompt(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError(
@@ -278,7 +376,7 @@ class EngineCore(StepMixin):
             )
         return ids
 
-    def make_detokenizer(self, req: Request) -> IncrementalDetokenizer | None:
+    def _detokenizer(self, req: Request) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
         return IncrementalDetokenizer(self.tokenizer, req.prompt_ids, stop=req.params.stop)
@@ -295,14 +393,9 @@ class EngineCore(StepMixin):
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every queued and running request (the step loop hit an unexpected error)."""
-        self.in_flight = set()
+        self.in_flight.clear()
         for req in [*self.scheduler.running, *self.scheduler.waiting]:
             self.fail(req, error)
-
-    def fail_step(self, plan: SchedulerOutput, error: BaseException) -> None:
-        for chunk in plan.chunks:
-            if not chunk.req.is_finished:  # pipelined steps share requests
-                self.fail(chunk.req, error)
 
     def _log(self, req: Request) -> None:
         """The one canonical log line of a request, and the matching event for subscribers."""
@@ -313,7 +406,134 @@ class EngineCore(StepMixin):
             "request_finished", **summary, itl_s=[b - a for a, b in itertools.pairwise(times)]
         )
 
+    # -- steps ----------------------------------------------------------------------------------
+
+    def plan(self) -> Planned | None:
+        """The next step (its requests are in flight from here), or None: nothing can run.
+
+        First: landed slot writes, requests whose adapter failed to load, and requests the
+        scheduler rejects are dealt with."""
+        self._poll_slot_events()
+        for req, err in self._drain_failed_adapters():
+            self.fail(req, err)
+        plan = self.scheduler.schedule()
+        for req, err in plan.failed:
+            self.fail(req, err)
+        if plan.empty:
+            return None
+        self.in_flight |= {c.req for c in plan.chunks}
+        return plan, self.executor.prepare(plan)
+
+    def chain(self, step: InFlightStep) -> Planned | None:
+        """The step to queue behind ``step`` while it is in flight (pipelined decode), if
+        ``Scheduler.chain`` allows one."""
+        self._poll_slot_events()
+        if not self.config.async_scheduling or step.sample is None:
+            return None
+        plan = self.scheduler.chain(step.plan, self.max_model_len)
+        if plan is None:
+            return None
+        self.in_flight |= {c.req for c in plan.chunks}
+        return plan, self.executor.prepare(plan, step)
+
+    def launch(
+        self, plan: SchedulerOutput, items: list[StepItem], prev: InFlightStep | None = None
+    ) -> InFlightStep:
+        """Step thread: slot writes, then queue the forward and sampling (behind ``prev``)."""
+        return self.executor.launch(plan, items, prev)
+
+    def collect(self, step: InFlightStep) -> SamplerOutput | None:
+        """Step thread: wait for ``step``'s sampled tokens."""
+        return self.executor.collect(step)
+
+    def apply(
+        self,
+        step: InFlightStep,
+        result: SamplerOutput | None,
+        behind: InFlightStep | None = None,
+    ) -> None:
+        """Apply a collected step (tokens, finishes, streamed outputs). ``behind``: the step
+        launched behind it and still in flight; its requests stay in flight, no others do."""
+        if behind is None:
+            self.in_flight.clear()
+        else:
+            self.in_flight = {c.req for c in behind.plan.chunks}
+        self._postprocess(step.plan, result)
+
+    def end_steps(self) -> None:
+        """The loop left its steps (collected, failed or cancelled): none is in flight."""
+        self.in_flight.clear()
+
+    def fail_steps(self, plans: list[SchedulerOutput], error: BaseException) -> None:
+        """Fail the requests of steps that raised (pipelined steps share requests)."""
+        for plan in plans:
+            for chunk in plan.chunks:
+                if not chunk.req.is_finished:
+                    self.fail(chunk.req, error)
+
+    def _postprocess(self, plan: SchedulerOutput, result: SamplerOutput | None) -> None:
+        self.counters["steps"] += 1
+        if self._sync_slot_writes:
+            for v, slot, _ in plan.slot_jobs:
+                if v.slot == slot and self.adapters.slot_owner(slot) is v:  # not dropped meanwhile
+                    self._slot_landed(v)
+        row = -1
+        now = time.monotonic()
+        for chunk in plan.chunks:
+            req = chunk.req
+            row += chunk.need_logits
+            if req.is_finished:
+                continue  # e.g. a pipelined row of a request that ended the step before
+            self.scheduler.mark_computed(chunk)
+            if req.aborted:
+                self.finish(req, "abort")
+                continue
+            if not chunk.need_logits:
+                continue
+            assert result is not None
+            tok = result.token_ids[row]
+            out = append_token(
+                req, tok, result.logprobs[row], result.top_logprobs[row], self.max_model_len
+            )
+            req.token_times.append(now)
+            if out.finished:
+                self.scheduler.finish(req, out.finish_reason or "stop")
+                self.counters["finished"] += 1
+                self._log(req)
+            req.queue.put_nowait(out)
+
     # -- introspection --------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        return engine_stats(self)
+        """Counters for tests, metrics and studies (read on the event loop)."""
+        b = self.blocks
+        sched = self.scheduler
+        adapters = self.adapters
+        return {
+            "max_loras": self.config.max_loras,
+            "running_adapters": sorted({r.adapter.name for r in sched.running if r.adapter}),
+            "waiting_adapters": sorted({r.adapter.name for r in sched.waiting if r.adapter}),
+            "gpu_resident": [v.name for v in adapters.resident],
+            "cpu_resident": [v.name for v in adapters.versions() if v.state is AdapterState.CPU],
+            "num_blocks": b.num_blocks,
+            "num_free_blocks": b.num_free_blocks,
+            "num_used_blocks": b.num_used_blocks,
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "preemptions": sched.num_preemptions,
+            "prefix_cache_queries": b.stats.queries,
+            "prefix_cache_hits": b.stats.hits,
+            "adapter_refs": {
+                f"{v.name}@{v.digest[:12]}#{v.version}": {  # unique: digests may be pending
+                    "users": v.users,
+                    "slot_refs": v.slot_refs,
+                    "slot": v.slot,
+                }
+                for v in adapters.versions()
+            },
+            "adapters": dict(adapters.stats),
+            "kernel_compiles_while_serving": len(COMPILES.while_serving),
+            "host_pool_regions_in_use": self.loader.pool.in_use() if self.loader.pool else 0,
+            **(self.loop_lag.summary() if self.loop_lag is not None else {}),
+            **self.counters,
+        }

@@ -1,4 +1,7 @@
-"""Engine start-up: load the model, size the KV cache, load the tokenizer, report capacity."""
+"""Engine start-up: load the model, size the KV cache, load the tokenizer, report capacity.
+
+``AsyncEngine`` calls ``build_core`` (in its step thread) and ``capacity_report``; this module
+imports the core, the core never imports it."""
 
 from __future__ import annotations
 
@@ -115,8 +118,7 @@ def build_core(
             tokenizer = Tokenizer.from_dir(path)
     procs = config.resolved_loader_processes if config.max_loras else 0
     pool = host_pool(config, model, shared=procs > 0)
-    core = EngineCore(config, model, runner, tokenizer, wake, pool=pool)
-    core.mixed_graphs = mixed
+    core = EngineCore(config, model, runner, tokenizer, wake, pool=pool, mixed_graphs=mixed)
     core.loader.start_processes(procs)
     return core
 
@@ -148,20 +150,22 @@ def host_pool(config: EngineConfig, model: CausalLM, *, shared: bool) -> HostPoo
     return pool
 
 
-def capacity_report(self: EngineCore) -> dict[str, Any]:
-    cfg = self.config
-    mcfg = self.model.cfg
+def capacity_report(core: EngineCore) -> dict[str, Any]:
+    """What the engine holds: KV tokens, GPU slots, CPU tier, adapters the host memory fits."""
+    cfg = core.config
+    mcfg = core.model.cfg
     shapes = mcfg.lora_module_shapes()
-    elem = torch.empty((), dtype=self.model.dtype).element_size()
+    elem = torch.empty((), dtype=core.model.dtype).element_size()
     full_rank_bytes = (
         mcfg.num_layers * sum(i + o for i, o in shapes.values()) * cfg.max_lora_rank * elem
     )
+    num_blocks = core.blocks.num_blocks
     return {
-        "model": self.model_name,
-        "device": str(self.device),
-        "dtype": str(self.model.dtype).removeprefix("torch."),
-        "kv_blocks": self.runner.num_blocks,
-        "kv_tokens": self.runner.num_blocks * cfg.block_size,
+        "model": core.model_name,
+        "device": str(core.device),
+        "dtype": str(core.model.dtype).removeprefix("torch."),
+        "kv_blocks": num_blocks,
+        "kv_tokens": num_blocks * cfg.block_size,
         "gpu_slots": cfg.max_loras,
         "max_lora_rank": cfg.max_lora_rank,
         "slot_bytes": full_rank_bytes,

@@ -8,15 +8,16 @@ assets. This module only locates files: it imports neither torch nor transformer
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from loraplex.engine.async_engine import AsyncEngine
+from typing import Any, Protocol
 
 __all__ = ["ASSETS_DIR", "demo_model_dir", "demo_adapters", "register_demo_adapters"]
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 _HINT = "regenerate it with: python -m loraplex.engine.demo.build"
+
+
+class _Engine(Protocol):  # an AsyncEngine (not imported: start-up imports this module)
+    async def add_adapter(self, name: str, uri: str) -> Any: ...
 
 
 def demo_model_dir() -> Path:
@@ -38,7 +39,7 @@ def demo_adapters() -> dict[str, Path]:
     }
 
 
-async def register_demo_adapters(engine: AsyncEngine) -> list[str]:
+async def register_demo_adapters(engine: _Engine) -> list[str]:
     """Register every demo adapter with ``engine`` under its name; returns the names."""
     names = []
     for name, path in demo_adapters().items():

@@ -138,17 +138,18 @@ class NamePlugin:
 
 
 class StepGate:
-    """Parks ``core.launch`` (the step thread) at the first step for which ``when(plan)`` holds,
-    until ``release()``; ``reached`` is set (on the loop) when it parks."""
+    """Parks the step executor's ``launch`` (the step thread) at the first step for which
+    ``when(plan)`` holds, until ``release()``; ``reached`` is set (on the loop) when it parks."""
 
-    def __init__(self, core: Any, when: Callable[[Any], bool]) -> None:
-        self.core, self.when = core, when
+    def __init__(self, engine: Any, when: Callable[[Any], bool]) -> None:
+        executor = engine.testing.executor
+        self.when = when
         self.loop = asyncio.get_running_loop()
         self.reached = asyncio.Event()
         self.plan: Any = None
         self._go = threading.Event()
-        self._launch = core.launch
-        core.launch = self._gated
+        self._launch = executor.launch
+        executor.launch = self._gated
 
     def _gated(self, plan: Any, items: Any, prev: Any = None) -> Any:
         if self.when is not None and self.when(plan):
@@ -255,9 +256,9 @@ BROKEN: dict[str, tuple[Callable[[Path, Path], Path], str]] = {
 def staged_leftovers(engine: Any) -> list[Path]:
     """Paths under the engine's adapter cache dir that belong to no live, fetched version
     (partial downloads, staging dirs of cancelled or failed loads, dropped versions)."""
-    core = engine.core
-    live = {v.local_dir for v in core.adapters.versions() if v.local_dir is not None}
-    cache = core.loader.cache_dir
+    internals = engine.testing
+    live = {v.local_dir for v in internals.adapters.versions() if v.local_dir is not None}
+    cache = internals.loader.cache_dir
     out = []
     for p in sorted(cache.rglob("*")):
         if any(p == d or d in p.parents for d in live):

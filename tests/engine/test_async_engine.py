@@ -224,7 +224,7 @@ async def test_unexpected_loop_error_fails_requests_instead_of_hanging(tiny, mon
     with the error; the engine keeps serving afterwards."""
     model_dir, _ = tiny
     async with AsyncEngine(config(model_dir)) as engine:
-        sched = engine.core.scheduler
+        sched = engine.testing.scheduler
         real = sched.schedule
         calls = {"n": 0}
 

@@ -45,7 +45,7 @@ async def test_broken_adapters_fail_only_their_requests(tiny, tmp_path):
         adapter_cache_dir=str(tmp_path / "cache"),
     )
     async with AsyncEngine(cfg) as engine:
-        engine.core.loader.plugins.register(
+        engine.testing.loader.plugins.register(
             NamePlugin({"outside": "s3://other-bucket/outside"}), "names"
         )
 
@@ -118,7 +118,7 @@ async def test_lost_staging_is_fetched_again_and_must_keep_its_digest(tiny, tmp_
     async with AsyncEngine(config(model_dir, adapter_cache_dir=str(tmp_path / "cache"))) as engine:
         for name in ("sql", "poem"):
             await engine.add_adapter(name, f"file://{root / name}")
-            shutil.rmtree(engine.core.adapters.get(name).local_dir)
+            shutil.rmtree(engine.testing.adapters.get(name).local_dir)
         derived_adapter(adapters["poem"], root / "poem", seed=9)  # the source changed meanwhile
 
         async def changed():
@@ -130,7 +130,7 @@ async def test_lost_staging_is_fetched_again_and_must_keep_its_digest(tiny, tmp_
             collect(engine, PROMPT, LONG), collect(engine, PROMPT, LONG, adapter="sql"), changed()
         )
         assert len(base[0]) == len(sql[0]) == LONG.max_tokens
-        assert engine.core.adapters.get("sql").local_dir.is_dir()  # staged again
+        assert engine.testing.adapters.get("sql").local_dir.is_dir()  # staged again
         await changed()  # still refused on retry
         assert_idle(engine)
     hf = HFReference(model_dir, {"sql": adapters["sql"]})

@@ -28,18 +28,19 @@ PROMPT = [4, 61, 23, 8, 190, 33]
 def watch_slots(engine):
     """Wrap assign_slot and prepare: every slot taken from an owner is unreferenced, and count
     the steps in which a slot is written while other rows read LoRA slots."""
-    core = engine.core
+    internals = engine.testing
+    adapters, executor = internals.adapters, internals.executor
     seen = {"evictions": 0, "mixed_steps": 0, "writes": 0}
-    assign, prepare = core.adapters.assign_slot, core.prepare
+    assign, prepare = adapters.assign_slot, executor.prepare
 
     def checked_assign(v, *, force=False):
-        owners = {i: core.adapters.slot_owner(i) for i in range(core.adapters.max_loras)}
+        owners = {i: adapters.slot_owner(i) for i in range(adapters.max_loras)}
         slot = assign(v, force=force)
         old = owners.get(slot) if slot is not None else None
         if old is not None and old is not v:
             seen["evictions"] += 1
             assert old.slot_refs == 0, f"slot {slot} taken from {old.key} with readers"
-            assert not any(r.adapter is old for r in core.scheduler.running), old.key
+            assert not any(r.adapter is old for r in internals.scheduler.running), old.key
         return slot
 
     def checked_prepare(plan, prev=None):
@@ -50,8 +51,8 @@ def watch_slots(engine):
                 seen["mixed_steps"] += 1
         return prepare(plan, prev)  # asserts the engine's own slot-safety invariants
 
-    core.adapters.assign_slot = checked_assign
-    core.prepare = checked_prepare
+    adapters.assign_slot = checked_assign
+    executor.prepare = checked_prepare
     return seen
 
 
@@ -178,10 +179,10 @@ async def test_slot_write_of_a_version_dropped_mid_step_fails_nobody(tiny, tmp_p
     new_dir = derived_adapter(adapters["sql"], tmp_path / "sql2", seed=5)
     async with AsyncEngine(config(model_dir)) as engine:
         await engine.add_adapter("sql", f"file://{adapters['sql']}")
-        v_old = engine.core.adapters.get("sql")
+        v_old = engine.testing.adapters.get("sql")
         base = asyncio.create_task(collect(engine, PROMPT, long))
         await wait_until(lambda: engine.stats()["running"] == 1, "the base request running")
-        gate = StepGate(engine.core, lambda plan: v_old in plan.slot_writes)
+        gate = StepGate(engine, lambda plan: v_old in plan.slot_writes)
         doomed = asyncio.create_task(collect(engine, PROMPT, short, adapter="sql"))
         await asyncio.wait_for(gate.reached.wait(), 30)
         assert gate.plan.chunks  # the base request's row is in the parked step
@@ -189,7 +190,7 @@ async def test_slot_write_of_a_version_dropped_mid_step_fails_nobody(tiny, tmp_p
         doomed.cancel()  # ... whose last request leaves while its slot is being written
         with pytest.raises(asyncio.CancelledError):
             await doomed
-        assert v_old not in engine.core.adapters.versions()
+        assert v_old not in engine.testing.adapters.versions()
         gate.release()
         tokens, _, outs = await asyncio.wait_for(base, 30)
         assert outs[-1].finish_reason == "length" and len(tokens) == long.max_tokens
@@ -227,7 +228,7 @@ async def test_reloading_a_pinned_name_waits_for_the_old_version_instead_of_fail
     async with AsyncEngine(config(model_dir, max_loras=1, max_cpu_loras=2)) as engine:
         await engine.add_adapter("sql", f"file://{adapters['sql']}")
         engine.pin_adapter("sql")
-        gate = StepGate(engine.core, lambda plan: any(c.req.output_ids for c in plan.chunks))
+        gate = StepGate(engine, lambda plan: any(c.req.output_ids for c in plan.chunks))
         old = asyncio.create_task(collect(engine, PROMPT, long, adapter="sql"))
         await asyncio.wait_for(gate.reached.wait(), 30)
         await engine.add_adapter("sql", f"file://{new_dir}")
@@ -238,7 +239,7 @@ async def test_reloading_a_pinned_name_waits_for_the_old_version_instead_of_fail
             asyncio.gather(old, new), 30
         )
         assert engine.stats()["gpu_resident"] == ["sql"]
-        assert engine.core.adapters.get("sql").pinned
+        assert engine.testing.adapters.get("sql").pinned
         assert_idle(engine)
     hf = HFReference(model_dir, {"old": adapters["sql"], "new": new_dir})
     compare(old_tokens, *hf.greedy(PROMPT, "old", long.max_tokens))

@@ -52,10 +52,10 @@ def proc_config(model_dir: Path, tmp_path: Path, **kw):
 
 def pool_idle(engine: AsyncEngine) -> None:
     """Every host-pool region in use belongs to a CPU-tier version."""
-    core = engine.core
-    held = [v for v in core.adapters.versions() if v.region is not None]
+    internals = engine.testing
+    held = [v for v in internals.adapters.versions() if v.region is not None]
     assert all(v.state is AdapterState.CPU for v in held), held
-    assert core.loader.pool.in_use() == len(held)
+    assert internals.loader.pool.in_use() == len(held)
 
 
 @pytest.fixture
@@ -82,9 +82,9 @@ async def test_helper_loads_match_in_process_loads(tiny, lib, tmp_path):
             )
             results[procs] = [o[0] for o in outs]
             if procs:
-                core = engine.core
-                assert len(core.loader.procs.pids) == 1
-                assert all(v.region is not None for v in core.adapters.versions())
+                internals = engine.testing
+                assert len(internals.loader.procs.pids) == 1
+                assert all(v.region is not None for v in internals.adapters.versions())
                 pool_idle(engine)
             assert_idle(engine)
     assert results[0] == results[1]
@@ -95,7 +95,7 @@ async def test_killed_helper_is_replaced_and_the_load_retried(tiny, lib, tmp_pat
     cfg = proc_config(model_dir, tmp_path, extra={"loader_test_delay_s": 1.0})
     async with AsyncEngine(cfg) as engine:
         await engine.add_adapter("poem", str(lib["poem"]))
-        procs = engine.core.loader.procs
+        procs = engine.testing.loader.procs
         base = asyncio.create_task(collect(engine, PROMPT, LONG))
         task = asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="poem"))
         await wait_until(lambda: any(p.jobs for p in procs.procs), "a stage job in flight")
@@ -113,7 +113,7 @@ async def test_killed_helper_is_replaced_and_the_load_retried(tiny, lib, tmp_pat
 async def test_helper_dead_before_any_job_is_replaced(tiny, lib, tmp_path):
     model_dir, _ = tiny
     async with AsyncEngine(proc_config(model_dir, tmp_path)) as engine:
-        procs = engine.core.loader.procs
+        procs = engine.testing.loader.procs
         first = procs.procs[0]
         os.kill(first.process.pid, signal.SIGKILL)
         await wait_until(lambda: first.dead, "the death seen by its reader")
@@ -129,7 +129,7 @@ async def test_second_death_fails_only_that_adapter(tiny, lib, tmp_path):
     cfg = proc_config(model_dir, tmp_path, extra={"loader_test_delay_s": 1.0})
     async with AsyncEngine(cfg) as engine:
         await engine.add_adapter("poem", str(lib["poem"]))
-        procs = engine.core.loader.procs
+        procs = engine.testing.loader.procs
         base = asyncio.create_task(collect(engine, PROMPT, LONG))
         task = asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="poem"))
         for death in (1, 2):
@@ -140,7 +140,7 @@ async def test_second_death_fails_only_that_adapter(tiny, lib, tmp_path):
             await asyncio.wait_for(task, 60)
         base_tokens, _, _ = await asyncio.wait_for(base, 60)
         assert len(base_tokens) == LONG.max_tokens
-        assert engine.core.adapters.get("poem").state is not AdapterState.LOADING
+        assert engine.testing.adapters.get("poem").state is not AdapterState.LOADING
         assert_idle(engine)
         pool_idle(engine)
         # a fresh helper serves the next request for the same adapter
@@ -190,17 +190,17 @@ async def test_cancelled_load_releases_its_region(tiny, lib, tmp_path):
     cfg = proc_config(model_dir, tmp_path, extra={"loader_test_delay_s": 0.5})
     async with AsyncEngine(cfg) as engine:
         await engine.add_adapter("poem", str(lib["poem"]))
-        procs = engine.core.loader.procs
+        procs = engine.testing.loader.procs
         task = asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="poem"))
         await wait_until(lambda: any(p.jobs for p in procs.procs), "a stage job in flight")
-        assert engine.core.loader.pool.in_use() == 1  # the region the helper packs into
+        assert engine.testing.loader.pool.in_use() == 1  # the region the helper packs into
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         # the helper is told; the region comes back once it says the job ended
-        await wait_until(lambda: engine.core.loader.pool.in_use() == 0, "region released")
+        await wait_until(lambda: engine.testing.loader.pool.in_use() == 0, "region released")
         assert not any(p.jobs for p in procs.procs)
-        v = engine.core.adapters.get("poem")
+        v = engine.testing.adapters.get("poem")
         assert v.state is AdapterState.REGISTERED and v.region is None
         assert_idle(engine)
         tokens, _, _ = await collect(engine, PROMPT, GREEDY, adapter="poem")
@@ -213,7 +213,7 @@ async def test_pool_exhaustion_evicts_idle_cpu_versions(tiny, lib, tmp_path):
     # 2 slots, a CPU tier of 2, 1 load at a time: 3 regions for 4 adapters
     cfg = proc_config(model_dir, tmp_path, max_cpu_loras=2, max_concurrent_loads=1)
     async with AsyncEngine(cfg) as engine:
-        assert engine.core.loader.pool.count == 3
+        assert engine.testing.loader.pool.count == 3
         for name in lib:
             await engine.add_adapter(name, str(lib[name]))
         for _ in range(2):
@@ -237,7 +237,7 @@ async def test_staging_quota_evicts_idle_versions_and_refetches(tiny, lib, tmp_p
             await engine.add_adapter(name, str(lib[name]))
             staged = sum(f.stat().st_size for f in (tmp_path / "cache").rglob("*") if f.is_file())
             assert staged <= one * 1.2
-        versions = {v.name: v for v in engine.core.adapters.versions()}
+        versions = {v.name: v for v in engine.testing.adapters.versions()}
         assert versions["sql"].local_dir is None  # least recently used, dropped
         assert versions["math"].local_dir is not None
         tokens, _, _ = await collect(engine, PROMPT, GREEDY, adapter="sql")  # fetched again
@@ -291,10 +291,10 @@ async def test_refetch_reads_the_pinned_revision(tiny, lib, tmp_path):
         adapter_cache_dir=str(tmp_path / "cache"),
     )
     async with AsyncEngine(cfg) as engine:
-        engine.core.loader.plugins.register(plugin, "rev")
+        engine.testing.loader.plugins.register(plugin, "rev")
         info = await engine.add_adapter("poem", "rev://lib/poem")
         first, _, _ = await collect(engine, PROMPT, GREEDY, adapter="poem")
-        v = engine.core.adapters.get("poem")
+        v = engine.testing.adapters.get("poem")
         assert v.pinned_uri == "rev://lib/poem@0"
         # the branch moves on; two other adapters push poem out of the staging dir, its slot
         # and the CPU tier
@@ -329,7 +329,7 @@ async def test_gpu_pool_loads_mixed_graphs_and_no_compiles_while_serving(tiny, l
             max_num_batched_tokens=128, mixed_graph_tokens=mixed,
         )  # fmt: skip
         async with AsyncEngine(cfg) as engine:
-            assert (engine.core.mixed_graphs is not None) == bool(mixed)
+            assert (engine.testing.executor.mixed_graphs is not None) == bool(mixed)
             for name in lib:
                 await engine.add_adapter(name, str(lib[name]))
             before = engine.stats()["kernel_compiles_while_serving"]

@@ -47,7 +47,7 @@ async def run_all(
         await register(engine, adapters)
         for name in adapters:  # every adapter resident first: steady decode from the start
             await collect(engine, [5, 6], SamplingParams(max_tokens=1), adapter=name)
-        engine.core.step_log.clear()
+        engine.testing.step_log.clear()
         results = await asyncio.gather(
             *(
                 collect(
@@ -60,7 +60,7 @@ async def run_all(
                 for rid, p, a, kw in reqs
             )
         )
-        pipelined = sum(1 for e in engine.core.step_log if e[7])
+        pipelined = sum(1 for e in engine.testing.step_log if e.pipelined)
         assert_idle(engine)
     return results, pipelined
 
@@ -115,7 +115,7 @@ async def test_abort_while_pipelined_leaks_nothing(tiny):
             n = 0
             async for out in engine.generate([7 + i] * (3 + i), params, adapter=names[i % 5]):
                 n += len(out.token_ids)
-                if n == 6 and any(e[7] for e in engine.core.step_log):
+                if n == 6 and any(e.pipelined for e in engine.testing.step_log):
                     seen.set()
             return n, out.finish_reason
 
@@ -131,7 +131,8 @@ async def test_abort_while_pipelined_leaks_nothing(tiny):
             else:
                 assert isinstance(d, asyncio.CancelledError)
         assert_idle(engine)
-        assert engine.core.blocks.num_free_blocks == engine.core.blocks.num_blocks
+        stats = engine.stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
 def make_scheduler(**kw) -> tuple[Scheduler, BlockManager]:

@@ -1,40 +1,45 @@
-"""The step half of EngineCore: build a step's inputs, launch it, collect it, apply it.
+"""StepExecutor: runs the engine's steps on the device: inputs, slot writes, forward, sampling.
 
 A step is launched (inputs staged, forward and sampling queued on the GPU) and collected
 (sampled tokens copied to the host) separately, so that decode can be pipelined: while step N
 runs on the GPU, step N+1 (the same requests, one token further) is planned on the event loop
 and queued behind it, reading N's sampled tokens on the device. The host work of a step
 (scheduling, input staging, streaming outputs) then overlaps the previous step's GPU time.
-``Scheduler.chain`` decides when the next step may be planned before N's tokens are known.
+``Scheduler.chain`` decides when the next step may be planned before N's tokens are known;
+``EngineCore`` applies collected steps to its requests.
 
-Threads: ``prepare``, ``chain`` and ``postprocess`` run on the event loop; ``launch``,
-``collect`` and ``execute`` in the step thread.
+Threads: ``prepare`` runs on the event loop; ``launch``, ``collect`` and ``execute`` in the
+step thread.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from loraplex.engine.lora.manager import AdapterState, AdapterVersion
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.cuda_graph import MixedGraphs
+from loraplex.engine.kv import BlockManager
+from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion
+from loraplex.engine.lora.pool import HostPool
+from loraplex.engine.lora.slot_writer import SlotWriter
 from loraplex.engine.lora.slots import write_slot
-from loraplex.engine.model_runner import StepItem
-from loraplex.engine.output import append_token
+from loraplex.engine.model.protocol import CausalLM
+from loraplex.engine.model_runner import ModelRunner, StepItem
 from loraplex.engine.request import Request
-from loraplex.engine.sampler import PendingSample, SamplerOutput, min_tokens_banned_ids
+from loraplex.engine.sampler import PendingSample, Sampler, SamplerOutput, min_tokens_banned_ids
 from loraplex.engine.scheduler import SchedulerOutput
+from loraplex.engine.warmup import warm_slot_writes
 
-if TYPE_CHECKING:
-    from loraplex.engine.core import EngineCore
-
-__all__ = ["InFlightStep", "StepMixin", "StepRecord"]
+__all__ = ["InFlightStep", "StepExecutor", "StepRecord"]
 
 
 class StepRecord(NamedTuple):
-    """One collected step, as kept in ``EngineCore.step_log`` (a tuple: old readers index it)."""
+    """One collected step, as kept in ``StepExecutor.step_log`` (read its fields by name)."""
 
     seconds: float  # from the later of its launch and the previous step's results to its own
     rows: int
@@ -62,14 +67,51 @@ class InFlightStep:
     loading: bool  # an adapter load was in flight
 
 
-class StepMixin:
-    """EngineCore's step methods (see the module docstring)."""
+class StepExecutor:
+    """Owns what runs a step: the model runner, the mixed-step CUDA graphs, the sampler, the
+    side stream and slot writer of slot writes, and the step log (``StepRecord`` per step).
 
-    def prepare(
-        self: EngineCore, plan: SchedulerOutput, prev: InFlightStep | None = None
-    ) -> list[StepItem]:
-        """Step items of ``plan``; ``prev``: the step in flight that ``feed`` chunks read."""
-        self.in_flight |= {c.req for c in plan.chunks}
+    It reads, never changes, the KV block tables (``blocks``) and the adapters' slot owners
+    and states (``adapters``): the engine core owns those.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: CausalLM,
+        runner: ModelRunner,
+        blocks: BlockManager,
+        adapters: AdapterManager,
+        pool: HostPool | None = None,
+        mixed_graphs: MixedGraphs | None = None,
+    ) -> None:
+        self.model = model
+        self.runner = runner
+        self.device = model.device
+        self.blocks = blocks
+        self.adapters = adapters
+        self.sampler = Sampler(seed=config.seed)
+        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.slot_writer: SlotWriter | None = None
+        if self.side_stream is not None and pool is not None and config.max_loras:
+            warm_slot_writes(model, pool, self.side_stream)
+            self.slot_writer = SlotWriter(model, self.side_stream)
+        self.mixed_graphs = mixed_graphs  # decode + short prefill steps as graphs (CUDA)
+        self.last_step_event: Any = None
+        self.last_result_time = 0.0  # perf_counter when the last step's tokens reached the host
+        self.step_log: collections.deque[StepRecord] = collections.deque(maxlen=100_000)
+
+    def close(self) -> None:
+        """Blocking: stop the slot writer's thread."""
+        if self.slot_writer is not None:
+            self.slot_writer.close()
+
+    def set_slot_rank(self, slot: int, rank: int) -> None:
+        """Loop: the adapter written into ``slot`` has rank ``rank`` (its write landed)."""
+        self.runner.slot_ranks[slot] = rank
+
+    def prepare(self, plan: SchedulerOutput, prev: InFlightStep | None = None) -> list[StepItem]:
+        """Loop: step items of ``plan``; ``prev``: the step in flight that ``feed`` chunks read."""
         row_of = {id(r): i for i, r in enumerate(prev.rows)} if prev is not None else {}
         items = []
         for c in plan.chunks:
@@ -103,24 +145,13 @@ class StepMixin:
         plan.slot_jobs = [(v, v.slot, v.adapter) for v in plan.slot_writes]
         return items
 
-    def chain(
-        self: EngineCore, step: InFlightStep
-    ) -> tuple[SchedulerOutput, list[StepItem]] | None:
-        """Loop: plan the step after ``step`` while it is in flight (pipelined decode)."""
-        if not self.config.async_scheduling or step.sample is None:
-            return None
-        plan = self.scheduler.chain(step.plan, self.max_model_len)
-        if plan is None:
-            return None
-        return plan, self.prepare(plan, step)
-
     def launch(
-        self: EngineCore,
+        self,
         plan: SchedulerOutput,
         items: list[StepItem],
         prev: InFlightStep | None = None,
     ) -> InFlightStep:
-        """Worker thread: slot writes (side stream), then queue the forward and sampling."""
+        """Step thread: slot writes (side stream), then queue the forward and sampling."""
         self._write_slots(plan.slot_jobs)
         t0 = time.perf_counter()
         if not items:
@@ -151,8 +182,8 @@ class StepMixin:
         loading = any(v.state is AdapterState.LOADING for v in self.adapters.versions())
         return InFlightStep(plan, items, rows, sample, t0, t_launched, events, loading)
 
-    def collect(self: EngineCore, step: InFlightStep) -> SamplerOutput | None:
-        """Worker thread: wait for ``step``'s tokens (only this step's) and log its timing.
+    def collect(self, step: InFlightStep) -> SamplerOutput | None:
+        """Step thread: wait for ``step``'s tokens (only this step's) and log its timing.
 
         Step time: from the later of the launch and the previous step's results to this
         step's results (pipelined steps overlap, so their launch-to-result spans would not).
@@ -183,12 +214,12 @@ class StepMixin:
         self.last_result_time = t_end
         return out
 
-    def execute(self: EngineCore, plan: SchedulerOutput, items: list[StepItem]) -> Any:
-        """Worker thread: launch and collect one step (no pipelining)."""
+    def execute(self, plan: SchedulerOutput, items: list[StepItem]) -> SamplerOutput | None:
+        """Step thread: launch and collect one step (no pipelining)."""
         return self.collect(self.launch(plan, items))
 
-    def _write_slots(self: EngineCore, jobs: list[tuple[AdapterVersion, int, Any]]) -> None:
-        """Worker thread. Uses the (slot, adapter) snapshot of ``prepare``, never the version's
+    def _write_slots(self, jobs: list[tuple[AdapterVersion, int, Any]]) -> None:
+        """Step thread. Uses the (slot, adapter) snapshot of ``prepare``, never the version's
         live fields: the loop may drop the version meanwhile (its slot is then written for
         nothing and the next owner's write, issued later on the same stream, replaces it)."""
         for v, slot, adapter in jobs:
@@ -210,35 +241,3 @@ class StepMixin:
                 event.record(self.side_stream)
             v.slot_event = v.region_event = event  # the region is reused after this copy
             v.slot_timing = (start, copied)
-
-    def postprocess(self: EngineCore, plan: SchedulerOutput, result: SamplerOutput | None) -> None:
-        """Loop: apply a collected step (tokens, finishes, streamed outputs)."""
-        self.counters["steps"] += 1
-        if self.side_stream is None:
-            for v, slot, _ in plan.slot_jobs:
-                if v.slot == slot and self.adapters.slot_owner(slot) is v:  # not dropped meanwhile
-                    self._slot_landed(v)
-        row = -1
-        now = time.monotonic()
-        for chunk in plan.chunks:
-            req = chunk.req
-            row += chunk.need_logits
-            if req.is_finished:
-                continue  # e.g. a pipelined row of a request that ended the step before
-            self.scheduler.mark_computed(chunk)
-            if req.aborted:
-                self.finish(req, "abort")
-                continue
-            if not chunk.need_logits:
-                continue
-            assert result is not None
-            tok = result.token_ids[row]
-            out = append_token(
-                req, tok, result.logprobs[row], result.top_logprobs[row], self.max_model_len
-            )
-            req.token_times.append(now)
-            if out.finished:
-                self.scheduler.finish(req, out.finish_reason or "stop")
-                self.counters["finished"] += 1
-                self._log(req)
-            req.queue.put_nowait(out)
