@@ -37,7 +37,8 @@ log = structlog.get_logger("loraplex.engine")
 class AsyncEngine:
     def __init__(self, config: EngineConfig, *, model: Any = None) -> None:
         """``model``: optionally a ready model (random-weight benchmarks, apps that build
-        their own); the checkpoint in ``config.model`` is then not loaded."""
+        their own) with ``config.max_loras`` LoRA slots of rank ``config.max_lora_rank``; the
+        checkpoint in ``config.model`` is then not loaded."""
         self.config = config
         self._model = model
         self.core: EngineCore | None = None

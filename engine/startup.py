@@ -30,7 +30,7 @@ from loraplex.engine.warmup import COMPILES, warm_eager_steps
 
 log = structlog.get_logger("loraplex.engine")
 
-__all__ = ["build_core", "capacity_report"]
+__all__ = ["build_core", "capacity_report", "check_model_slots"]
 
 CPU_KV_BYTES = 256 << 20
 GPU_HEADROOM = 2 << 30  # activations, CUDA-graph pool, cuBLAS workspaces, slot staging
@@ -42,8 +42,11 @@ def build_core(
     """Load model, KV cache and tokenizer (blocking: call from a worker thread).
 
     ``model``: an already built model (benchmarks, apps that make their own weights);
-    then ``config.model`` may name a folder with only config.json / tokenizer files.
+    then ``config.model`` may name a folder with only config.json / tokenizer files. Its LoRA
+    slots must match the config (``check_model_slots``).
     """
+    if model is not None:
+        check_model_slots(model, config)
     if config.model is None and model is None:
         from loraplex.engine.demo import demo_model_dir
 
@@ -121,6 +124,23 @@ def build_core(
     core = EngineCore(config, model, runner, tokenizer, wake, pool=pool, mixed_graphs=mixed)
     core.loader.start_processes(procs)
     return core
+
+
+def check_model_slots(model: CausalLM, config: EngineConfig) -> None:
+    """A caller-supplied model must have ``config.max_loras`` LoRA slots of rank
+    ``config.max_lora_rank`` (the rank of a model without slots is not checked): adapter
+    checks, slot writes and the host pool are sized from the config."""
+    if model.max_loras != config.max_loras:
+        raise ValueError(
+            f"the model has {model.max_loras} LoRA slots but the config asks for "
+            f"max_loras={config.max_loras}: build the model with max_loras={config.max_loras}"
+        )
+    if model.max_loras and model.max_lora_rank != config.max_lora_rank:
+        raise ValueError(
+            f"the model's LoRA slots have rank {model.max_lora_rank} but the config asks for "
+            f"max_lora_rank={config.max_lora_rank}: build the model with "
+            f"max_lora_rank={config.max_lora_rank}"
+        )
 
 
 def set_cpu_threads(threads: int | None) -> int:

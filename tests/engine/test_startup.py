@@ -1,0 +1,71 @@
+"""Start-up with a caller-supplied model: its LoRA slots must match the config (slot count
+``max_loras``, slot rank ``max_lora_rank``); a matching one serves like the checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.engine import AsyncEngine, SamplingParams
+from loraplex.engine.model.loader import load_model
+from loraplex.engine.startup import build_core
+from tests.engine.test_async_engine import assert_idle, collect, config, register
+
+
+def model_of(model_dir, *, max_loras: int, max_lora_rank: int):
+    return load_model(
+        model_dir,
+        dtype=torch.float32,
+        device="cpu",
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+    )
+
+
+@pytest.mark.parametrize(
+    ("slots", "rank", "message"),
+    [
+        (4, 16, r"the model has 4 LoRA slots but the config asks for max_loras=2"),
+        (2, 8, r"rank 8 but the config asks for max_lora_rank=16"),
+        (0, 16, r"the model has 0 LoRA slots but the config asks for max_loras=2"),
+    ],
+)
+def test_supplied_model_with_other_slots_is_refused(tiny, slots, rank, message):
+    model_dir, _ = tiny
+    model = model_of(model_dir, max_loras=slots, max_lora_rank=rank)
+    with pytest.raises(ValueError, match=message):
+        build_core(config(model_dir, max_loras=2, max_lora_rank=16), lambda: None, model)
+
+
+async def test_engine_start_refuses_a_mismatched_model(tiny):
+    model_dir, _ = tiny
+    model = model_of(model_dir, max_loras=2, max_lora_rank=8)
+    engine = AsyncEngine(config(model_dir, max_loras=2, max_lora_rank=16), model=model)
+    try:
+        with pytest.raises(ValueError, match="max_lora_rank=16"):
+            await engine.start()
+    finally:
+        await engine.close()
+
+
+async def test_supplied_model_serves_like_the_checkpoint(tiny):
+    model_dir, adapters = tiny
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    cfg = config(model_dir, max_loras=2, max_lora_rank=16)
+    outs = []
+    for model in (None, model_of(model_dir, max_loras=2, max_lora_rank=16)):
+        async with AsyncEngine(cfg, model=model) as engine:
+            await register(engine, adapters)
+            outs.append([(await collect(engine, [5, 9, 14], params, adapter=a))[0]
+                         for a in (None, "sql", "poem")])  # fmt: skip
+            assert_idle(engine)
+    assert outs[0] == outs[1]
+
+
+async def test_a_model_without_slots_has_no_rank_to_match(tiny):
+    model_dir, _ = tiny
+    model = model_of(model_dir, max_loras=0, max_lora_rank=8)
+    cfg = config(model_dir, max_loras=0, max_cpu_loras=0, max_lora_rank=16)
+    async with AsyncEngine(cfg, model=model) as engine:
+        tokens, _, _ = await collect(engine, [5, 9], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert len(tokens) == 2 and engine.capacity_report()["gpu_slots"] == 0
