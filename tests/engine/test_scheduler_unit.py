@@ -1,0 +1,588 @@
+"""Scheduler on its own: a fake block manager, the adapter manager with a fake loader, no
+model, no engine. Each test drives ``schedule`` / ``chain`` / ``finish`` as the engine core
+does and checks the queues, KV blocks and adapter references left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion, SlotFullError
+from loraplex.engine.request import Request, RequestStatus
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from tests.lora.test_manager_unit import FakeLoader, in_slot, loaded, register, settle
+
+BLOCK = 4  # tokens per KV block
+
+
+class FakeBlocks:
+    """The block-manager calls the scheduler makes, on a count of blocks per request (no
+    prefix cache: ``cached`` says how many prompt tokens ``allocate`` reports as cached)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.tables: dict[str, int] = {}  # request id -> blocks it holds
+        self.keys: dict[str, object] = {}  # request id -> adapter key it allocated under
+        self.cached: dict[str, int] = {}
+        self.computed: dict[str, int] = {}  # request id -> num_computed of mark_computed
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self.tables
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_blocks - sum(self.tables.values())
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // BLOCK)
+
+    def block_table(self, rid: str) -> list[int]:
+        return list(range(self.tables[rid]))
+
+    def can_allocate(self, rid: str, tokens, key) -> bool:
+        assert rid not in self.tables, f"{rid} already holds blocks"
+        return self.blocks_needed(len(tokens)) <= self.num_free_blocks
+
+    def allocate(self, rid: str, tokens, key) -> int:
+        assert self.can_allocate(rid, tokens, key)
+        self.tables[rid] = self.blocks_needed(len(tokens))
+        self.keys[rid] = key
+        return self.cached.get(rid, 0)
+
+    def append(self, rid: str, num_tokens: int) -> None:
+        extra = self.blocks_needed(num_tokens) - self.tables[rid]
+        assert extra <= self.num_free_blocks, f"{rid} grows past the free blocks"
+        self.tables[rid] += max(extra, 0)
+
+    def free(self, rid: str) -> None:
+        del self.tables[rid]
+
+    def mark_computed(self, rid: str, tokens, num_computed: int) -> None:
+        self.computed[rid] = num_computed
+
+
+def make(
+    num_blocks: int = 64,
+    *,
+    max_loras: int = 2,
+    max_cpu_loras: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+) -> tuple[Scheduler, FakeBlocks, AdapterManager, FakeLoader]:
+    cfg = EngineConfig(
+        max_loras=max_loras,
+        max_cpu_loras=max_cpu_loras,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=BLOCK,
+        starvation_timeout_s=10.0,
+    )
+    loader = FakeLoader()
+    adapters = AdapterManager(max_loras=max_loras, max_cpu_loras=max_cpu_loras, loader=loader)
+    blocks = FakeBlocks(num_blocks)
+    return Scheduler(cfg, blocks, adapters), blocks, adapters, loader
+
+
+def submit(
+    s: Scheduler,
+    rid: str,
+    n_prompt: int = 3,
+    v: AdapterVersion | None = None,
+    *,
+    max_tokens: int = 16,
+    starved: bool = False,
+) -> Request:
+    """What AsyncEngine.generate does: count the adapter user, queue the request."""
+    r = Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens), v)
+    if starved:
+        r.arrival = time.monotonic() - 60.0
+    if v is not None:
+        s.adapters.add_user(v)
+    s.add(r)
+    return r
+
+
+def rows(plan: SchedulerOutput) -> list[tuple[str, int, bool]]:
+    return [(c.req.request_id, c.num_tokens, c.need_logits) for c in plan.chunks]
+
+
+def run_step(s: Scheduler, plan: SchedulerOutput, token: int = 7) -> None:
+    """What the step and postprocess do to the scheduler: KV written, one token sampled
+    for each chunk that asks for one."""
+    for c in plan.chunks:
+        s.mark_computed(c)
+        if c.need_logits:
+            c.req.output_ids.append(token)
+
+
+def check_references(s: Scheduler, blocks: FakeBlocks) -> None:
+    """Running requests hold blocks and (with an adapter) one slot reference each; waiting
+    ones hold neither."""
+    assert set(blocks.tables) == {r.request_id for r in s.running}
+    refs: dict[int, int] = {}
+    for r in s.running:
+        assert r.status is RequestStatus.RUNNING
+        assert r.holds_slot is (r.adapter is not None)
+        if r.adapter is not None:
+            refs[id(r.adapter)] = refs.get(id(r.adapter), 0) + 1
+    for r in s.waiting:
+        assert r.status is RequestStatus.WAITING and not r.holds_slot
+    for v in s.adapters.versions():
+        assert v.slot_refs == refs.get(id(v), 0), v.name
+
+
+# -- admission ----------------------------------------------------------------------------------
+
+
+def test_base_request_is_admitted_whole():
+    s, blocks, _, _ = make()
+    r = submit(s, "a", 6)
+    plan = s.schedule()
+    assert rows(plan) == [("a", 6, True)] and not plan.slot_writes and not plan.failed
+    assert s.running == [r] and not s.waiting and r.scheduled_time is not None
+    assert blocks.tables == {"a": 2} and blocks.keys == {"a": None}
+    check_references(s, blocks)
+
+
+def test_prefix_cache_hit_skips_the_cached_tokens():
+    s, blocks, _, _ = make()
+    blocks.cached["a"] = 4
+    r = submit(s, "a", 6)
+    assert rows(s.schedule()) == [("a", 2, True)]
+    assert r.num_computed == r.num_cached == 4
+
+
+async def test_adapter_not_loaded_waits_while_others_run():
+    s, blocks, m, loader = make()
+    v = register(m, "sql")
+    r = submit(s, "a", 3, v)  # its first user starts the load
+    base = submit(s, "b", 3)
+    plan = s.schedule()
+    assert rows(plan) == [("b", 3, True)]  # skipped, not waited on
+    assert list(s.waiting) == [r] and v.state is AdapterState.LOADING
+    run_step(s, plan)
+    assert rows(s.schedule()) == [("b", 1, True)] and list(s.waiting) == [r]
+    await asyncio.sleep(0)
+    assert len(loader.calls) == 1  # one load, however often asked
+    assert blocks.tables == {"b": 1} and base.status is RequestStatus.RUNNING
+    await loader.finish(v)
+    assert v.state is AdapterState.CPU
+
+
+async def test_schedule_starts_the_load_of_a_waiting_adapter():
+    s, blocks, m, loader = make()
+    v = register(m, "sql")
+    r = Request("a", [1, 2, 3], SamplingParams(), v)
+    s.add(r)  # queued without add_user: only the scheduler starts its load here
+    assert s.schedule().empty and v.state is AdapterState.LOADING
+    s.schedule()
+    await asyncio.sleep(0)
+    assert loader.calls == [v] and list(s.waiting) == [r]
+    await loader.finish(v)
+
+
+async def test_loaded_adapter_gets_a_slot_write_then_its_requests_run():
+    s, blocks, m, loader = make()
+    v = register(m, "sql")
+    r1, r2 = submit(s, "a", 3, v), submit(s, "b", 5, v)
+    s.schedule()
+    await loader.finish(v)
+    plan = s.schedule()
+    assert plan.slot_writes == [v] and not plan.chunks  # the write joins this step
+    assert v.slot == 0 and not v.slot_ready and m.slot_owner(0) is v
+    plan = s.schedule()  # the write has not landed: still waiting, no second write
+    assert plan.empty and list(s.waiting) == [r1, r2]
+    v.slot_ready = True  # the engine saw the write's event
+    plan = s.schedule()
+    assert rows(plan) == [("a", 3, True), ("b", 5, True)] and not plan.slot_writes
+    assert v.slot_refs == 2 and r1.holds_slot and r2.holds_slot
+    assert blocks.keys == {"a": v.key, "b": v.key}  # prefix cache keyed by the version
+    check_references(s, blocks)
+
+
+def test_adapter_in_a_ready_slot_is_admitted_at_once():
+    s, blocks, m, _ = make()
+    v = in_slot(m, "sql")
+    r = submit(s, "a", 3, v)
+    plan = s.schedule()
+    assert rows(plan) == [("a", 3, True)] and not plan.slot_writes
+    assert v.slot_refs == 1 and r.holds_slot and v.users == 1
+    check_references(s, blocks)
+
+
+def test_no_free_slot_waits_until_a_slot_is_unreferenced():
+    s, blocks, m, _ = make(max_loras=1)
+    old = in_slot(m, "old")
+    a = submit(s, "a", 3, old)
+    run_step(s, s.schedule())  # a runs on old's slot
+    v = loaded(m, "new")
+    b = submit(s, "b", 3, v)
+    plan = s.schedule()
+    assert rows(plan) == [("a", 1, True)]
+    assert not plan.slot_writes and v.slot is None and list(s.waiting) == [b]
+    s.finish(a, "stop")
+    assert old.slot_refs == 0 and old.users == 0
+    plan = s.schedule()
+    assert plan.slot_writes == [v] and v.slot == 0 and old.slot is None
+    assert m.stats["gpu_evictions"] == 1
+
+
+def test_slot_eviction_takes_the_lru_unreferenced_slot():
+    s, blocks, m, _ = make(max_loras=3, max_cpu_loras=4)
+    busy = in_slot(m, "busy", last_used=0.0)
+    submit(s, "a", 3, busy)
+    run_step(s, s.schedule())  # busy is referenced, and the least recently used
+    busy.last_used = 0.0
+    lru, mru = in_slot(m, "lru", last_used=1.0), in_slot(m, "mru", last_used=2.0)
+    v = loaded(m, "new")
+    submit(s, "b", 3, v)
+    plan = s.schedule()
+    assert plan.slot_writes == [v] and v.slot == 1 and lru.slot is None
+    assert busy.slot == 0 and mru.slot == 2
+
+
+def test_a_slot_that_requests_wait_for_is_kept_unless_one_starves():
+    s, blocks, m, _ = make(max_loras=1)
+    held = in_slot(m, "held")
+    m.add_user(held)  # a request of it waits (e.g. for KV blocks)
+    v = loaded(m, "new")
+    submit(s, "b", 3, v)
+    assert s.schedule().empty and v.slot is None
+    submit(s, "c", 3, v, starved=True)
+    plan = s.schedule()
+    assert plan.slot_writes == [v] and held.slot is None  # forced for the starved request
+
+
+def test_starved_request_held_back_stops_later_admissions():
+    s, blocks, m, _ = make(max_loras=1)
+    busy = in_slot(m, "busy")
+    submit(s, "a", 3, busy)
+    run_step(s, s.schedule())
+    v = loaded(m, "new")
+    head = submit(s, "b", 3, v, starved=True)
+    late = submit(s, "c", 3)
+    plan = s.schedule()
+    assert "c" not in [rid for rid, _, _ in rows(plan)]  # slots drain for the starved one
+    assert list(s.waiting) == [head, late]
+    head.arrival = time.monotonic()  # not starved: the base request goes ahead
+    assert "c" in [rid for rid, _, _ in rows(s.schedule())]
+
+
+def test_all_slots_pinned_fails_the_request():
+    s, blocks, m, _ = make(max_loras=1)
+    in_slot(m, "pinned")
+    m.pin("pinned")
+    v = loaded(m, "new")
+    r = submit(s, "a", 3, v)
+    base = submit(s, "b", 3)
+    plan = s.schedule()
+    assert len(plan.failed) == 1 and plan.failed[0][0] is r
+    assert isinstance(plan.failed[0][1], SlotFullError)
+    assert rows(plan) == [("b", 3, True)] and r not in s.waiting and base in s.running
+
+
+def test_failed_load_fails_only_its_requests():
+    s, blocks, m, _ = make()
+    bad, good = loaded(m, "bad"), in_slot(m, "good")
+    r1, r2 = submit(s, "a", 3, bad), submit(s, "b", 3, bad)
+    ok = submit(s, "c", 3, good)
+    error = ValueError("corrupt")
+    bad.state, bad.error, bad.adapter = AdapterState.FAILED, error, None  # its load failed
+    plan = s.schedule()
+    assert plan.failed == [(r1, error), (r2, error)]
+    assert rows(plan) == [("c", 3, True)] and not s.waiting and s.running == [ok]
+    for r in (r1, r2):  # the caller fails them: finish returns their user counts
+        s.finish(r, "error")
+    assert bad.users == 0 and good.users == 1
+    check_references(s, blocks)
+
+
+def test_fifo_on_kv_memory():
+    s, blocks, _, _ = make(num_blocks=3)
+    big = submit(s, "big", 13)  # 4 blocks: never fits now
+    small = submit(s, "small", 3)
+    assert s.schedule().empty  # the small one would take blocks the big one needs
+    assert list(s.waiting) == [big, small] and blocks.tables == {}
+
+
+# -- budgets ------------------------------------------------------------------------------------
+
+
+def test_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
+    s, blocks, _, _ = make(max_num_batched_tokens=8)
+    r = submit(s, "a", 20)
+    seen = []
+    for _ in range(3):
+        plan = s.schedule()
+        seen += rows(plan)
+        run_step(s, plan)
+    assert seen == [("a", 8, False), ("a", 8, False), ("a", 4, True)]
+    assert r.num_computed == 20 and blocks.computed["a"] == 20 and r.output_ids == [7]
+    assert rows(s.schedule()) == [("a", 1, True)]  # then it decodes
+
+
+def test_running_requests_first_waiting_ones_get_what_is_left():
+    s, blocks, _, _ = make(max_num_batched_tokens=8)
+    a = submit(s, "a", 3)
+    run_step(s, s.schedule())  # a decodes from now on
+    b = submit(s, "b", 20)
+    plan = s.schedule()
+    assert rows(plan) == [("a", 1, True), ("b", 7, False)]  # decodes never wait behind it
+    run_step(s, plan)
+    c = submit(s, "c", 2)
+    plan = s.schedule()
+    assert rows(plan) == [("a", 1, True), ("b", 7, False)]  # no budget left for c
+    assert list(s.waiting) == [c] and a.num_computed == 4 and b.num_computed == 7
+
+
+def test_max_num_seqs_caps_the_rows_of_a_step():
+    s, blocks, _, _ = make(max_num_seqs=2)
+    reqs = [submit(s, f"r{i}", 2) for i in range(3)]
+    plan = s.schedule()
+    assert [c.req for c in plan.chunks] == reqs[:2] and list(s.waiting) == reqs[2:]
+    run_step(s, plan)
+    assert len(s.schedule().chunks) == 2 and list(s.waiting) == reqs[2:]
+    s.finish(reqs[0], "stop")
+    assert [c.req for c in s.schedule().chunks] == reqs[1:]
+
+
+# -- preemption ---------------------------------------------------------------------------------
+
+
+def test_preemption_by_recompute_youngest_first():
+    s, blocks, m, _ = make(num_blocks=3)
+    v = in_slot(m, "sql")
+    a, b = submit(s, "a", 4), submit(s, "b", 4)
+    c = submit(s, "c", 4, v)
+    run_step(s, s.schedule())  # each holds its one full block, and samples a 5th token
+    assert blocks.num_free_blocks == 0 and v.slot_refs == 1
+    plan = s.schedule()
+    # a needs a 2nd block: the youngest (c) is preempted for it; b then finds none and, the
+    # youngest left, preempts itself
+    assert rows(plan) == [("a", 1, True)]
+    assert s.running == [a] and list(s.waiting) == [b, c] and s.num_preemptions == 2
+    for r in (b, c):
+        assert r.status is RequestStatus.WAITING and r.num_computed == 0
+        assert r.num_preemptions == 1 and r.request_id not in blocks
+    assert v.slot_refs == 0 and not c.holds_slot and v.users == 1  # c still uses v: it waits
+    assert blocks.tables == {"a": 2}
+    check_references(s, blocks)
+    run_step(s, plan)
+    s.finish(a, "stop")
+    plan = s.schedule()  # recomputed from the start, oldest first
+    assert rows(plan) == [("b", 5, True)] and list(s.waiting) == [c]
+
+
+def test_preempted_request_returns_its_slot_reference():
+    s, blocks, m, _ = make(num_blocks=1)
+    v = in_slot(m, "sql")
+    r = submit(s, "a", 4, v)
+    run_step(s, s.schedule())
+    assert v.slot_refs == 1
+    # alone and out of blocks: it preempts itself (the engine admits no request that could
+    # not fit the whole cache; here it just shows what preemption returns)
+    assert s.schedule().empty
+    assert list(s.waiting) == [r] and v.slot_refs == 0 and not r.holds_slot
+    assert blocks.tables == {} and r.num_preemptions == 1
+
+
+# -- chain (pipelined decode) -------------------------------------------------------------------
+
+
+def steady(num_blocks: int = 64, n: int = 2, **kw):
+    """Requests decoding with every row sampling: the state ``chain`` may extend."""
+    s, blocks, m, loader = make(num_blocks, **kw)
+    reqs = [submit(s, f"r{i}", 3, max_tokens=8) for i in range(n)]
+    run_step(s, s.schedule())
+    plan = s.schedule()  # a decode step of every request, in flight
+    assert rows(plan) == [(r.request_id, 1, True) for r in reqs]
+    return s, blocks, m, loader, reqs, plan
+
+
+def test_chain_plans_the_next_decode_step_in_the_steady_state():
+    s, blocks, m, _, reqs, plan = steady()
+    nxt = s.chain(plan, max_model_len=100)
+    assert nxt is not None and not nxt.slot_writes
+    assert [(c.req, c.num_tokens, c.need_logits, c.feed) for c in nxt.chunks] == [
+        (r, 1, True, True) for r in reqs
+    ]
+    # KV room for the token in flight (4 tokens known, it is the 5th: a 2nd block each)
+    assert blocks.tables == {"r0": 2, "r1": 2}
+
+
+def test_chain_needs_a_plan_with_rows():
+    s, *_ = make()  # (an early out: an empty plan also leaves no rows)
+    assert s.chain(SchedulerOutput(), max_model_len=100) is None
+
+
+def test_chain_refuses_a_plan_with_slot_writes():
+    s, blocks, m, _, reqs, plan = steady()
+    plan.slot_writes.append(loaded(m, "sql"))
+    assert s.chain(plan, max_model_len=100) is None
+
+
+def test_chain_refuses_a_plan_with_a_row_that_does_not_sample():
+    s, blocks, m, _, reqs, plan = steady()
+    prefill = Request("p", [1, 2, 3], SamplingParams())
+    plan.chunks.append(ScheduledChunk(prefill, 2, False))  # a prefill chunk
+    assert s.chain(plan, max_model_len=100) is None
+
+
+def test_chain_refuses_when_a_running_request_is_not_in_the_plan():
+    s, blocks, m, _, reqs, plan = steady()
+    plan.chunks.pop()  # e.g. left out by the token budget
+    assert s.chain(plan, max_model_len=100) is None
+
+
+def test_chain_refuses_when_a_waiting_request_could_be_admitted():
+    s, blocks, m, _, reqs, plan = steady()
+    submit(s, "w", 3)
+    assert s.chain(plan, max_model_len=100) is None
+
+
+def test_chain_refuses_when_a_waiting_request_would_fail():
+    s, blocks, m, _, reqs, plan = steady()
+    v = loaded(m, "bad")
+    submit(s, "w", 3, v)
+    v.state = AdapterState.FAILED
+    assert s.chain(plan, max_model_len=100) is None
+
+
+def test_chain_refuses_when_a_waiting_request_would_get_a_slot():
+    s, blocks, m, _, reqs, plan = steady()
+    submit(s, "w", 3, loaded(m, "sql"))  # loaded, a slot is free
+    assert s.chain(plan, max_model_len=100) is None
+
+
+@pytest.mark.parametrize("starved", [False, True])
+def test_chain_with_a_waiting_request_whose_slot_is_taken(starved):
+    s, blocks, m, _, reqs, plan = steady(max_loras=1)
+    owner = in_slot(m, "owner")
+    m.add_user(owner)  # waited for: only a starved request may take its slot
+    submit(s, "w", 3, loaded(m, "sql"), starved=starved)
+    assert (s.chain(plan, max_model_len=100) is None) is starved
+
+
+async def test_chain_goes_on_while_a_waiting_adapter_loads():
+    s, blocks, m, loader, reqs, plan = steady()
+    v = register(m, "sql")
+    s.add(Request("w", [1, 2], SamplingParams(), v))  # no user counted: no load started yet
+    assert v.state is AdapterState.REGISTERED
+    nxt = s.chain(plan, max_model_len=100)
+    assert nxt is not None and len(nxt.chunks) == 2
+    assert v.state is AdapterState.LOADING  # the load schedule would start is started
+    await loader.finish(v)
+
+
+def test_chain_goes_on_while_a_waiting_adapter_slot_is_written():
+    s, blocks, m, _, reqs, plan = steady()
+    v = loaded(m, "sql")
+    m.assign_slot(v)  # its write is in flight
+    submit(s, "w", 3, v)
+    assert s.chain(plan, max_model_len=100) is not None
+
+
+def test_chain_goes_on_when_the_waiting_head_has_no_kv_room():
+    s, blocks, m, _, reqs, plan = steady(num_blocks=6)
+    submit(s, "w", 17)  # 5 blocks, 4 free: FIFO on memory holds everyone behind it too
+    submit(s, "x", 1)
+    assert s.chain(plan, max_model_len=100) is not None
+
+
+def test_chain_goes_on_when_max_num_seqs_is_reached():
+    s, blocks, m, _, reqs, plan = steady(max_num_seqs=2)
+    submit(s, "w", 3)
+    assert s.chain(plan, max_model_len=100) is not None
+
+
+def test_chain_leaves_out_finished_and_aborted_requests():
+    s, blocks, m, _, reqs, plan = steady(n=3)
+    s.finish(reqs[0], "stop")  # e.g. ended by a stop string in postprocess
+    reqs[1].aborted = True  # the client went away; the engine finishes it after the step
+    nxt = s.chain(plan, max_model_len=100)
+    assert nxt is not None and [c.req for c in nxt.chunks] == [reqs[2]]
+
+
+def test_chain_leaves_out_a_request_that_is_no_longer_running():
+    s, blocks, m, _, reqs, plan = steady()
+    reqs[0].status = RequestStatus.WAITING  # (defensive: nothing between the two does this)
+    nxt = s.chain(plan, max_model_len=100)
+    assert nxt is not None and [c.req for c in nxt.chunks] == [reqs[1]]
+
+
+def test_chain_leaves_out_a_request_whose_token_in_flight_is_its_last():
+    s, blocks, m, _, reqs, plan = steady()
+    reqs[0].params = SamplingParams(max_tokens=2)  # 1 sampled, the 2nd in flight
+    nxt = s.chain(plan, max_model_len=100)
+    assert nxt is not None and [c.req for c in nxt.chunks] == [reqs[1]]
+    assert blocks.tables["r0"] == 1  # and takes no block for it
+
+
+def test_chain_leaves_out_a_request_at_the_context_limit():
+    s, blocks, m, _, reqs, plan = steady()
+    reqs[1].output_ids.append(7)  # 5 tokens known: the 6th in flight would be the last
+    nxt = s.chain(plan, max_model_len=6)
+    assert nxt is not None and [c.req for c in nxt.chunks] == [reqs[0]]
+
+
+def test_chain_refuses_when_no_row_is_left():
+    s, blocks, m, _, reqs, plan = steady()
+    assert s.chain(plan, max_model_len=5) is None
+
+
+def test_chain_refuses_without_free_blocks_and_takes_none():
+    s, blocks, m, _, reqs, plan = steady(num_blocks=3)  # each holds 1, both need a 2nd
+    nxt = s.chain(plan, max_model_len=100)
+    assert nxt is None and blocks.tables == {"r0": 1, "r1": 1}
+    assert s.num_preemptions == 0 and all(r.status is RequestStatus.RUNNING for r in reqs)
+
+
+# -- finish / abort -----------------------------------------------------------------------------
+
+
+def test_finish_of_a_running_request_returns_everything():
+    s, blocks, m, _ = make()
+    v = in_slot(m, "sql")
+    r = submit(s, "a", 3, v)
+    s.schedule()
+    s.finish(r, "length")
+    assert r.status is RequestStatus.FINISHED and r.finish_reason == "length"
+    assert not s.running and "a" not in blocks and blocks.num_free_blocks == 64
+    assert v.slot_refs == 0 and v.users == 0 and not r.holds_slot and not s.has_work
+    s.finish(r, "abort")  # a second finish changes nothing (counts would go negative)
+    assert r.finish_reason == "length" and v.users == 0
+
+
+def test_abort_of_a_waiting_request():
+    s, blocks, m, _ = make()
+    v = in_slot(m, "sql")
+    r = submit(s, "a", 3, v)
+    s.finish(r, "abort")
+    assert not s.waiting and r.status is RequestStatus.FINISHED and r.finish_reason == "abort"
+    assert v.users == 0 and v.slot_refs == 0 and blocks.tables == {}
+
+
+async def test_abort_of_the_last_waiter_cancels_its_load():
+    s, blocks, m, loader = make()
+    v = register(m, "sql")
+    r = submit(s, "a", 3, v)
+    s.schedule()
+    await asyncio.sleep(0)  # the load runs (see test_manager_unit for an abort before that)
+    task = v.load_task
+    s.finish(r, "abort")
+    await settle(task)
+    assert task.cancelled() and v.state is AdapterState.REGISTERED and v.users == 0
+    assert loader.calls == [v] and v.load_task is None
+
+
+def test_mark_computed_advances_the_request_and_its_blocks():
+    s, blocks, _, _ = make(max_num_batched_tokens=4)
+    r = submit(s, "a", 10)
+    chunk = s.schedule().chunks[0]
+    s.mark_computed(chunk)
+    assert r.num_computed == 4 and blocks.computed == {"a": 4}
