@@ -62,8 +62,8 @@ class Scheduler:
 
     The engine core calls ``add`` (a new request), ``schedule`` (the next step), ``chain``
     (the next decode step while one is in flight), ``mark_computed`` (after a step) and
-    ``finish`` (end, abort or failure); ``has_work``, ``waiting``, ``running`` and
-    ``num_preemptions`` are read. KV blocks come from ``blocks``, slot assignment and
+    ``finish`` (end, abort or failure), and may read ``has_work``, ``waiting``, ``running``
+    and ``num_preemptions``. KV blocks come from ``blocks``, slot assignment and
     references from ``adapters``; requests failed on their adapter are handed back in
     ``SchedulerOutput.failed`` (the caller fails them).
     """

@@ -83,12 +83,12 @@ class AdapterManager:
     """Versions, their CPU-tier residency, GPU slots and references (event loop only).
 
     The engine core calls: ``new_version`` / ``register`` / ``unregister`` / ``forget`` /
-    ``pin`` / ``get`` / ``names`` / ``versions`` (registry); ``add_user`` / ``drop_user`` (a
-    request starts / ends using a version; the first user starts its load); ``make_room``
-    (the loader needs host memory) and ``reset_failed`` (after a failed load's waiters were
-    failed); ``slot_owner`` / ``resident`` (slot writes and their completion). The scheduler
-    calls ``ensure_loaded``, ``assign_slot`` / ``can_assign_slot`` and ``acquire_slot`` /
-    ``release_slot`` (a running request's reference on its slot). ``loader`` is the async
+    ``pin`` / ``get`` / ``names`` / ``versions`` (registry); ``add_user`` (a request starts
+    using a version; starts its load if needed); ``make_room`` (the loader needs host
+    memory) and ``reset_failed`` (after a failed load's waiters were failed); ``slot_owner``
+    / ``resident`` (slot writes and their completion). The scheduler calls ``ensure_loaded``,
+    ``assign_slot`` / ``can_assign_slot``, ``acquire_slot`` / ``release_slot`` (a running
+    request's reference on its slot) and ``drop_user`` (the request ended). ``loader`` is the async
     load itself; ``on_change`` is called when a load ends (either way), ``on_drop`` when a
     version is forgotten, ``on_unload`` when its CPU-tier tensors are dropped.
     """
