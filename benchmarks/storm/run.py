@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from benchmarks.coldload.adapters import TINY
-from benchmarks.storm.report import Window, drift_corrected, ends_in, pct
+from benchmarks.storm.report import Window, drift_corrected, ends_in, pct, ttft_breakdown
 from benchmarks.storm.threads import GilProfile, cpu_by_thread, thread_cpu
 from benchmarks.synthetic import LLAMA3_8B, random_model, write_adapter, write_model_config
 from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
@@ -151,12 +151,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     first = first or time.perf_counter()
                 return (first or t) - t, time.perf_counter() - t
 
+            t0 = time.perf_counter()
             res = await asyncio.gather(*(one(n) for n in names))
             ttft = [r[0] for r in res]
             return {
                 "ttft_p50_s": statistics.median(ttft),
                 "ttft_max_s": max(ttft),
                 "seconds": max(r[1] for r in res),
+                "sent_first": [(n, t0, t0 + r[0]) for n, r in zip(names, res, strict=True)],
             }
 
         for n, names in zip(args.storms, storms, strict=True):
@@ -171,7 +173,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             t.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
         stats = engine.stats()
-        step_log = list(engine.core.step_log)
+        step_log = list(engine.testing.step_log)
         all_loads = list(loads)
         idle_writes = idle_slot_writes(engine) if device == "cuda" else {}
     rows = []
@@ -199,6 +201,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for k in ("ttft_p50_s", "ttft_max_s", "seconds", "thread_cpu"):
             if k in w.info:
                 row[k] = w.info[k]
+        if "sent_first" in w.info and steps:
+            step_s = statistics.median(e.seconds for e in steps)
+            row["ttft_breakdown"] = ttft_breakdown(
+                w.info["sent_first"], w.info.get("loads", []), writes, step_s
+            )
         if "loads" in w.info and w.info["loads"]:
             ok = [d for d in w.info["loads"] if d.get("ok")]
             row["loads"], row["failed_loads"] = len(w.info["loads"]), len(w.info["loads"]) - len(ok)
@@ -268,9 +275,11 @@ def idle_slot_writes(engine: AsyncEngine) -> dict[str, float]:
     from loraplex.engine.lora.slots import measure_slot_write
     from loraplex.engine.lora.staging import pack_adapter, packed_for
 
-    core = engine.core
+    internals = engine.testing
+    model = internals.executor.model
     torch.cuda.synchronize()
-    v = next((x for x in core.adapters.resident if x.slot_ready and x.adapter is not None), None)
+    resident = internals.adapters.resident
+    v = next((x for x in resident if x.slot_ready and x.adapter is not None), None)
     if v is None:
         return {}
     full = packed_for(v.adapter)
@@ -278,7 +287,7 @@ def idle_slot_writes(engine: AsyncEngine) -> dict[str, float]:
         v.name, "", v.adapter.config,
         {k: w for k, w in v.adapter.weights.items() if k[1] in ("q_proj", "k_proj", "v_proj", "o_proj")},
     )  # fmt: skip
-    small = pack_adapter(attn, core.config.max_lora_rank, pin=True)
+    small = pack_adapter(attn, engine.config.max_lora_rank, pin=True)
     src = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
     dst = torch.empty_like(src, device="cuda")
     dst.copy_(src, non_blocking=True)
@@ -291,11 +300,11 @@ def idle_slot_writes(engine: AsyncEngine) -> dict[str, float]:
     out = {
         "pinned_gbps": pinned,
         "full_mb": full.nbytes / 1e6,
-        "full_gbps": measure_slot_write(core.model, full, slot=v.slot),
+        "full_gbps": measure_slot_write(model, full, slot=v.slot),
         "qkvo_mb": small.nbytes / 1e6,
-        "qkvo_gbps": measure_slot_write(core.model, small, slot=v.slot),
+        "qkvo_gbps": measure_slot_write(model, small, slot=v.slot),
     }
-    measure_slot_write(core.model, full, repeats=1, slot=v.slot)  # (its own content back)
+    measure_slot_write(model, full, repeats=1, slot=v.slot)  # (its own content back)
     torch.cuda.synchronize()
     return out
 
