@@ -425,14 +425,16 @@ class EngineCore:
         return plan, self.executor.prepare(plan)
 
     def chain(self, step: InFlightStep) -> Planned | None:
-        """The step to queue behind ``step`` while it is in flight (pipelined decode), if
-        ``Scheduler.chain`` allows one."""
+        """The step to queue behind ``step`` while it is in flight (pipelined decode and
+        admission), if ``Scheduler.chain`` allows one."""
         self._poll_slot_events()
         if not self.config.async_scheduling or step.sample is None:
             return None
         plan = self.scheduler.chain(step.plan, self.max_model_len)
         if plan is None:
             return None
+        for req, err in plan.failed:  # (every GPU slot pinned: as from ``plan``)
+            self.fail(req, err)
         self.in_flight |= {c.req for c in plan.chunks}
         return plan, self.executor.prepare(plan, step)
 

@@ -244,9 +244,13 @@ class MixedGraphs:
         self.last = torch.zeros(m, dtype=i64, device=dev)  # logits rows: need-logits items first
         self.seq_last = torch.zeros(m, dtype=i64, device=dev)  # last row per sequence, layout order
         self.tables = torch.zeros(m, max_blocks_per_seq, dtype=i32, device=dev)
+        # pipelined admission: token row i's input is feed[src[i]] where src[i] >= 0 (a decode
+        # row of a running request, fed the token the step in flight samples)
+        self.src = torch.full((n,), -1, dtype=i64, device=dev)
+        self.feed = torch.zeros(max(n, BUCKETS[-1]), dtype=i64, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = pool
-        size = 4 * n + 4 * m + 1 + m * max_blocks_per_seq
+        size = 5 * n + 4 * m + 1 + m * max_blocks_per_seq
         self.hosts = [torch.zeros(size, dtype=i64).pin_memory() for _ in range(2)]
         self.staged = [torch.cuda.Event(), torch.cuda.Event()]
         self.turn = 0
@@ -259,15 +263,18 @@ class MixedGraphs:
                 return s, t
         return None
 
-    def fits(self, items: list) -> bool:
-        """A step these graphs can run: no row fed from a step in flight, every chunk short,
-        a bucket large enough, and some prefill (decode-only steps have their own graphs)."""
+    def fits(self, items: list, feed: torch.Tensor | None = None) -> bool:
+        """A step these graphs can run: every chunk short, a bucket large enough, and some
+        prefill (decode-only steps have their own graphs); rows fed from the step in flight
+        (``feed_row``) read ``feed`` on the device."""
         tokens = 0
         for it in items:
             n = len(it.token_ids)
-            if it.feed_row >= 0 or n > MIXED_QMAX:
+            if n > MIXED_QMAX or (it.feed_row >= 0 and feed is None):
                 return False
             tokens += n
+        if feed is not None and feed.shape[0] > self.feed.shape[0]:
+            return False
         return tokens > len(items) and self.bucket(len(items), tokens) is not None
 
     def _forward(self, sb: int, tb: int) -> torch.Tensor:
@@ -295,9 +302,10 @@ class MixedGraphs:
             )  # fmt: skip
             return out.index_copy_(0, seq_last, last)
 
+        src = self.src[:tb]
+        ids = torch.where(src >= 0, self.feed[src.clamp(min=0)], self.ids[:tb])
         hidden = fused_forward(
-            self.model, self.ids[:tb], self.pos[:tb], self.kv_caches, meta,
-            self.token_slots[:tb], attention,
+            self.model, ids, self.pos[:tb], self.kv_caches, meta, self.token_slots[:tb], attention
         )  # fmt: skip
         return linear(hidden.index_select(0, self.last[:sb]), self.model.lm_head).float()
 
@@ -316,10 +324,11 @@ class MixedGraphs:
             self.pool = graph.pool()
         self.graphs[(sb, tb)] = (graph, logits)
 
-    def run(self, items: list) -> torch.Tensor:
+    def run(self, items: list, feed: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the bucket's graph for ``items`` (``fits`` must hold); returns the logits of
         the items with ``need_logits``, in item order (a view: consume it before the next
-        replay). Rows are laid out grouped by adapter slot (the epilogues' B tiles)."""
+        replay). Rows are laid out grouped by adapter slot (the epilogues' B tiles). An item
+        with ``feed_row >= 0`` reads its one input token from ``feed[feed_row]`` (device)."""
         seqs, tokens = len(items), sum(len(it.token_ids) for it in items)
         key = self.bucket(seqs, tokens)
         assert key is not None
@@ -328,16 +337,16 @@ class MixedGraphs:
         bs = self.block_size
         self.turn ^= 1
         self.staged[self.turn].synchronize()  # this buffer's previous copy has left it
-        n = 4 * tb + 4 * sb + 1 + sb * width
+        n = 5 * tb + 4 * sb + 1 + sb * width
         host_t = self.hosts[self.turn][:n]
         host = host_t.numpy()
         host[:] = 0
-        tok = host[: 4 * tb].reshape(4, tb)  # ids, pos, slot_mapping, token_slots
-        seq = host[4 * tb : 4 * tb + 4 * sb + 1]
+        tok = host[: 5 * tb].reshape(5, tb)  # ids, pos, slot_mapping, token_slots, src
+        seq = host[5 * tb : 5 * tb + 4 * sb + 1]
         qsl, ctx = seq[: sb + 1], seq[sb + 1 : 2 * sb + 1]
         last, seq_last = seq[2 * sb + 1 : 3 * sb + 1], seq[3 * sb + 1 :]
-        rows = host[4 * tb + 4 * sb + 1 :].reshape(sb, width)
-        tok[2, :] = tok[3, :] = -1
+        rows = host[5 * tb + 4 * sb + 1 :].reshape(sb, width)
+        tok[2, :] = tok[3, :] = tok[4, :] = -1
         # prefill chunks first, then decode rows; each part grouped by adapter slot
         order = sorted(
             range(seqs), key=lambda i: (len(items[i].token_ids) == 1, items[i].lora_slot)
@@ -351,6 +360,8 @@ class MixedGraphs:
             tok[1, row : row + m] = range(p0, p0 + m)
             tok[2, row : row + m] = [table[p // bs] * bs + p % bs for p in range(p0, p0 + m)]
             tok[3, row : row + m] = it.lora_slot
+            if it.feed_row >= 0:
+                tok[4, row] = it.feed_row
             if m > 1:
                 qsl[k] = row
                 prefills = k + 1
@@ -365,17 +376,20 @@ class MixedGraphs:
         last[:seqs] = [end[i] for i in need + rest]
         dev = host_t.to(self.model.device, non_blocking=True)
         self.staged[self.turn].record()
-        dtok = dev[: 4 * tb].view(4, tb)
+        dtok = dev[: 5 * tb].view(5, tb)
         self.ids[:tb].copy_(dtok[0])
         self.pos[:tb].copy_(dtok[1])
         self.slot_mapping[:tb].copy_(dtok[2])
         self.token_slots[:tb].copy_(dtok[3])
-        dseq = dev[4 * tb : 4 * tb + 4 * sb + 1]
+        self.src[:tb].copy_(dtok[4])
+        if feed is not None:
+            self.feed[: feed.shape[0]].copy_(feed)
+        dseq = dev[5 * tb : 5 * tb + 4 * sb + 1]
         self.qsl[: sb + 1].copy_(dseq[: sb + 1])
         self.ctx[:sb].copy_(dseq[sb + 1 : 2 * sb + 1])
         self.last[:sb].copy_(dseq[2 * sb + 1 : 3 * sb + 1])
         self.seq_last[:sb].copy_(dseq[3 * sb + 1 :])
-        self.tables[:sb].copy_(dev[4 * tb + 4 * sb + 1 :].view(sb, width))
+        self.tables[:sb].copy_(dev[5 * tb + 4 * sb + 1 :].view(sb, width))
         if key not in self.graphs:
             self.capture(*key)
         graph, logits = self.graphs[key]

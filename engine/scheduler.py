@@ -13,6 +13,9 @@ Policy (one step):
    runs in the background and others go ahead. At most ``max_loras`` distinct adapters are in
    a step (one slot each). If a starved request is held back only because every slot is
    referenced, no further requests are admitted until a slot drains, so it cannot starve.
+4. ``chain`` plans the step after one in flight (pipelined decode): its rows decode the tokens
+   the step in flight samples, and waiting requests are admitted and loaded adapters given
+   slots by the same rules (2, 3), so adapters landing mid-decode do not pause pipelining.
 """
 
 from __future__ import annotations
@@ -119,9 +122,16 @@ class Scheduler:
             scheduled.append(req)
             budget -= n
         # 2. waiting requests
+        self._admit(out, head, budget, len(scheduled))
+        return out
+
+    def _admit(self, out: SchedulerOutput, head: Request | None, budget: int, seqs: int) -> None:
+        """Step 2 of ``schedule``: admit waiting requests (``head`` first) into ``out`` while
+        the token ``budget``, the sequence budget (``seqs`` already in the step) and free
+        blocks allow; a request whose adapter failed goes to ``out.failed``."""
         order = ([head] if head else []) + [r for r in self.waiting if r is not head]
         for req in order:
-            if budget <= 0 or len(scheduled) >= self.config.max_num_seqs:
+            if budget <= 0 or seqs >= self.config.max_num_seqs:
                 break
             v = req.adapter
             if v is not None:
@@ -148,25 +158,35 @@ class Scheduler:
                 self.adapters.acquire_slot(req.adapter)
                 req.holds_slot = True
             out.chunks.append(ScheduledChunk(req, n, cached + n == req.num_tokens))
-            scheduled.append(req)
+            seqs += 1
             budget -= n
-        return out
 
     def chain(self, plan: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
-        """The next decode step of ``plan``'s requests while ``plan`` is still in flight, or
-        None where a normal ``schedule`` could decide differently.
+        """The next step after ``plan`` while ``plan`` is still in flight, or None where a
+        normal ``schedule`` must decide.
 
-        Each row decodes the token ``plan`` samples (unknown yet: ``feed``). Chains only in the
-        steady state: every chunk of ``plan`` samples, every running request is in it, no
-        waiting request could be admitted, failed or given a slot, and the rows' next KV
-        blocks are free without preemption. A request that ``plan``'s token ends by length is
-        left out; one that ends by EOS or a stop string costs one discarded row.
+        Each of ``plan``'s requests decodes the token ``plan`` samples (unknown yet: ``feed``).
+        Waiting requests ride along as ``schedule`` would admit them (pipelined admission: a
+        request whose adapter slot is written joins with its prefill chunk, loaded adapters get
+        their slots, the writes run on the side stream), so a storm of cold loads landing does
+        not stop pipelined decode for a step per request. Chains only when: every chunk of
+        ``plan`` samples, every running request is in it, no waiting request is starved or has
+        a failed adapter, and the rows' next KV blocks are free without preemption. A request
+        that ``plan``'s token ends by length is left out; one that ends by EOS or a stop
+        string costs one discarded row. Requests whose slot cannot be had at all (every slot
+        pinned) come back in ``failed``, as from ``schedule``.
         """
-        if not plan.chunks or plan.slot_writes or not all(c.need_logits for c in plan.chunks):
+        if not plan.chunks or not all(c.need_logits for c in plan.chunks):
             return None
         in_plan = {id(c.req) for c in plan.chunks}
-        if any(id(r) not in in_plan for r in self.running) or self._admission_possible():
+        if any(id(r) not in in_plan for r in self.running):
             return None
+        now = time.monotonic()
+        for r in self.waiting:
+            if now - r.arrival > self.config.starvation_timeout_s:
+                return None  # the starvation policy (forced slots, admission order) applies
+            if r.adapter is not None and r.adapter.state is AdapterState.FAILED:
+                return None
         rows = [
             c.req
             for c in plan.chunks
@@ -183,29 +203,12 @@ class Scheduler:
             return None  # (checked first: no request takes a block it would hold idle)
         for r in rows:
             self.blocks.append(r.request_id, r.num_tokens + 1)
-        return SchedulerOutput([ScheduledChunk(r, 1, True, feed=True) for r in rows])
-
-    def _admission_possible(self) -> bool:
-        """Whether ``schedule`` could now admit, fail or assign a slot to a waiting request
-        (conservative). Starts the loads that ``schedule`` would start."""
-        now = time.monotonic()
-        for r in self.waiting:
-            v = r.adapter
-            if v is not None:
-                stage = self._adapter_stage(v)
-                if stage == _FAILED:
-                    return True
-                if stage == _NO_SLOT:
-                    starved = now - r.arrival > self.config.starvation_timeout_s
-                    if self.adapters.can_assign_slot(force=starved):
-                        return True
-                    continue
-                if stage != _READY:
-                    continue  # loading, or its write lands first (poll_slot_events)
-            if len(self.running) >= self.config.max_num_seqs:
-                return False
-            return self.blocks.can_allocate(r.request_id, r.tokens, r.adapter_key)
-        return False
+        out = SchedulerOutput([ScheduledChunk(r, 1, True, feed=True) for r in rows])
+        if self.waiting:
+            self._collect_slot_writes(out, None)
+            budget = self.config.max_num_batched_tokens - len(rows)
+            self._admit(out, None, budget, len(self.running))  # (rows left out still run)
+        return out
 
     def _collect_slot_writes(self, out: SchedulerOutput, head: Request | None) -> None:
         """Assign slots to loaded adapters that waiting requests need (writes run in the step)."""
@@ -229,7 +232,7 @@ class Scheduler:
         GPU slot is written), ``_FAILED``, ``_LOADING`` (not in the CPU tier yet; starts the
         load if none runs, single-flight), ``_NO_SLOT`` (in the CPU tier, no GPU slot) or
         ``_WRITING`` (its slot write has not landed). The one adapter check of admission:
-        ``schedule`` and ``_admission_possible`` (``chain``) both decide on it."""
+        ``schedule`` and ``chain`` (through ``_admit``) both decide on it."""
         state = v.state
         if state is AdapterState.CPU:
             if v.slot is None:

@@ -158,8 +158,10 @@ def test_chain_only_in_the_steady_state():
     # b's token in flight is its last (max_tokens=1): only a decodes on, at position 7
     assert nxt is not None and [(c.req, c.feed) for c in nxt.chunks] == [(a, True)]
     assert len(blocks.block_table("a")) == 2  # 8 tokens of block size 4
-    # a waiting request that fits would be admitted by a normal schedule: no chain
+    # a starved waiting request goes to a normal schedule (its admission policy): no chain
+    # (one that is not starved joins the chained step: test_chain_admission.py)
     c = running(s, "c", [1, 2])
+    c.arrival -= 1e6
     assert s.chain(plan, max_model_len=100) is None
     s.waiting.remove(c)
     # a running request outside the plan (e.g. left out by a budget): no chain

@@ -420,10 +420,11 @@ def test_chain_needs_a_plan_with_rows():
     assert s.chain(SchedulerOutput(), max_model_len=100) is None
 
 
-def test_chain_refuses_a_plan_with_slot_writes():
+def test_chain_goes_on_after_a_plan_with_slot_writes():
     s, blocks, m, _, reqs, plan = steady()
-    plan.slot_writes.append(loaded(m, "sql"))
-    assert s.chain(plan, max_model_len=100) is None
+    plan.slot_writes.append(loaded(m, "sql"))  # the write lands while the chain runs
+    nxt = s.chain(plan, max_model_len=100)
+    assert nxt is not None and [c.req for c in nxt.chunks] == reqs
 
 
 def test_chain_refuses_a_plan_with_a_row_that_does_not_sample():
@@ -439,9 +440,30 @@ def test_chain_refuses_when_a_running_request_is_not_in_the_plan():
     assert s.chain(plan, max_model_len=100) is None
 
 
-def test_chain_refuses_when_a_waiting_request_could_be_admitted():
+def test_chain_admits_a_waiting_request_that_fits():
     s, blocks, m, _, reqs, plan = steady()
-    submit(s, "w", 3)
+    w = submit(s, "w", 3)
+    nxt = s.chain(plan, max_model_len=100)
+    assert nxt is not None
+    assert [(c.req, c.num_tokens, c.need_logits, c.feed) for c in nxt.chunks] == [
+        *((r, 1, True, True) for r in reqs),
+        (w, 3, True, False),  # its prefill rides along with the fed decode rows
+    ]
+    assert w in s.running and not s.waiting and w.status is RequestStatus.RUNNING
+    assert blocks.tables["w"] == 1
+
+
+def test_chain_admits_a_waiting_request_whose_slot_is_written():
+    s, blocks, m, _, reqs, plan = steady()
+    v = in_slot(m, "sql")
+    w = submit(s, "w", 3, v)
+    nxt = s.chain(plan, max_model_len=100)
+    assert nxt is not None and nxt.chunks[-1].req is w and w.holds_slot and v.slot_refs == 1
+
+
+def test_chain_refuses_when_a_waiting_request_is_starved():
+    s, blocks, m, _, reqs, plan = steady()
+    submit(s, "w", 3, starved=True)  # the starvation policy is schedule's
     assert s.chain(plan, max_model_len=100) is None
 
 
@@ -453,12 +475,7 @@ def test_chain_refuses_when_a_waiting_request_would_fail():
     assert s.chain(plan, max_model_len=100) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: _admission_possible does not see a waiting request that schedule "
-    "would fail with SlotFullError (every slot pinned); it waits until the chain ends",
-)
-def test_chain_refuses_when_a_waiting_request_would_fail_for_want_of_a_slot():
+def test_chain_fails_a_waiting_request_for_want_of_a_slot_as_schedule_does():
     s, blocks, m, _, reqs, plan = steady(max_loras=1)
     in_slot(m, "pinned")
     m.pin("pinned")
@@ -467,14 +484,19 @@ def test_chain_refuses_when_a_waiting_request_would_fail_for_want_of_a_slot():
     s, blocks, m, _, reqs, plan = steady(max_loras=1)
     in_slot(m, "pinned")
     m.pin("pinned")
-    submit(s, "w", 3, loaded(m, "sql"))
-    assert s.chain(plan, max_model_len=100) is None
+    w = submit(s, "w", 3, loaded(m, "sql"))
+    nxt = s.chain(plan, max_model_len=100)
+    assert nxt is not None and [c.req for c in nxt.chunks] == reqs
+    assert [(r, type(e)) for r, e in nxt.failed] == [(w, SlotFullError)] and not s.waiting
 
 
-def test_chain_refuses_when_a_waiting_request_would_get_a_slot():
+def test_chain_gives_a_loaded_adapter_its_slot():
     s, blocks, m, _, reqs, plan = steady()
-    submit(s, "w", 3, loaded(m, "sql"))  # loaded, a slot is free
-    assert s.chain(plan, max_model_len=100) is None
+    v = loaded(m, "sql")  # loaded, a slot is free
+    w = submit(s, "w", 3, v)
+    nxt = s.chain(plan, max_model_len=100)
+    assert nxt is not None and nxt.slot_writes == [v] and v.slot is not None
+    assert [c.req for c in nxt.chunks] == reqs and list(s.waiting) == [w]  # once it landed
 
 
 @pytest.mark.parametrize("starved", [False, True])
