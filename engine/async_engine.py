@@ -23,6 +23,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore, EngineInternals, Planned
 from loraplex.engine.errors import EngineClosedError, InvalidRequestError
 from loraplex.engine.executor import InFlightStep
+from loraplex.engine.intake import Intake
 from loraplex.engine.request import Request, RequestOutput
 from loraplex.engine.sampler import SamplerOutput
 from loraplex.engine.sampling_params import SamplingParams
@@ -47,6 +48,7 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._intake = Intake()
         self._closed = False
 
     # -- lifetime -------------------------------------------------------------------------------
@@ -138,7 +140,9 @@ class AsyncEngine:
 
         ``trusted=False`` (runtime loads) keeps the source inside the allowlist policy.
         """
-        v = await self._core().add_adapter(name, uri, sha256, trusted=trusted)
+        core = self._core()
+        await self._intake.turn()  # a burst of calls: one per loop turn (intake.py)
+        v = await core.add_adapter(name, uri, sha256, trusted=trusted)
         return {"name": v.name, "uri": v.uri, "digest": v.digest, "version": v.version}
 
     async def remove_adapter(self, name: str) -> None:
@@ -162,6 +166,7 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request; raises typed errors (unknown adapter, bad prompt...)."""
         core = self._core()
+        await self._intake.turn()  # a burst of calls: one per loop turn (intake.py)
         params = params or SamplingParams()
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._requests:
