@@ -237,16 +237,29 @@ class AdapterManager:
         v.state = AdapterState.LOADING
         v.error = None
         self.stats["loads"] += 1
-        v.load_task = asyncio.get_running_loop().create_task(self._load(v))
+        task = asyncio.get_running_loop().create_task(self._load(v))
+        v.load_task = task
+        task.add_done_callback(lambda t: self._cancelled_unstarted(v, t))
+
+    def _cancelled_unstarted(self, v: AdapterVersion, task: asyncio.Task) -> None:
+        """A load task cancelled before its first step never ran ``_load`` (nor its cleanup):
+        the version would stay LOADING with a dead task and its next requests wait forever."""
+        if v.load_task is task and task.cancelled() and v.state is AdapterState.LOADING:
+            v.load_task = None
+            self._cancelled(v)
+            self._on_change()
+
+    def _cancelled(self, v: AdapterVersion) -> None:
+        v.state = AdapterState.REGISTERED
+        self._unload(v)
+        if v.dynamic and v.users == 0:  # a request that joined meanwhile keeps the name
+            self.forget(v)
 
     async def _load(self, v: AdapterVersion) -> None:
         try:
             await self._loader(v)
         except asyncio.CancelledError:
-            v.state = AdapterState.REGISTERED
-            self._unload(v)
-            if v.dynamic and v.users == 0:  # a request that joined meanwhile keeps the name
-                self.forget(v)
+            self._cancelled(v)
             raise
         except Exception as e:  # noqa: BLE001 - the error is handed to the waiting requests
             self._unload(v)

@@ -194,11 +194,6 @@ async def test_last_user_leaving_cancels_the_load():
     assert v.state is AdapterState.CPU
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: a load task cancelled before its first step never runs _load's "
-    "cleanup, so the version stays LOADING with a dead task and later requests wait forever",
-)
 async def test_last_user_leaving_before_the_load_ran():
     loader = FakeLoader()
     m = make_manager(loader=loader)
@@ -209,6 +204,12 @@ async def test_last_user_leaving_before_the_load_ran():
     await settle(task)
     assert task.cancelled() and loader.calls == []
     assert v.state is AdapterState.REGISTERED and v.load_task is None
+    m.add_user(v)  # a later request loads it again
+    assert v.state is AdapterState.LOADING and v.load_task is not None
+    await asyncio.sleep(0)
+    assert loader.calls == [v]
+    await loader.finish(v)
+    assert v.state is AdapterState.CPU
 
 
 async def test_cancelled_dynamic_version_is_forgotten():
