@@ -23,6 +23,9 @@ from loraplex.engine.lora.errors import (
     AdapterValueError,
 )
 from loraplex.engine.lora.peft_config import PeftLoRAConfig, parse_peft_config_json
+from loraplex.engine.lora.preflight import DEFAULT_MAX_HEADER_BYTES, read_safetensors_header
+from loraplex.engine.lora.targets import PARENT as _PARENT
+from loraplex.engine.lora.targets import base_module_name, check_targets
 from loraplex.engine.model.config import LORA_MODULES, ModelConfig
 
 __all__ = [
@@ -41,12 +44,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-_PARENT = {
-    m: "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn" for m in LORA_MODULES
-}
 _MODULE_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
-# Base modules that are linear but never LoRA targets here.
-_OTHER_MODULES = ("lm_head", "model.embed_tokens")
 # Largest |w| accepted in lora_A and in lora_B with the LoRA scale folded in. Trained adapters
 # sit orders of magnitude below: PEFT starts A at U(+-1/sqrt(in)) and B at 0, trained entries
 # stay O(0.01-1) and scales (alpha/r, alpha/sqrt(r)) are O(1-100). It is also below float16's
@@ -91,11 +89,6 @@ class LoRAAdapter:
         return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values())
 
 
-def base_module_name(layer: int, module: str) -> str:
-    """Full PEFT-style name of a base LoRA module, e.g. ``model.layers.0.self_attn.q_proj``."""
-    return f"model.layers.{layer}.{_PARENT[module]}.{module}"
-
-
 def _resolve_module(name: str, num_layers: int) -> tuple[int, str]:
     m = _MODULE_RE.fullmatch(name)
     if m is None or m.group(3) not in LORA_MODULES or _PARENT[m.group(3)] != m.group(2):
@@ -133,34 +126,6 @@ def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
             field=key,
         )
     return layer, short, parts[i][-1]
-
-
-def check_targets(config: PeftLoRAConfig, mc: ModelConfig) -> None:
-    """Raise AdapterTargetError unless every target names a LoRA module / layer of the base."""
-    names = [base_module_name(i, m) for i in range(mc.num_layers) for m in LORA_MODULES]
-    tm = config.target_modules
-    if isinstance(tm, str):
-        bad = [n for n in _OTHER_MODULES if config.targets(n)]
-        if bad or not any(config.targets(n) for n in names):
-            raise AdapterTargetError(
-                f"adapter_config.json: target_modules regex {tm!r} "
-                + (f"matches {bad[0]!r}" if bad else "matches no LoRA module of the base"),
-                field="target_modules",
-            )
-    else:
-        for t in tm:
-            if not any(n == t or n.endswith("." + t) for n in names):
-                raise AdapterTargetError(
-                    f"adapter_config.json: target_modules names {t!r}, which the base has no "
-                    f"LoRA module for (supported: {', '.join(LORA_MODULES)})",
-                    field="target_modules",
-                )
-    for idx in config.layers_to_transform or ():
-        if idx >= mc.num_layers:
-            raise AdapterTargetError(
-                f"adapter_config.json: layers_to_transform has {idx} >= num_layers {mc.num_layers}",
-                field="layers_to_transform",
-            )
 
 
 def check_weight_values(t: torch.Tensor, key: str, *, scale: float | None = None) -> None:
@@ -282,8 +247,7 @@ def load_adapter(
     check_targets(config, model_config)
     # NOTE: the strict header check of preflight (duplicate keys, gaps, overlaps), so that this
     # parser accepts no file the preflight would refuse (safetensors keeps the last of two
-    # duplicate keys). Imported here: preflight imports this module.
-    from loraplex.engine.lora.preflight import DEFAULT_MAX_HEADER_BYTES, read_safetensors_header
+    # duplicate keys)
 
     read_safetensors_header(wfile, max_header_bytes=DEFAULT_MAX_HEADER_BYTES)
     shapes = model_config.lora_module_shapes()

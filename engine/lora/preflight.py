@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraplex.engine.lora.adapter import base_module_name, check_targets
 from loraplex.engine.lora.errors import (
     AdapterConfigError,
     AdapterFormatError,
@@ -28,6 +27,7 @@ from loraplex.engine.lora.errors import (
     AdapterTooLargeError,
 )
 from loraplex.engine.lora.peft_config import PeftLoRAConfig, parse_peft_config_json
+from loraplex.engine.lora.targets import base_module_name, check_targets
 from loraplex.engine.model.config import LORA_MODULES, ModelConfig
 
 __all__ = [
