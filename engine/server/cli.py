@@ -11,20 +11,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from types import ModuleType
 
+from loraplex.engine.server.subcommand import Subcommand
+
 __all__ = ["Subcommand", "BUILTIN_COMMANDS", "register", "build_parser", "main"]
-
-
-@dataclass(frozen=True)
-class Subcommand:
-    name: str
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]  # returns the exit status
-    description: str | None = None
 
 
 BUILTIN_COMMANDS = {

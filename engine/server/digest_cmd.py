@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from loraplex.engine.server.cli import Subcommand
+from loraplex.engine.server.subcommand import Subcommand
 
 __all__ = ["COMMAND", "local_folder"]
 

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraplex.engine.logging import LEVELS
-from loraplex.engine.server.cli import Subcommand
 from loraplex.engine.server.limits import ServerLimits, add_limit_arguments, limits_from_args
 from loraplex.engine.server.lora_modules import LoraModule, check_lora_modules, parse_lora_module
+from loraplex.engine.server.subcommand import Subcommand
 
 if TYPE_CHECKING:
     from aiohttp import web
