@@ -2,7 +2,8 @@
 
 Which families are served is the registry's business (``registry.py``): ``from_dict`` asks it
 for the architecture first, so an unsupported model fails with ``UnknownArchitectureError``
-before any field is read.
+before any field is read. A ``quantization_config`` other than the fp8 forms ``quant.py``
+reads fails here too (``UnsupportedQuantizationError``), before any tensor is read.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.engine.model.errors import ModelConfigError
+from loraplex.engine.model.quant import Fp8Format, parse_quantization_config
 from loraplex.engine.model.registry import architecture_for
 
 __all__ = ["ModelConfig", "LORA_MODULES", "ModelConfigError"]
@@ -44,6 +46,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
     architecture: str = "LlamaForCausalLM"  # the registered HF architecture (registry.py)
+    quantization: Fp8Format | None = None  # a pre-quantized fp8 checkpoint (quant.py)
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -73,6 +76,7 @@ class ModelConfig:
         names = cfg.get("architectures")
         names = [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
         arch = architecture_for(names, mtype)
+        quantization = parse_quantization_config(cfg.get("quantization_config"))
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -114,6 +118,7 @@ class ModelConfig:
                 eos_token_ids=eos_ids,
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
                 architecture=arch,
+                quantization=quantization,
                 raw=cfg,
             )
         except KeyError as e:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ModelConfigError", "UnknownArchitectureError"]
+__all__ = ["ModelConfigError", "UnknownArchitectureError", "UnsupportedQuantizationError"]
 
 
 class ModelConfigError(ValueError):
@@ -11,3 +11,9 @@ class ModelConfigError(ValueError):
 
 class UnknownArchitectureError(ModelConfigError):
     """config.json names an architecture (and model_type) no registered family serves."""
+
+
+class UnsupportedQuantizationError(ModelConfigError):
+    """config.json's ``quantization_config`` names a format the engine does not serve (only
+    fp8 e4m3 weights are: ``quant_method`` ``fp8``, or ``compressed-tensors`` with 8-bit float
+    weights). Raised while reading the config, before any tensor is read."""
