@@ -8,7 +8,9 @@ import torch
 
 from loraplex.engine.model.backend import KERNEL_BACKENDS
 
-__all__ = ["EngineConfig"]
+__all__ = ["EngineConfig", "QUANTIZATIONS"]
+
+QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization, besides None (model/quant.py)
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,10 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     served_model_name: str | None = None
+    # base weights: None: as the checkpoint stores them (a pre-quantized fp8 checkpoint is read
+    # as fp8); "fp8": the projections of a bf16/fp16/fp32 checkpoint are quantized to float8
+    # e4m3 on load (per output channel). Until the fp8 GEMMs exist they run de-quantized.
+    quantization: str | None = None
     # LoRA capacity
     max_loras: int = 4  # GPU slots (distinct adapters per step)
     max_cpu_loras: int = 8  # pinned host tier
@@ -69,6 +75,11 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, "
+                f"not {self.quantization!r}"
             )
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(
