@@ -64,6 +64,7 @@ def build_core(
             device=device,
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
+            quantization=config.quantization,
         )
     per_block = ModelRunner.kv_bytes_per_block(model, config.block_size)
     if config.num_kv_blocks is not None:

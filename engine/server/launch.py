@@ -40,6 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="device")
     dtypes = ("auto", "float32", "bfloat16", "float16")
     p.add_argument("--dtype", choices=dtypes, default="auto", help="weight dtype")
+    p.add_argument(
+        "--quantization", choices=("fp8",),
+        help="fp8: quantize the base projections to float8 e4m3 on load (pre-quantized fp8 "
+        "checkpoints are read as fp8 without it); de-quantized until the fp8 GEMMs exist",
+    )  # fmt: skip
     p.add_argument("--served-model-name", metavar="NAME", help="base model name in the API")
     p.add_argument(
         "--lora-modules", type=parse_lora_module, nargs="+", action="extend", default=[],
@@ -106,6 +111,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "model": args.model,
         "device": args.device,
         "dtype": args.dtype,
+        "quantization": args.quantization,
         # NOTE: without a name the demo would be called by its asset folder's path.
         "served_model_name": args.served_model_name or (None if args.model else "demo"),
         "allow_sources": tuple(args.lora_allow),
