@@ -42,7 +42,7 @@ class AsyncEngine:
         checkpoint in ``config.model`` is then not loaded."""
         self.config = config
         self._model = model
-        self.core: EngineCore | None = None
+        self._engine_core: EngineCore | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="loraplex-step")
         self._loop_task: asyncio.Task | None = None
         self._wake = asyncio.Event()
@@ -60,7 +60,7 @@ class AsyncEngine:
             # NOTE: CPython hands the GIL over every 5 ms by default; a staging thread in
             # Python code would then hold the step thread for 5 ms at a time (process-wide)
             sys.setswitchinterval(interval)
-        self.core = await loop.run_in_executor(
+        self._engine_core = await loop.run_in_executor(
             self._executor, build_core, self.config, self._wake.set, self._model
         )
         self._model = None
@@ -69,9 +69,9 @@ class AsyncEngine:
         gc.collect()
         gc.freeze()
         COMPILES.serving()  # from here on a Triton compile stalls streams: each is logged
-        self.core.start()
+        self._engine_core.start()
         self._loop_task = loop.create_task(self._run(), name="loraplex-step-loop")
-        log.info("engine_started", **capacity_report(self.core))
+        log.info("engine_started", **capacity_report(self._engine_core))
 
     async def close(self) -> None:
         if self._closed:
@@ -83,8 +83,8 @@ class AsyncEngine:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
         gc.unfreeze()  # (what start-up froze is collectable again once the engine is gone)
-        if self.core is not None:
-            await self.core.close()
+        if self._engine_core is not None:
+            await self._engine_core.close()
         self._executor.shutdown(wait=True)
 
     async def __aenter__(self) -> AsyncEngine:
@@ -95,15 +95,22 @@ class AsyncEngine:
         await self.close()
 
     def _core(self) -> EngineCore:
-        if self.core is None or self._closed:
+        if self._engine_core is None or self._closed:
             raise EngineClosedError("the engine is not running")
-        return self.core
+        return self._engine_core
 
     # -- introspection ---------------------------------------------------------------------------
 
     @property
     def model_name(self) -> str:
         return self._core().model_name
+
+    @property
+    def model_root(self) -> str | None:
+        """The base model's folder (the demo model's once started without one), else None."""
+        core = self._engine_core
+        model = core.config.model if core is not None else self.config.model
+        return str(model) if model is not None else None
 
     @property
     def tokenizer(self):  # Tokenizer | None: None means token-id prompts only
@@ -189,9 +196,9 @@ class AsyncEngine:
     def abort(self, request_id: str) -> bool:
         """Abort a request; returns False if it is unknown or already finished."""
         req = self._requests.get(request_id)
-        if req is None or req.is_finished or self.core is None:
+        if req is None or req.is_finished or self._engine_core is None:
             return False
-        if self.core.abort(req):  # else it ends when its step in flight is applied
+        if self._engine_core.abort(req):  # else it ends when its step in flight is applied
             self._requests.pop(request_id, None)
         self._wake.set()
         return True

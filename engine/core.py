@@ -141,11 +141,6 @@ class EngineCore:
     def internals(self) -> EngineInternals:
         return EngineInternals(self.scheduler, self.adapters, self.loader, self.executor)
 
-    @property
-    def step_log(self) -> collections.deque[StepRecord]:
-        """The executor's step log (read by the cold-load study)."""
-        return self.executor.step_log
-
     # -- lifetime and events --------------------------------------------------------------------
 
     def start(self) -> None:

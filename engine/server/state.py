@@ -35,6 +35,4 @@ PREP_POOL_KEY = web.AppKey("loraplex_prep_pool", ThreadPoolExecutor)
 
 def base_model_root(engine: AsyncEngine) -> str:
     """The base model's path (the demo model's folder when none was configured)."""
-    core = engine.core
-    model = core.config.model if core is not None else engine.config.model
-    return str(model) if model is not None else "demo"
+    return engine.model_root or "demo"

@@ -50,15 +50,16 @@ def write_slot_gbps(engine: Any) -> float | None:
     adapter is resident or there is no CUDA device."""
     from loraplex.engine.lora.slots import write_slot
 
-    core = engine.core
-    if core is None or core.device.type != "cuda":
+    internals = engine.testing
+    model = internals.executor.model
+    if model.device.type != "cuda":
         return None
-    resident = [v for v in core.adapters.resident if v.slot_ready and v.adapter is not None]
+    resident = [v for v in internals.adapters.resident if v.slot_ready and v.adapter is not None]
     if not resident:
         return None
     v = resident[0]
     slot, adapter = v.slot, v.adapter
-    torch.cuda.synchronize(core.device)
-    stream = torch.cuda.Stream(core.device)
-    secs = _timed(lambda: write_slot(core.model, slot, adapter), stream, 5)
+    torch.cuda.synchronize(model.device)
+    stream = torch.cuda.Stream(model.device)
+    secs = _timed(lambda: write_slot(model, slot, adapter), stream, 5)
     return adapter.nbytes / secs / 1e9

@@ -86,7 +86,7 @@ class Collector:
         engine.subscribe(self.on_event)
         # The Request object (arrival, admission, token times, meta["tier"]) is not handed
         # out by generate(); every new request passes scheduler.add, so wrap that.
-        sched = engine.core.scheduler
+        sched = engine.testing.scheduler
         add = sched.add
 
         def tracked_add(req: Any) -> None:

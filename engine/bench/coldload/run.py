@@ -136,7 +136,7 @@ async def run_point(
             await _warmup(engine, point, cfg, workdir)
         collector.reset()
         base_stats = dict(engine.stats()["adapters"])
-        engine.core.step_log.clear()
+        engine.testing.step_log.clear()
         bar = Progress(len(arrivals), label, enabled=progress)
         tasks: list[asyncio.Task] = []
         lag: list[float] = []
@@ -157,7 +157,7 @@ async def run_point(
         t_end = time.monotonic()
         bar.close()
         stats = {k: v - base_stats.get(k, 0) for k, v in engine.stats()["adapters"].items()}
-        step_log = list(engine.core.step_log)
+        step_log = list(engine.testing.step_log)
         copy = (
             await asyncio.to_thread(write_slot_gbps, engine) if device.startswith("cuda") else None
         )

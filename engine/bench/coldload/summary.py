@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from loraplex.engine.bench.coldload.collect import STAGES, LoadRecord, WriteRecord
 from loraplex.engine.bench.coldload.metrics import PARTS, TIERS, pct, split_stats
+
+if TYPE_CHECKING:
+    from loraplex.engine.executor import StepRecord
 
 __all__ = ["summarize"]
 
@@ -87,10 +90,12 @@ def _h2d(
     }
 
 
-def _steps(step_log: list[tuple]) -> dict[str, Any]:
+def _steps(step_log: list[StepRecord]) -> dict[str, Any]:
     """Decode-only steps of the step log, split by the engine's loading flag."""
-    decode = [e for e in step_log if e[3]]
-    return split_stats([e[0] for e in decode if e[4]], [e[0] for e in decode if not e[4]])
+    decode = [e for e in step_log if e.decode]
+    return split_stats(
+        [e.seconds for e in decode if e.loading], [e.seconds for e in decode if not e.loading]
+    )
 
 
 def _consistency(
@@ -125,7 +130,7 @@ def summarize(
     loads: list[LoadRecord],
     writes: list[WriteRecord],
     itl: list[tuple[float, float, bool]],
-    step_log: list[tuple],
+    step_log: list[StepRecord],
     stats: dict[str, int],
     folder_bytes: int,
     pinned_gbps: float | None,
