@@ -13,8 +13,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,n
 export PYTHONUNBUFFERED=1
 what=${1:-all}; shift || true
 if [[ $what == all || $what == tests ]]; then
-  python3 -m pytest -q -m gpu -p no:cacheprovider tests/lora/test_ops.py tests/model tests/engine/test_pipelined.py \
-    tests/engine/test_loader_process.py 2>&1 \
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/lora/test_ops.py tests/lora/test_slots.py tests/model \
+    tests/engine/test_pipelined.py tests/engine/test_loader_process.py tests/engine/test_chain_admission.py 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|^E " | tail -25
 fi
 if [[ $what == all || $what == kernels ]]; then
@@ -28,6 +28,6 @@ if [[ $what == all || $what == decode ]]; then
   python3 -m benchmarks.decode --append "$OUT/decode.md" "$@" 2>&1 | grep -v "\[info" | tee "$OUT/decode.log" | tail -45
 fi
 if [[ $what == storm ]]; then
-  python3 -m benchmarks.storm --out "$OUT/storm.json" "$@" 2>&1 | grep -v -E "^\[|\[(info|warn)" \
+  python3 -m benchmarks.storm --out "$OUT/storm.json" --plot "$OUT/storm.png" "$@" 2>&1 | grep -v -E "^\[|\[(info|warn)" \
     | tee "$OUT/storm.log" | tail -30
 fi
