@@ -54,6 +54,8 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: str) -> torch.dtype:
         name = cfg.torch_dtype or "bfloat16"
         if name == "float32":
             return torch.bfloat16  # serve fp32 checkpoints in bf16 on GPU, like vLLM
+        if cfg.quantization is not None and name not in ("bfloat16", "float16"):
+            return torch.bfloat16  # an fp8 checkpoint naming its storage dtype
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name not in table:
         raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(table)}")

@@ -311,3 +311,15 @@ def test_scale_of_the_wrong_shape(tiny, tmp_path):
     out = _edit(tiny, tmp_path / "s", CT, bad)
     with pytest.raises(ModelLoadError, match="q_proj.weight_scale: scale of shape"):
         load_model(out, dtype=torch.float32, device="cpu")
+
+
+def test_auto_dtype_of_an_fp8_checkpoint(tiny, tmp_path):
+    from loraplex.engine.model.config import ModelConfig
+    from loraplex.engine.model.loader import resolve_dtype
+
+    write_fp8_checkpoint(tiny, tmp_path / "d", "ct-channel")
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    for stored, want in (("float8_e4m3fn", torch.bfloat16), ("float16", torch.float16)):
+        cfg = ModelConfig.from_dict({**raw, "torch_dtype": stored})
+        assert resolve_dtype("auto", cfg, "cuda") == want
+        assert resolve_dtype("auto", cfg, "cpu") == torch.float32
