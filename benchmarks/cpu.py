@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import logging
 import os
 import random
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +32,7 @@ from typing import Any
 import structlog
 import torch
 
+from benchmarks.record import append_cpu_record
 from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
 
 CASES = [(1, "none"), (1, "one"), (8, "none"), (8, "one"), (8, "four")]
@@ -277,16 +276,8 @@ def main() -> None:
     text = table(rows)
     print(text)
     if args.append:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-        head = (
-            f"\n- date: {datetime.date.today()}, commit: {commit}, machine: "
-            f"{os.cpu_count()}-core CPU, torch threads: {args.threads}\n"
-            f"- command: `python -m benchmarks.cpu --repeats {args.repeats}`\n"
-        )
-        with open(args.append, "a") as f:
-            f.write(head + (f"- {args.note}\n" if args.note else "") + "\n" + text + "\n")
+        command = f"python -m benchmarks.cpu --repeats {args.repeats}"
+        append_cpu_record(args.append, command, text, args.threads, args.note)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,8 @@ all equal the reference's, "first split" is the mean position of the first diffe
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +32,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from benchmarks.record import append_cpu_record
 from loraplex.engine.lora.adapter import load_adapter
 from loraplex.engine.lora.slots import write_slot
 from loraplex.engine.model.loader import load_model
@@ -230,16 +229,7 @@ def main() -> None:
     text = table(rows)
     print(text)
     if args.append:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-        head = (
-            f"\n- date: {datetime.date.today()}, commit: {commit}, machine: "
-            f"{os.cpu_count()}-core CPU, torch threads: {args.threads}\n"
-            f"- command: `python -m benchmarks.fp8_quality`\n"
-        )
-        with open(args.append, "a") as f:
-            f.write(head + "\n" + text + "\n")
+        append_cpu_record(args.append, "python -m benchmarks.fp8_quality", text, args.threads)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import itertools
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 
 from benchmarks.coldload.adapters import TINY
+from benchmarks.record import git_commit
 from benchmarks.storm.report import Window, drift_corrected, ends_in, pct, ttft_breakdown
 from benchmarks.storm.threads import GilProfile, cpu_by_thread, thread_cpu
 from benchmarks.synthetic import LLAMA3_8B, random_model, write_adapter, write_model_config
@@ -243,7 +243,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     drift_corrected(rows, times, windows)
     return {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "commit": args.commit or _commit(),
+        "commit": args.commit or git_commit(),
         "date": time.strftime("%Y-%m-%d"),
         "args": vars(args),
         "startup_s": t_ready - t0,
@@ -307,13 +307,3 @@ def idle_slot_writes(engine: AsyncEngine) -> dict[str, float]:
     measure_slot_write(model, full, repeats=1, slot=v.slot)  # (its own content back)
     torch.cuda.synchronize()
     return out
-
-
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
