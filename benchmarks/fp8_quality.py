@@ -32,6 +32,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from benchmarks.checkpoints import cpu_model_dir
 from benchmarks.record import append_cpu_record
 from loraplex.engine.lora.adapter import load_adapter
 from loraplex.engine.lora.slots import write_slot
@@ -213,15 +214,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     with tempfile.TemporaryDirectory() as tmp:
+        args.model_dir = cpu_model_dir(args.smoke, args.model_dir, tmp)
         if args.smoke:
-            from tests.helpers.models import make_tiny_model
-
-            args.model_dir = make_tiny_model(Path(tmp) / "base", seed=0)
             args.new = 4
-        elif args.model_dir is None:
-            from benchmarks.checkpoints import smollm2_dir
-
-            args.model_dir = smollm2_dir()
         from benchmarks.cpu import make_adapters
 
         (adapter,) = make_adapters(args.model_dir, Path(tmp), 1, args.rank)
