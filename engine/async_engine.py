@@ -20,7 +20,7 @@ from typing import Any
 import structlog
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.core import EngineCore, EngineInternals, Planned
+from loraplex.engine.core import AdapterChoice, EngineCore, EngineInternals, Planned
 from loraplex.engine.errors import EngineClosedError, InvalidRequestError
 from loraplex.engine.executor import InFlightStep
 from loraplex.engine.intake import Intake
@@ -168,10 +168,15 @@ class AsyncEngine:
         self,
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
-        adapter: str | None = None,
+        adapter: AdapterChoice = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs of one request; raises typed errors (unknown adapter, bad prompt...)."""
+        """Stream outputs of one request; raises typed errors (unknown adapter, bad prompt...).
+
+        ``adapter``: None (the base model), an adapter name, or a composition of adapters with
+        weights, ``[("sql", 0.7), ("pirate", 0.3)]``: the weighted sum of their deltas, as
+        PEFT's ``add_weighted_adapter(..., combination_type="cat")`` (one slot of the summed
+        rank, cached by names + digests + weights)."""
         core = self._core()
         await self._intake.turn()  # a burst of calls: one per loop turn (intake.py)
         params = params or SamplingParams()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import structlog
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.cuda_graph import MixedGraphs
 from loraplex.engine.detokenizer import IncrementalDetokenizer
-from loraplex.engine.errors import InvalidRequestError
+from loraplex.engine.errors import AdapterCompositionError, InvalidRequestError
 from loraplex.engine.executor import InFlightStep, StepExecutor, StepRecord
 from loraplex.engine.kv import BlockManager
 from loraplex.engine.loop_lag import LoopLag
@@ -41,7 +42,12 @@ from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.engine.tokenizer import Tokenizer
 from loraplex.engine.warmup import COMPILES
 
-__all__ = ["EngineCore", "EngineInternals", "Planned"]
+__all__ = ["EngineCore", "EngineInternals", "Planned", "AdapterChoice", "MAX_COMPOSITION"]
+
+# What a request runs on: None (the base model), an adapter name, or a composition of
+# adapters with weights, e.g. [("sql", 0.7), ("pirate", 0.3)].
+AdapterChoice = str | Sequence[tuple[str, float]] | None
+MAX_COMPOSITION = 16  # adapters in one composition
 
 log = structlog.get_logger("loraplex.engine")
 
@@ -219,6 +225,54 @@ class EngineCore:
         v = self.adapters.new_version(name, uri, dynamic=True)
         return self.adapters.register(v)
 
+    def _resolve_composition(self, parts: Sequence[tuple[str, float]]) -> AdapterVersion:
+        """The combination version of ``parts`` (made and cached by the manager); every
+        refusal is an AdapterCompositionError and leaves nothing registered or loaded."""
+
+        def bad(msg: str) -> AdapterCompositionError:
+            return AdapterCompositionError(msg, field="adapters")
+
+        if self.config.max_loras == 0:
+            raise bad("this engine runs with max_loras=0: adapters are disabled")
+        if isinstance(parts, (str, bytes)) or not parts:
+            raise bad("a composition is a non-empty list of (adapter name, weight) pairs")
+        if len(parts) > MAX_COMPOSITION:
+            raise bad(f"a composition has at most {MAX_COMPOSITION} adapters, got {len(parts)}")
+        versions: list[tuple[AdapterVersion, float]] = []
+        for i, part in enumerate(parts):
+            try:
+                name, weight = part
+            except (TypeError, ValueError):
+                raise bad(f"adapters[{i}] is not a (name, weight) pair") from None
+            if not isinstance(name, str) or isinstance(weight, bool):
+                raise bad(f"adapters[{i}]: the name must be a string and the weight a number")
+            try:
+                weight = float(weight)
+            except (TypeError, ValueError):
+                raise bad(f"adapters[{i}]: the weight must be a number") from None
+            if not math.isfinite(weight):
+                raise bad(f"adapters[{i}]: the weight must be finite, got {weight}")
+            if any(v.name == name for v, _ in versions):
+                raise bad(f"adapter {name!r} appears twice in the composition")
+            try:
+                v = self.adapters.get(name)
+            except AdapterNotFoundError:
+                raise bad(f"adapter {name!r} in the composition does not exist") from None
+            if not v.digest or v.lora_rank == 0 or v.state is AdapterState.FAILED:
+                raise bad(
+                    f"adapter {name!r} has not been fetched yet: request it alone once before "
+                    "composing it"
+                )
+            versions.append((v, weight))
+        rank = sum(v.lora_rank for v, _ in versions)
+        if rank > self.config.max_lora_rank:
+            ranks = " + ".join(f"{v.lora_rank} ({v.name})" for v, _ in versions)
+            raise bad(
+                f"the composition's rank {ranks} = {rank} is above max_lora_rank "
+                f"{self.config.max_lora_rank}"
+            )
+        return self.adapters.combination(versions)
+
     def _drop_unused_adapter(self, v: AdapterVersion) -> None:
         """Forget a dynamic version resolved for a request that was then rejected, unless some
         other request uses it (else made-up names would pile up in the registry)."""
@@ -239,13 +293,13 @@ class EngineCore:
             v.timings.clear()  # a re-stage must not report an earlier load's stages
         info = {"name": v.name, "uri": v.uri}
         try:
-            if v.local_dir is not None and not await asyncio.to_thread(v.local_dir.is_dir):
-                log.warning("adapter_staging_lost", name=v.name, path=str(v.local_dir))
-                v.local_dir = None  # fetched again below; the digest must not change
-            if v.local_dir is None:
-                await self.loader.fetch_verify(v, trusted=v.trusted)
-                await self.loader.trim_staging(self.adapters.versions(), keep=v)
-            v.adapter = await self.loader.stage(v, self.model.dtype, pin=self.device.type == "cuda")
+            if v.parts:
+                v.adapter = await self._stage_combination(v)
+            else:
+                await self._fetched(v)
+                v.adapter = await self.loader.stage(
+                    v, self.model.dtype, pin=self.device.type == "cuda"
+                )
         except Exception as e:
             self.emit(
                 "adapter_load",
@@ -266,6 +320,30 @@ class EngineCore:
             total_s=total,
             nbytes=v.adapter.nbytes,
         )
+
+    async def _fetched(self, v: AdapterVersion) -> None:
+        """Make sure ``v``'s files are in the staging dir (fetched again if they went)."""
+        if v.local_dir is not None and not await asyncio.to_thread(v.local_dir.is_dir):
+            log.warning("adapter_staging_lost", name=v.name, path=str(v.local_dir))
+            v.local_dir = None  # fetched again below; the digest must not change
+        if v.local_dir is None:
+            await self.loader.fetch_verify(v, trusted=v.trusted)
+            await self.loader.trim_staging(self.adapters.versions(), keep=v)
+
+    async def _stage_combination(self, v: AdapterVersion):
+        """A combination's components' files (held as users meanwhile, so that no staging
+        trim removes them), combined and staged as one adapter."""
+        for c, _ in v.parts:
+            c.users += 1
+        try:
+            for c, _ in v.parts:
+                await self._fetched(c)
+            return await self.loader.stage_combination(
+                v, self.model.dtype, pin=self.device.type == "cuda"
+            )
+        finally:
+            for c, _ in v.parts:
+                self.adapters.drop_user(c)
 
     def _drain_failed_adapters(self) -> list[tuple[Request, BaseException]]:
         failed = [
@@ -314,10 +392,16 @@ class EngineCore:
         request_id: str,
         prompt: str | Sequence[int],
         params: SamplingParams,
-        adapter: str | None = None,
+        adapter: AdapterChoice = None,
     ) -> Request:
-        """Check and queue a request; raises typed errors (unknown adapter, bad prompt...)."""
-        version = self._resolve_adapter(adapter) if adapter is not None else None
+        """Check and queue a request; raises typed errors (unknown adapter, bad prompt...).
+        ``adapter``: a name, or a composition [(name, weight), ...] (``AdapterChoice``)."""
+        if adapter is None:
+            version = None
+        elif isinstance(adapter, str):
+            version = self._resolve_adapter(adapter)
+        else:
+            version = self._resolve_composition(adapter)
         try:
             prompt_ids = self._encode_prompt(prompt, params)
             req = Request(request_id, prompt_ids, params, version, eos_ids=frozenset(self.eos_ids))

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["EngineError", "InvalidRequestError", "EngineClosedError", "RequestAbortedError"]
+__all__ = [
+    "EngineError",
+    "InvalidRequestError",
+    "AdapterCompositionError",
+    "EngineClosedError",
+    "RequestAbortedError",
+]
 
 
 class EngineError(Exception):
@@ -15,6 +21,11 @@ class InvalidRequestError(EngineError, ValueError):
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+
+
+class AdapterCompositionError(InvalidRequestError):
+    """A per-request composition of adapters cannot be served: unknown or repeated names,
+    bad weights, or a summed rank above ``max_lora_rank``."""
 
 
 class EngineClosedError(EngineError):

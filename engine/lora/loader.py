@@ -32,6 +32,7 @@ import torch
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.lora.adapter import LoRAAdapter, load_adapter
+from loraplex.engine.lora.combine import combine_adapters
 from loraplex.engine.lora.errors import AdapterNotFoundError
 from loraplex.engine.lora.loader_process import LoaderInit, LoaderProcesses
 from loraplex.engine.lora.manager import AdapterVersion
@@ -168,7 +169,7 @@ class AdapterLoader:
                 },
             )
             v.local_dir, v.digest = Path(r["local_dir"]), r["digest"]
-            v.pinned_uri, v.nbytes = r["pinned_uri"], r["nbytes"]
+            v.pinned_uri, v.nbytes, v.lora_rank = r["pinned_uri"], r["nbytes"], r["rank"]
             t.update(r["timings"])
             return
         t0 = time.perf_counter()
@@ -176,7 +177,7 @@ class AdapterLoader:
         await asyncio.to_thread(policy.check, v.uri)
         t1 = time.perf_counter()
         dest = Path(tempfile.mkdtemp(prefix=f"v{v.version}-", dir=self.cache_dir))
-        result, digest, stages = await fetch_and_check(
+        result, digest, stages, v.lora_rank = await fetch_and_check(
             resolver, uri, dest, name=v.name, shown_uri=v.uri, sha256=sha256,
             expect_digest=v.digest, model_config=self.model_config,
             max_lora_rank=self.config.max_lora_rank, max_bytes=self.config.max_adapter_bytes,
@@ -250,18 +251,47 @@ class AdapterLoader:
         v.region = region
         return adapter
 
+    async def stage_combination(
+        self, v: AdapterVersion, dtype: torch.dtype, *, pin: bool
+    ) -> LoRAAdapter:
+        """Stage a combination (``v.parts``, whose files are staged): its components are
+        parsed in float32, combined (combine.py) and packed like one adapter, in a thread of
+        this process. Sets ``v.region``."""
+        for c, _ in v.parts:
+            if c.local_dir is None or not c.local_dir.exists():
+                raise AdapterNotFoundError(
+                    f"adapter {c.name!r} has no staged files", field="adapters"
+                )
+        if self.pool is None:
+            return await asyncio.to_thread(self._stage_here, v, dtype, None, pin)
+        region = await self._region()
+        try:
+            adapter = await asyncio.to_thread(self._stage_here, v, dtype, region, False)
+        except BaseException:
+            self.pool.release(region)
+            raise
+        v.region = region
+        return adapter
+
+    def _parse(self, v: AdapterVersion, dtype: torch.dtype) -> LoRAAdapter:
+        """``v``'s adapter from its staged files (a combination: from its components')."""
+        R = self.config.max_lora_rank
+        if not v.parts:
+            assert v.local_dir is not None
+            return load_adapter(
+                v.local_dir, self.model_config, max_lora_rank=R, name=v.name, dtype=dtype
+            )
+        parts = [
+            (load_adapter(c.local_dir, self.model_config, max_lora_rank=R, name=c.name), w)  # type: ignore[arg-type]
+            for c, w in v.parts
+        ]
+        return combine_adapters(parts, name=v.name, max_lora_rank=R, dtype=dtype)
+
     def _stage_here(
         self, v: AdapterVersion, dtype: torch.dtype, region: Region | None, pin: bool
     ) -> LoRAAdapter:
         t0 = time.perf_counter()
-        assert v.local_dir is not None
-        adapter = load_adapter(
-            v.local_dir,
-            self.model_config,
-            max_lora_rank=self.config.max_lora_rank,
-            name=v.name,
-            dtype=dtype,
-        )
+        adapter = self._parse(v, dtype)
         out = self.pool.view(region, dtype) if region is not None and self.pool else None
         # one contiguous (pinned) slot image; write_slot copies it in one H2D transfer
         stage_packed(adapter, self.config.max_lora_rank, pin=pin, out=out)

@@ -7,7 +7,12 @@ already holding the old version finish on it. Tiers:
     GPU slots (max_loras, LRU)      slot buffers inside every LoRA layer
 
 A version in a GPU slot stays in the CPU tier. A slot is reassigned only when no running
-request references it (``slot_refs == 0``). Slot writes are handed to the step thread, which
+request references it (``slot_refs == 0``).
+
+A combination (per-request composition, ``combination``) is a version of its own whose
+``parts`` are (component version, weight) pairs: identity = names + digests + weights, one
+slot of the summed rank, cached while every component is the current version of its name
+(at most ``MAX_COMBINATIONS`` idle ones are kept); it is never listed under a name. Slot writes are handed to the step thread, which
 issues them on a side stream; requests of that adapter are admitted once the write completed.
 """
 
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hashlib
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -25,7 +31,18 @@ from typing import Any
 from loraplex.engine.lora.adapter import LoRAAdapter
 from loraplex.engine.lora.errors import AdapterNotFoundError, LoRAError
 
-__all__ = ["AdapterManager", "AdapterVersion", "AdapterState", "SlotFullError"]
+__all__ = [
+    "AdapterManager",
+    "AdapterVersion",
+    "AdapterState",
+    "SlotFullError",
+    "combination_name",
+    "MAX_COMBINATIONS",
+]
+
+# Combinations kept in the registry beyond those in use (each is a small object; its tensors
+# follow the CPU-tier rules like any version's).
+MAX_COMBINATIONS = 64
 
 
 class SlotFullError(LoRAError):
@@ -66,6 +83,9 @@ class AdapterVersion:
     load_task: asyncio.Task | None = None
     region: Any = None  # host-pool Region holding the CPU-tier tensors (pool.py)
     region_event: Any = None  # torch.cuda.Event after the last slot write out of the region
+    lora_rank: int = 0  # largest module rank, from the preflight (0: not fetched yet)
+    # a combination: (component version, weight) in request order (empty: a plain adapter)
+    parts: tuple[tuple[AdapterVersion, float], ...] = ()
 
     @property
     def key(self) -> tuple[str, str]:
@@ -74,6 +94,17 @@ class AdapterVersion:
     @property
     def rank(self) -> int:
         return self.adapter.rank if self.adapter is not None else 0
+
+
+def combination_name(parts: list[tuple[str, float]]) -> str:
+    """Display name of a combination, e.g. ``sql*0.7+pirate*0.3``: ``*`` and ``+`` are never
+    in an adapter name, so it cannot collide with one."""
+    return "+".join(f"{n}*{float(w)!r}" for n, w in parts)
+
+
+def _combination_digest(parts: tuple[tuple[AdapterVersion, float], ...]) -> str:
+    text = "".join(f"{v.name}\n{v.digest}\n{float(w)!r}\n" for v, w in parts)
+    return hashlib.sha256(b"combination\n" + text.encode()).hexdigest()
 
 
 Loader = Callable[[AdapterVersion], "Any"]  # async: fills version.adapter (and timings)
@@ -112,6 +143,7 @@ class AdapterManager:
         self._current: dict[str, AdapterVersion] = {}
         self._versions: list[AdapterVersion] = []  # every version still alive
         self._slots: list[AdapterVersion | None] = [None] * max_loras
+        self._combos: dict[str, AdapterVersion] = {}  # digest -> combination version
         self._counter = itertools.count(1)
         self.stats = {
             "gpu_hits": 0,
@@ -171,6 +203,22 @@ class AdapterManager:
             raise AdapterNotFoundError(f"adapter {name!r} does not exist", field="model")
         return v
 
+    def combination(self, parts: list[tuple[AdapterVersion, float]]) -> AdapterVersion:
+        """The combination version of ``parts`` (current versions with known digests), made
+        once and cached by its identity (names + digests + weights)."""
+        key = tuple((v, float(w)) for v, w in parts)
+        assert key and all(v.digest and not v.parts for v, _ in key)
+        digest = _combination_digest(key)
+        v = self._combos.get(digest)
+        if v is None:
+            name = combination_name([(c.name, w) for c, w in key])
+            v = AdapterVersion(name, "", digest, next(self._counter), parts=key)
+            v.lora_rank = sum(c.lora_rank for c, _ in key)
+            self._combos[digest] = v
+            self._versions.append(v)
+            self._collect()
+        return v
+
     def names(self) -> list[str]:
         """Names with a current version."""
         return list(self._current)
@@ -179,11 +227,32 @@ class AdapterManager:
         """Every live version (current ones and superseded ones still in use)."""
         return list(self._versions)
 
+    def _live_combos(self) -> set[int]:
+        """Combinations worth keeping: every component current, within ``MAX_COMBINATIONS``
+        (the least recently used idle ones beyond it go)."""
+        ok = [
+            c
+            for c in self._combos.values()
+            if all(self._current.get(p.name) is p for p, _ in c.parts)
+        ]
+        idle = sorted(
+            (
+                c
+                for c in ok
+                if c.users == 0 and c.slot is None and c.state is not AdapterState.LOADING
+            ),
+            key=lambda c: c.last_used,
+        )
+        drop = set(map(id, idle[: max(0, len(ok) - MAX_COMBINATIONS)]))
+        return {id(c) for c in ok if id(c) not in drop}
+
     def _collect(self) -> None:
         """Forget superseded versions nobody uses any more (their slot becomes free)."""
-        live = set(map(id, self._current.values()))
+        live = set(map(id, self._current.values())) | self._live_combos()
         for v in list(self._versions):
             if id(v) not in live and v.users == 0 and v.slot_refs == 0:
+                if v.parts:
+                    self._combos.pop(v.digest, None)
                 if v.load_task is not None and v.load_task is not asyncio.current_task():
                     v.load_task.cancel()
                 if v.slot is not None:

@@ -31,9 +31,10 @@ async def fetch_and_check(
     max_lora_rank: int,
     max_bytes: int,
     progress: Any = None,
-) -> tuple[Any, str, dict[str, float]]:
+) -> tuple[Any, str, dict[str, float], int]:
     """Fetch ``uri`` into ``dest`` (removed again on any failure) and check it; returns the
-    resolver's FetchResult, the digest, and the seconds of fetch / verify / preflight."""
+    resolver's FetchResult, the digest, the seconds of fetch / verify / preflight and the
+    adapter's largest module rank."""
     t1 = time.perf_counter()
     try:
         result = await resolver.fetch(uri, dest, progress, max_bytes=max_bytes)
@@ -52,7 +53,7 @@ async def fetch_and_check(
                 field="sha256",
             )
         t3 = time.perf_counter()
-        await asyncio.to_thread(
+        report = await asyncio.to_thread(
             preflight, result.local_dir, model_config, max_lora_rank=max_lora_rank,
             max_bytes=max_bytes,
         )  # fmt: skip
@@ -63,4 +64,5 @@ async def fetch_and_check(
     except BaseException:
         await asyncio.to_thread(shutil.rmtree, dest, True)
         raise
-    return result, digest, {"fetch": t2 - t1, "verify": t3 - t2, "preflight": t4 - t3}
+    stages = {"fetch": t2 - t1, "verify": t3 - t2, "preflight": t4 - t3}
+    return result, digest, stages, report.rank

@@ -123,7 +123,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     request.app[DRAIN_KEY].check_open()
     limits = request.app[LIMITS_KEY].for_context(engine.max_model_len)
     req = parse_chat(await read_json(request), limits)
-    adapter = adapter_for(engine, req.model)
+    adapter = adapter_for(engine, req.model, req.adapters)
     reply_id = new_id("chatcmpl")
     prompt = await off_loop(request, render_chat, engine, req)
     jobs = make_jobs(engine, req, [prompt], reply_id)

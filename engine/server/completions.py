@@ -107,7 +107,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     request.app[DRAIN_KEY].check_open()
     limits = request.app[LIMITS_KEY].for_context(engine.max_model_len)
     req = parse_completion(await read_json(request), limits)
-    adapter = adapter_for(engine, req.model)
+    adapter = adapter_for(engine, req.model, req.adapters)
     reply_id = new_id("cmpl")
     prompts = await off_loop(request, encode_prompts, engine, req.prompts)
     jobs = make_jobs(engine, req, prompts, reply_id)

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.core import AdapterChoice
 from loraplex.engine.request import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.server.drain import Drain
@@ -89,11 +90,22 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def adapter_for(engine: AsyncEngine, model: str | None) -> str | None:
-    """None for the base model, else the adapter name (the engine checks that it exists)."""
-    if model is None or model == engine.model_name:
-        return None
-    return model
+def adapter_for(
+    engine: AsyncEngine, model: str | None, adapters: list[tuple[str, float]] | None = None
+) -> AdapterChoice:
+    """None for the base model, else the adapter name (the engine checks that it exists);
+    a composition (``adapters``) runs on the base model's name only."""
+    base = model is None or model == engine.model_name
+    if adapters is not None:
+        if not base:
+            raise APIError(
+                400,
+                f"adapters (a composition) needs model set to the base model "
+                f"{engine.model_name!r}, got {model!r}",
+                param="model",
+            )
+        return adapters
+    return None if base else model
 
 
 def make_jobs(
@@ -149,7 +161,11 @@ class FanOut:
     """
 
     def __init__(
-        self, engine: AsyncEngine, jobs: list[Job], adapter: str | None, drain: Drain | None = None
+        self,
+        engine: AsyncEngine,
+        jobs: list[Job],
+        adapter: AdapterChoice,
+        drain: Drain | None = None,
     ) -> None:
         self.engine = engine
         self.jobs = jobs

@@ -53,6 +53,7 @@ class GenerationRequest:
     return_token_ids: bool = False
     tokens_as_ids: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)
+    adapters: list[tuple[str, float]] | None = None  # a composition ("adapters" field)
 
     def params(self, prompt_len: int, limit: int, choice: int = 0) -> SamplingParams:
         """Engine params for one choice; ``limit`` is the longest prompt + output allowed."""
@@ -193,6 +194,7 @@ def _common(body: dict[str, Any], limits: ServerLimits) -> GenerationRequest:
     sampling = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
     return GenerationRequest(
         model=model,
+        adapters=parse_adapters(body),
         n=n,
         stream=stream,
         include_usage=include_usage,
@@ -201,6 +203,34 @@ def _common(body: dict[str, Any], limits: ServerLimits) -> GenerationRequest:
         tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, False),
         sampling=sampling,
     )
+
+
+MAX_COMPOSED_ADAPTERS = 16
+
+
+def parse_adapters(body: dict[str, Any]) -> list[tuple[str, float]] | None:
+    """``"adapters": [{"name": "sql", "weight": 0.7}, ...]``: a per-request composition (the
+    weighted sum of those adapters' deltas); None when absent. The engine checks the names,
+    the weights' values and the rank budget."""
+    value = body.get("adapters")
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value:
+        raise bad('adapters must be a non-empty list of {"name": ..., "weight": ...}', "adapters")
+    if len(value) > MAX_COMPOSED_ADAPTERS:
+        raise bad(f"adapters holds more than {MAX_COMPOSED_ADAPTERS} entries", "adapters")
+    out = []
+    for i, item in enumerate(value):
+        param = f"adapters[{i}]"
+        if not isinstance(item, dict) or set(item) - {"name", "weight"}:
+            raise bad(f'{param} must be an object with "name" and "weight"', param)
+        name, weight = item.get("name"), item.get("weight", 1.0)
+        if not isinstance(name, str) or not name:
+            raise bad(f"{param}.name must be a non-empty string", f"{param}.name")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise bad(f"{param}.weight must be a number", f"{param}.weight")
+        out.append((utf8(name, f"{param}.name"), float(weight)))
+    return out
 
 
 def _prompt_list(value: Any) -> list[str | list[int]]:

@@ -13,6 +13,7 @@ import structlog
 from aiohttp import web
 
 from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.core import AdapterChoice
 from loraplex.engine.request import RequestOutput
 from loraplex.engine.server.drain import SHUTDOWN_MESSAGE
 from loraplex.engine.server.errors import APIError, from_exception
@@ -43,7 +44,7 @@ class ReplyShape(Protocol):
         ...
 
 
-def _fan(request: web.Request, engine: AsyncEngine, reply: Reply, adapter: str | None) -> FanOut:
+def _fan(request: web.Request, engine: AsyncEngine, reply: Reply, adapter: AdapterChoice) -> FanOut:
     return FanOut(engine, reply.jobs, adapter, request.app.get(DRAIN_KEY))
 
 
@@ -69,7 +70,7 @@ async def respond(
     req: GenerationRequest,
     reply: Reply,
     shape: ReplyShape,
-    adapter: str | None,
+    adapter: AdapterChoice,
 ) -> web.StreamResponse:
     if not req.stream:
         async with _fan(request, engine, reply, adapter) as fan:
@@ -92,7 +93,7 @@ async def _stream(
     req: GenerationRequest,
     reply: Reply,
     shape: ReplyShape,
-    adapter: str | None,
+    adapter: AdapterChoice,
 ) -> web.StreamResponse:
     sse = SSEWriter(request)
     try:

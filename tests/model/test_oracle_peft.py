@@ -89,17 +89,21 @@ def setup(request, tmp_path_factory):
 
 
 def hf_mixed_batch(
-    model_dir, adapters, prompts, names, dtype=torch.float32, device="cpu", force=None
-):
+    model_dir, adapters, prompts, names, dtype=torch.float32, device="cpu", force=None,
+    prepare=None,
+):  # fmt: skip
     """Prefill + greedy decode with PEFT; returns logits per step (B, V) and tokens.
 
     ``force``: decode these tokens (per step, per row) instead of the greedy ones.
+    ``prepare(peft_model)``: called once the adapters are loaded (e.g. to add a weighted one).
     """
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
     first, *rest = adapters
     model = peft.PeftModel.from_pretrained(base, adapters[first], adapter_name=first)
     for name in rest:
         model.load_adapter(adapters[name], adapter_name=name)
+    if prepare is not None:
+        prepare(model)
     model.to(device).eval()
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
@@ -132,14 +136,18 @@ def hf_mixed_batch(
 
 
 def ours(
-    model_dir, adapters, prompts, names, hf_tokens, dtype=torch.float32, device="cpu", **runner_kw
-):
+    model_dir, adapters, prompts, names, hf_tokens, dtype=torch.float32, device="cpu",
+    loaded=None, **runner_kw,
+):  # fmt: skip
+    """``adapters``: name -> folder, or (``loaded``) name -> a LoRAAdapter in ``dtype``."""
     model = load_model(model_dir, dtype=dtype, device=device, max_loras=4, max_lora_rank=16)
     runner = ModelRunner(model, num_blocks=64, block_size=4, **runner_kw)
     slots = {}
     # NOTE: slots in reverse order so slot index != adapter order
-    for slot, name in enumerate(reversed(list(adapters))):
-        adapter = load_adapter(adapters[name], model.cfg, max_lora_rank=16, name=name, dtype=dtype)
+    for slot, name in enumerate(reversed(list(loaded or adapters))):
+        adapter = (loaded or {}).get(name) or load_adapter(
+            adapters[name], model.cfg, max_lora_rank=16, name=name, dtype=dtype
+        )
         write_slot(model, slot, adapter)
         runner.slot_ranks[slot] = adapter.rank
         slots[name] = slot

@@ -1,0 +1,55 @@
+"""Per-request composition: several adapters with weights as one adapter of the summed rank.
+
+The result equals PEFT's ``add_weighted_adapter(adapters, weights, combination_type="cat")``
+(for components without ``use_rslora`` in the first one, whose quirk rescales the sum by
+``sqrt(r1 + r2 + ...)``): per module the A blocks are stacked and the B blocks (their LoRA
+scale already folded in) multiplied by their weight and placed side by side, so
+
+    delta(x) = sum_i w_i * (x A_i^T) (s_i B_i)^T = (x [A_1; A_2]^T) [w_1 s_1 B_1 | w_2 s_2 B_2]^T
+
+A module that only some components target gets only their blocks (no zero padding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.engine.lora.adapter import LoRAAdapter, LoRAWeights, check_weight_values
+from loraplex.engine.lora.errors import AdapterRankError
+from loraplex.engine.model.config import LORA_MODULES
+
+__all__ = ["combine_adapters"]
+
+
+@torch.no_grad()
+def combine_adapters(
+    parts: list[tuple[LoRAAdapter, float]],
+    *,
+    name: str,
+    max_lora_rank: int,
+    dtype: torch.dtype = torch.float32,
+) -> LoRAAdapter:
+    """One adapter whose delta is the weighted sum of ``parts``' deltas (see the module).
+
+    ``parts``' tensors are read as they are (load them in float32 for an exact sum); the
+    result is in ``dtype``. Raises AdapterRankError if a module's summed rank is above
+    ``max_lora_rank``, AdapterValueError if a weighted B leaves the accepted range."""
+    keys = sorted(
+        {k for a, _ in parts for k in a.weights},
+        key=lambda k: (k[0], LORA_MODULES.index(k[1])),
+    )
+    weights: dict[tuple[int, str], LoRAWeights] = {}
+    for key in keys:
+        blocks = [(a.weights[key], w) for a, w in parts if key in a.weights]
+        rank = sum(lw.a.shape[0] for lw, _ in blocks)
+        if rank > max_lora_rank:
+            raise AdapterRankError(
+                f"the combination {name!r} has rank {rank} at layer {key[0]} {key[1]}, above "
+                f"max_lora_rank {max_lora_rank}",
+                field="adapters",
+            )
+        a = torch.cat([lw.a.float() for lw, _ in blocks], dim=0)  # (r1 + r2, in)
+        b = torch.cat([lw.b.float() * w for lw, w in blocks], dim=1)  # (out, r1 + r2)
+        check_weight_values(b, f"{name}: layer {key[0]} {key[1]} lora_B (weighted)")
+        weights[key] = LoRAWeights(a=a.to(dtype).contiguous(), b=b.to(dtype).contiguous())
+    return LoRAAdapter(name=name, path="", config=parts[0][0].config, weights=weights)
