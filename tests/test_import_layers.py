@@ -52,6 +52,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("bench", ("loraplex.engine.bench",)),
     # the HTTP server and the ``loraplex`` command line, which registers the studies
     ("server", ("loraplex.engine.server",)),
+    # replicas on Ray Serve: an ingress on the server code, ``loraplex serve-ray``
+    ("serve_ray", ("loraplex.engine.serve_ray",)),
 ]
 
 # Arrows on an import cycle today ("a -> b", short names without "loraplex."). The test fails

@@ -22,6 +22,7 @@ __all__ = ["Subcommand", "BUILTIN_COMMANDS", "register", "build_parser", "main"]
 BUILTIN_COMMANDS = {
     "serve": "loraplex.engine.server.launch",
     "digest": "loraplex.engine.server.digest_cmd",
+    "serve-ray": "loraplex.engine.serve_ray.launch",
 }
 _EXTRA: dict[str, Subcommand] = {}
 
