@@ -137,7 +137,7 @@ def deploy(
         raise ValueError(f"unknown routing policy {policy!r}; expected one of {POLICIES}")
     if max_imbalance < 0:
         raise ValueError(f"the imbalance bound must be >= 0, got {max_imbalance}")
-    serve.start(http_options={"location": "NoServer"})
+    serve.start(proxy_location="Disabled")
     deployment = serve.deployment(
         EngineReplica,
         name=DEPLOYMENT_NAME,

@@ -34,7 +34,9 @@ __all__ = ["ClusterEngine", "ReplicaFailedError"]
 log = structlog.get_logger("loraplex.serve_ray")
 
 _RECONCILE_S = 1.0
-_CALL_TIMEOUT_S = 120.0  # a per-replica call (adapter load, stats) that takes longer failed
+_CALL_TIMEOUT_S = 120.0
+_RETRIES = 2  # a request whose replica fails before its first output is sent again
+_RETRY_PAUSE_S = 0.5  # a per-replica call (adapter load, stats) that takes longer failed
 
 
 class ReplicaFailedError(EngineClosedError):
@@ -165,42 +167,62 @@ class ClusterEngine:
         params: SamplingParams | None = None,
         adapter: str | None = None,
         request_id: str | None = None,
+        *,
+        replica: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """Stream one request from the replica the router picks (``replica``: that one).
+
+        A replica that fails before the request's first output is routed around (the request
+        is sent again, at most ``_RETRIES`` times); one that fails mid-stream fails the
+        request with ``ReplicaFailedError`` (HTTP 503).
+        """
         self._got()
         params = params or SamplingParams()
         rid = request_id or f"req-{next(self._ids)}"
         prompt = prompt if isinstance(prompt, str) else list(prompt)
-        gen = self._stream.generate.remote(prompt, params, adapter, rid)
-        self._live[rid] = gen
+        kw = {} if replica is None else {"replica": replica}
+        if replica is not None and replica not in self.board.snapshot()[0]:
+            raise EngineClosedError(f"no engine replica {replica} is running")
         t0 = time.perf_counter()
         times: list[float] = []
         last: RequestOutput | None = None
         reason = "abort"
+        gen = None
         try:
-            async for item in gen:
-                if isinstance(item, WireError):
-                    reason = "error"
-                    raise item.exception()
-                if item.token_ids:
-                    times.append(time.perf_counter())
-                last = item
-                yield item
-                if item.finished:
-                    reason = item.finish_reason or "stop"
-                    return
-        except TaskCancelledError:
-            raise EngineClosedError("the request was aborted") from None
-        except RayError as e:
-            reason = "error"
-            replica = self.board.replica_of(rid)
-            log.warning("replica_failed", request_id=rid, replica=replica, error=type(e).__name__)
-            raise ReplicaFailedError(
-                f"the engine replica serving this request failed ({type(e).__name__}); "
-                "retry the request"
-            ) from None
+            for attempt in range(_RETRIES + 1):
+                gen = self._stream.generate.remote(prompt, params, adapter, rid, **kw)
+                self._live[rid] = gen
+                try:
+                    async for item in gen:
+                        if isinstance(item, WireError):
+                            reason = "error"
+                            raise item.exception()
+                        if item.token_ids:
+                            times.append(time.perf_counter())
+                        last = item
+                        yield item
+                        if item.finished:
+                            reason = item.finish_reason or "stop"
+                            return
+                    raise RuntimeError("the replica's stream ended before the request finished")
+                except TaskCancelledError:
+                    raise EngineClosedError("the request was aborted") from None
+                except RayError as e:
+                    failed = self.board.replica_of(rid)
+                    log.warning(
+                        "replica_failed", request_id=rid, replica=failed,
+                        error=type(e).__name__, started=last is not None, attempt=attempt,
+                    )  # fmt: skip
+                    if last is not None or attempt == _RETRIES or kw or self._closed:
+                        reason = "error"
+                        raise ReplicaFailedError(
+                            f"the engine replica serving this request failed "
+                            f"({type(e).__name__}); retry the request"
+                        ) from None
+                    await asyncio.sleep(_RETRY_PAUSE_S * (attempt + 1))
         finally:
             self._live.pop(rid, None)
-            if last is None or not last.finished:
+            if gen is not None and (last is None or not last.finished):
                 gen.cancel()  # the replica aborts the engine request
             self._finished(adapter, reason, last, t0, times)
 

@@ -139,9 +139,13 @@ class EngineReplica:
         params: SamplingParams,
         adapter: str | None,
         request_id: str,
+        *,
+        replica: str | None = None,
     ) -> AsyncIterator[RequestOutput | WireError]:
         """Stream one engine request. Cancelling the call (client gone, ingress abort) ends the
-        engine request: ``AsyncEngine.generate`` aborts it when its consumer stops."""
+        engine request: ``AsyncEngine.generate`` aborts it when its consumer stops.
+        ``replica``: the call was sent to this replica on purpose (warm-ups, tests)."""
+        _check_target(replica)
         try:
             async for out in self.engine.generate(prompt, params, adapter, request_id):
                 yield out

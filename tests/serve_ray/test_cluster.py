@@ -1,0 +1,312 @@
+"""2 CPU replicas of the demo model behind the ingress (conftest.py): answers equal to
+``loraplex serve``, routing by residency, Zipf slot hits against random routing, metrics,
+runtime adapters on every replica, a replica killed mid-stream, and the CLI joining the
+cluster. The order matters only for the last two (they take replicas or the app away)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from loraplex.engine.demo import demo_adapters  # noqa: E402
+from loraplex.engine.sampling_params import SamplingParams  # noqa: E402
+from loraplex.engine.serve_ray.routing import ReplicaView, rank_replicas  # noqa: E402
+from tests.serve_ray.conftest import ADMIN_TOKEN, FLAGS, PER_SET, Cluster  # noqa: E402
+
+PROMPT = "Once upon a time"
+MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+def _models(cluster: Cluster) -> list[str]:
+    return ["demo", *demo_adapters()]
+
+
+def _post(url: str, path: str, body: dict, token: str | None = None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(f"{url}{path}", json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _get(url: str, path: str) -> str:
+    with urllib.request.urlopen(f"{url}{path}", timeout=30) as r:
+        return r.read().decode()
+
+
+def _wait(predicate, timeout: float = 60, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+# -- the same answers as loraplex serve -----------------------------------------------------------
+
+
+def test_every_demo_adapter_answers_as_loraplex_serve(cluster: Cluster):
+    ours, ref = cluster.client(), cluster.client(cluster.reference_url)
+    assert [m.id for m in ours.models.list().data] == [m.id for m in ref.models.list().data]
+    for model in _models(cluster):
+        kw = dict(model=model, prompt=PROMPT, max_tokens=12, temperature=0.0)
+        extra = {"return_token_ids": True}
+        a = ours.completions.create(**kw, extra_body=extra).choices[0]
+        b = ref.completions.create(**kw, extra_body=extra).choices[0]
+        assert a.token_ids == b.token_ids and a.text == b.text, model  # type: ignore[attr-defined]
+        assert a.finish_reason == b.finish_reason
+        streamed = [c.choices[0] for c in ours.completions.create(**kw, stream=True)]
+        ref_streamed = [c.choices[0] for c in ref.completions.create(**kw, stream=True)]
+        assert "".join(c.text for c in streamed) == b.text, model
+        assert [c.text for c in streamed] == [c.text for c in ref_streamed]
+        assert streamed[-1].finish_reason == b.finish_reason
+        ckw = dict(model=model, messages=MESSAGES, max_tokens=10, temperature=0.0)
+        chat = ours.chat.completions.create(**ckw).choices[0].message.content
+        assert chat == ref.chat.completions.create(**ckw).choices[0].message.content, model
+        chunks = ours.chat.completions.create(**ckw, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat
+
+
+def test_errors_have_the_wire_shape_of_loraplex_serve(cluster: Cluster):
+    for body in (
+        {"model": "no-such-adapter", "prompt": "x", "max_tokens": 2},
+        {"model": "demo", "prompt": "x", "max_tokens": -1},
+        {"model": "demo", "prompt": "x", "max_tokens": 2, "n": 0},
+        {"model": "pirate", "prompt": [10**9], "max_tokens": 2},  # refused by the engine
+    ):
+        ours = _post(cluster.url, "/v1/completions", body)
+        ref = _post(cluster.reference_url, "/v1/completions", body)
+        assert ours == ref and ours[0] >= 400, body
+
+
+# -- routing ---------------------------------------------------------------------------------------
+
+
+def test_requests_follow_their_adapter_to_the_replica_that_holds_it(cluster: Cluster):
+    engine, loop = cluster.engine, cluster.loop
+    r0, r1 = cluster.replicas()
+    # an adapter whose cold preference (hash) is r0, made resident on r1 by a targeted request
+    views = [ReplicaView(r0), ReplicaView(r1)]
+    name = next(
+        f"a{i:02d}" for i in range(PER_SET)
+        if rank_replicas(f"a{i:02d}", views).order[0].id == r0
+    )  # fmt: skip
+
+    async def warm() -> None:
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        async for _ in engine.generate([1, 2, 3], params, adapter=name, replica=r1):
+            pass
+
+    loop.run(warm())
+
+    def resident() -> bool:
+        return name in engine.board.snapshot()[0][r1].get("gpu", ())
+
+    _wait(resident, 30, f"{name} resident on {r1}")
+    client = cluster.client()
+    for _ in range(6):
+        reply = client.completions.create(model=name, prompt=PROMPT, max_tokens=2)
+        assert engine.replica_of(f"{reply.id}-0-0") == r1
+
+
+def _replica_adapter_stats(cluster: Cluster) -> dict[str, int]:
+    async def read() -> dict[str, int]:
+        total: dict[str, int] = {}
+        for r in cluster.replicas():
+            stats = await cluster.handle.stats.remote(replica=r)
+            for k, v in stats["adapters"].items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    return cluster.loop.run(read())
+
+
+def _zipf_run(cluster: Cluster, prefix: str, policy: str, n: int, alpha: float) -> float:
+    """Slot-hit rate of ``n`` requests over the ``prefix`` adapters, Zipf(alpha), 4 at once."""
+    engine = cluster.engine
+    weights = [1 / (k + 1) ** alpha for k in range(PER_SET)]
+    rng = random.Random(7)
+    names = [f"{prefix}{k:02d}" for k in rng.choices(range(PER_SET), weights, k=n)]
+    engine.board.set_policy(policy)
+    before = _replica_adapter_stats(cluster)
+
+    async def run() -> None:
+        todo = iter(enumerate(names))
+
+        async def worker() -> None:
+            for i, name in todo:
+                params = SamplingParams(max_tokens=2, temperature=0.0)
+                async for _ in engine.generate([1, 2, 3, 4], params, name, f"{prefix}-{i}"):
+                    pass
+
+        await asyncio.gather(*(worker() for _ in range(4)))
+
+    try:
+        cluster.loop.run(run())
+    finally:
+        engine.board.set_policy("residency")
+    after = _replica_adapter_stats(cluster)
+    hits = {k: after.get(k, 0) - before.get(k, 0) for k in ("gpu_hits", "cpu_hits", "misses")}
+    return hits["gpu_hits"] / max(1, sum(hits.values()))
+
+
+def test_zipf_workload_hits_slots_more_often_than_random_routing(cluster: Cluster):
+    random_rate = _zipf_run(cluster, "a", "random", 160, 1.1)
+    residency_rate = _zipf_run(cluster, "b", "residency", 160, 1.1)
+    print(f"\nslot-hit rate, Zipf 1.1 over {PER_SET} adapters, 4 slots x 2 replicas: "
+          f"residency {residency_rate:.3f}, random {random_rate:.3f}")  # fmt: skip
+    assert residency_rate > random_rate
+
+
+def test_ingress_metrics_show_residency_and_routing_decisions(cluster: Cluster):
+    cluster.client().completions.create(model="pirate", prompt=PROMPT, max_tokens=2)
+    text = _get(cluster.url, "/metrics")
+    assert "loraplex_replicas 2.0" in text
+    for r in cluster.replicas():
+        assert f'loraplex_replica_adapters_resident{{replica="{r}",tier="gpu"}}' in text
+        assert f'loraplex_replica_load{{replica="{r}"}}' in text
+    tiers = {line.split('tier="')[1].split('"')[0]
+             for line in text.splitlines() if line.startswith("loraplex_route_decisions_total{")}  # fmt: skip
+    assert {"slot", "miss"} <= tiers, tiers
+    # the engine metrics summed over the replicas, and the ingress's own request metrics
+    assert "vllm:num_requests_running" in text and "loraplex_requests_total{" in text
+    assert _get(cluster.url, "/health") == ""
+
+
+# -- runtime adapters -------------------------------------------------------------------------------
+
+
+def test_admin_load_reaches_every_replica_and_unload_leaves_none(cluster: Cluster):
+    path = str(demo_adapters()["sql"])
+    body = {"lora_name": "runtime-sql", "lora_path": path}
+    assert _post(cluster.url, "/v1/load_lora_adapter", body)[0] == 401
+    status, reply = _post(cluster.url, "/v1/load_lora_adapter", body, ADMIN_TOKEN)
+    assert status == 200, reply
+    ref = _post(cluster.reference_url, "/v1/load_lora_adapter", body, ADMIN_TOKEN)
+    assert ref[1]["digest"] == reply["digest"]
+
+    def everywhere(present: bool) -> bool:
+        reports = cluster.engine.board.snapshot()[0]
+        return len(reports) == 2 and all(
+            ("runtime-sql" in r.get("adapters", ())) == present for r in reports.values()
+        )
+
+    _wait(lambda: everywhere(True), 30, "the adapter on both replicas")
+    ours = cluster.client().completions.create(
+        model="runtime-sql", prompt=PROMPT, max_tokens=6, temperature=0.0
+    )
+    theirs = cluster.client(cluster.reference_url).completions.create(
+        model="runtime-sql", prompt=PROMPT, max_tokens=6, temperature=0.0
+    )
+    assert ours.choices[0].text == theirs.choices[0].text
+    outside = {"lora_name": "outside", "lora_path": "/etc"}
+    status, err = _post(cluster.url, "/v1/load_lora_adapter", outside, ADMIN_TOKEN)
+    assert (status, err) == _post(
+        cluster.reference_url, "/v1/load_lora_adapter", outside, ADMIN_TOKEN
+    )
+    unload = {"lora_name": "runtime-sql"}
+    assert _post(cluster.url, "/v1/unload_lora_adapter", unload, ADMIN_TOKEN)[0] == 200
+    _wait(lambda: everywhere(False), 30, "the adapter gone from both replicas")
+    status, err = _post(cluster.url, "/v1/completions", {"model": "runtime-sql", "prompt": "x"})
+    assert status == 404 and err["error"]["param"] == "model"
+
+
+# -- a replica dies ----------------------------------------------------------------------------------
+
+
+def test_killed_replica_fails_its_stream_others_complete_new_requests_succeed(cluster: Cluster):
+    import ray
+
+    client = cluster.client()
+    kw = dict(model="demo", prompt=PROMPT, max_tokens=600, temperature=0.0,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    doomed = client.completions.create(**kw, stream=True)
+    first = next(iter(doomed))
+    victim = cluster.engine.replica_of(f"{first.id}-0-0")
+    survivor_stream = client.completions.create(**{**kw, "max_tokens": 40}, stream=True)
+    survivor_first = next(iter(survivor_stream))
+    survivor = cluster.engine.replica_of(f"{survivor_first.id}-0-0")
+    assert victim is not None and survivor not in (None, victim)  # the lighter replica took it
+
+    actor = ray.get_actor(f"SERVE_REPLICA::loraplex#engine#{victim}", namespace="serve")
+    ray.kill(actor, no_restart=True)
+    # the stream on the dead replica ends with a 503-style error event (httpx raises it)
+    with pytest.raises(openai.APIError) as info:
+        for _ in doomed:
+            pass
+    assert "replica" in str(info.value.message) and "failed" in str(info.value.message)
+    assert "".join(c.choices[0].text for c in survivor_stream if c.choices)
+    # new requests route around it (and to its replacement once Ray has started one)
+    for model in _models(cluster):
+        reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=3)
+        assert reply.choices[0].finish_reason == "length"
+    _wait(lambda: len(cluster.replicas()) == 2 and victim not in cluster.replicas(), 120,
+          "Ray to replace the replica")  # fmt: skip
+
+
+# -- the command line --------------------------------------------------------------------------------
+
+
+def test_cli_serve_ray_joins_a_cluster_and_serves(cluster: Cluster, tmp_path):
+    """``loraplex serve-ray --ray-address`` (runs last: it redeploys the app)."""
+    log = open(tmp_path / "serve-ray.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loraplex.engine.server.cli", "serve-ray", *FLAGS,
+         "--replicas", "1", "--ray-address", cluster.gcs_address, "--port", "0", "--log-json"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        url = None
+        deadline = time.monotonic() + 240
+        while url is None and time.monotonic() < deadline and proc.poll() is None:
+            for line in (tmp_path / "serve-ray.log").read_text().splitlines():
+                if '"serving"' in line:
+                    url = json.loads(line)["url"]
+            time.sleep(0.5)
+        assert url, (tmp_path / "serve-ray.log").read_text()[-3000:]
+        reply = cluster.client(url).completions.create(model="pirate", prompt=PROMPT, max_tokens=5)
+        ref = cluster.client(cluster.reference_url).completions.create(
+            model="pirate", prompt=PROMPT, max_tokens=5
+        )
+        assert reply.choices[0].text == ref.choices[0].text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+    assert proc.returncode == 0, (tmp_path / "serve-ray.log").read_text()[-3000:]
+
+
+def test_cli_help_lists_serve_flags_and_ray_flags():
+    out = subprocess.run(
+        [sys.executable, "-m", "loraplex.engine.server.cli", "serve-ray", "--help"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0
+    for flag in ("--replicas", "--ray-address", "--host", "--port", "--lora-modules",
+                 "--max-loras", "--admin-token-file", "--lora-allow", "--route-policy"):  # fmt: skip
+        assert flag in out.stdout, flag
+    bad = subprocess.run(
+        [sys.executable, "-m", "loraplex.engine.server.cli", "serve-ray", "--replicas", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--replicas" in bad.stderr
