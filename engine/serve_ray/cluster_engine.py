@@ -22,12 +22,14 @@ from typing import Any
 import structlog
 from ray.exceptions import RayError, TaskCancelledError
 
+from loraplex.engine.core import AdapterChoice
 from loraplex.engine.errors import EngineClosedError
 from loraplex.engine.lora.errors import AdapterNotFoundError
 from loraplex.engine.request import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.serve_ray.board import Board
 from loraplex.engine.serve_ray.replica import WireError
+from loraplex.engine.serve_ray.routing import residency_key
 
 __all__ = ["ClusterEngine", "ReplicaFailedError"]
 
@@ -165,7 +167,7 @@ class ClusterEngine:
         self,
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
-        adapter: str | None = None,
+        adapter: AdapterChoice = None,
         request_id: str | None = None,
         *,
         replica: str | None = None,
@@ -224,7 +226,7 @@ class ClusterEngine:
             self._live.pop(rid, None)
             if gen is not None and (last is None or not last.finished):
                 gen.cancel()  # the replica aborts the engine request
-            self._finished(adapter, reason, last, t0, times)
+            self._finished(residency_key(adapter), reason, last, t0, times)
 
     def _finished(
         self,

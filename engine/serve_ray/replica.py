@@ -20,6 +20,7 @@ import structlog
 
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.core import AdapterChoice
 from loraplex.engine.request import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 
@@ -137,7 +138,7 @@ class EngineReplica:
         self,
         prompt: Sequence[int],
         params: SamplingParams,
-        adapter: str | None,
+        adapter: AdapterChoice,
         request_id: str,
         *,
         replica: str | None = None,

@@ -23,7 +23,7 @@ from ray.serve.request_router import (
 )
 
 from loraplex.engine.serve_ray.board import Board
-from loraplex.engine.serve_ray.routing import ReplicaView, rank_replicas
+from loraplex.engine.serve_ray.routing import ReplicaView, rank_replicas, residency_key
 
 __all__ = ["ResidencyRouter", "ROUTER_CLASS"]
 
@@ -31,12 +31,13 @@ ROUTER_CLASS = "loraplex.engine.serve_ray.router:ResidencyRouter"
 
 
 def _call(pending: PendingRequest | None) -> tuple[str | None, str | None, str | None]:
-    """(adapter, request id, target replica) of a pending call."""
+    """(adapter, request id, target replica) of a pending call; a composition's adapter is
+    its combination's name (what the engines report as resident)."""
     if pending is None:
         return None, None, None
     target = pending.kwargs.get("replica")
     if pending.metadata.call_method == "generate" and len(pending.args) >= 4:
-        return pending.args[2], pending.args[3], target
+        return residency_key(pending.args[2]), pending.args[3], target
     return None, None, target
 
 

@@ -24,7 +24,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["POLICIES", "TIERS", "ReplicaView", "Choice", "rank_replicas"]
+__all__ = ["POLICIES", "TIERS", "ReplicaView", "Choice", "rank_replicas", "residency_key"]
 
 POLICIES = ("residency", "least_loaded", "random")
 # what the chosen replica held (the ingress counts these): "base" requests name no adapter
@@ -59,6 +59,14 @@ class Choice:
 
     order: list[ReplicaView]
     tiers: list[str] = field(default_factory=list)
+
+
+def residency_key(adapter: str | Sequence[tuple[str, float]] | None) -> str | None:
+    """The name an engine reports a request's adapter under: the adapter's name, or for a
+    composition ``[(name, weight), ...]`` its combination's name (``sql*0.7+pirate*0.3``)."""
+    if adapter is None or isinstance(adapter, str):
+        return adapter
+    return "+".join(f"{n}*{float(w)!r}" for n, w in adapter)
 
 
 def _hash(adapter: str | None, replica: str) -> int:

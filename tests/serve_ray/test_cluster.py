@@ -83,6 +83,15 @@ def test_every_demo_adapter_answers_as_loraplex_serve(cluster: Cluster):
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat
 
 
+def test_a_composition_answers_as_loraplex_serve(cluster: Cluster):
+    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0,
+            "adapters": [{"name": "sql", "weight": 0.7}, {"name": "pirate", "weight": 0.3}]}  # fmt: skip
+    ours = _post(cluster.url, "/v1/completions", body)
+    ref = _post(cluster.reference_url, "/v1/completions", body)
+    assert ours[0] == ref[0] == 200, ours
+    assert ours[1]["choices"] == ref[1]["choices"]
+
+
 def test_errors_have_the_wire_shape_of_loraplex_serve(cluster: Cluster):
     for body in (
         {"model": "no-such-adapter", "prompt": "x", "max_tokens": 2},
@@ -172,6 +181,9 @@ def test_zipf_workload_hits_slots_more_often_than_random_routing(cluster: Cluste
     print(f"\nslot-hit rate, Zipf 1.1 over {PER_SET} adapters, 4 slots x 2 replicas: "
           f"residency {residency_rate:.3f}, random {random_rate:.3f}")  # fmt: skip
     assert residency_rate > random_rate
+    # every routed request was also seen to complete: the router's load count drains
+    board = cluster.engine.board
+    _wait(lambda: not any(board.in_flight.values()), 10, "in-flight counts back to 0")
 
 
 def test_ingress_metrics_show_residency_and_routing_decisions(cluster: Cluster):

@@ -10,7 +10,7 @@ import pytest
 
 from loraplex.engine.errors import EngineClosedError, InvalidRequestError
 from loraplex.engine.lora.errors import AdapterNotFoundError, AdapterPolicyError
-from loraplex.engine.serve_ray.routing import ReplicaView, rank_replicas
+from loraplex.engine.serve_ray.routing import ReplicaView, rank_replicas, residency_key
 
 pytest.importorskip("ray.serve")
 
@@ -59,6 +59,16 @@ def test_cold_adapters_spread_over_equally_loaded_replicas_and_stick():
     # the same cold adapter goes to the same replica every time (until residency says more)
     again = {name: ids(rank_replicas(name, views[::-1]))[0] for name in first}
     assert again == first
+
+
+def test_a_composition_routes_by_its_combination_name():
+    from loraplex.engine.lora.manager import combination_name
+
+    parts = [("sql", 0.7), ("pirate", 0.3)]
+    assert residency_key(parts) == combination_name(parts) == "sql*0.7+pirate*0.3"
+    assert residency_key("sql") == "sql" and residency_key(None) is None
+    holder = ReplicaView("b", gpu=frozenset({combination_name(parts)}), load=2)
+    assert ids(rank_replicas(residency_key(parts), [ReplicaView("a"), holder]))[0] == "b"
 
 
 def test_baselines_ignore_residency():
