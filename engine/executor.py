@@ -152,7 +152,7 @@ class StepExecutor:
         prev: InFlightStep | None = None,
     ) -> InFlightStep:
         """Step thread: slot writes (side stream), then queue the forward and sampling."""
-        self._write_slots(plan.slot_jobs)
+        self._write_slots(plan.slot_jobs, prev)
         t0 = time.perf_counter()
         if not items:
             return InFlightStep(plan, items, [], None, t0, t0, None, False)
@@ -218,21 +218,32 @@ class StepExecutor:
         """Step thread: launch and collect one step (no pipelining)."""
         return self.collect(self.launch(plan, items))
 
-    def _write_slots(self, jobs: list[tuple[AdapterVersion, int, Any]]) -> None:
+    def _write_slots(
+        self, jobs: list[tuple[AdapterVersion, int, Any]], prev: InFlightStep | None
+    ) -> None:
         """Step thread. Uses the (slot, adapter) snapshot of ``prepare``, never the version's
         live fields: the loop may drop the version meanwhile (its slot is then written for
-        nothing and the next owner's write, issued later on the same stream, replaces it)."""
+        nothing and the next owner's write, issued later on the same stream, replaces it).
+
+        A write waits for the last step launched only when that step may still read the slot:
+        ``prev`` (the one step in flight when a step is pipelined behind it; every earlier step
+        was collected) has a row on it, e.g. of a request aborted after ``prev`` was planned,
+        whose slot went back to the pool. Otherwise it starts at once and overlaps ``prev``,
+        so the slot is ready for the very next plan (issue: TTFT of a cold request).
+        """
+        busy = {it.lora_slot for it in prev.items} if prev is not None else set()
         for v, slot, adapter in jobs:
             v.timings["h2d_start"] = time.perf_counter()
             if self.side_stream is None:
                 write_slot(self.model, slot, adapter)
                 continue
+            after = self.last_step_event if slot in busy else None
             if self.slot_writer is not None:  # its own thread, paced chunks (slot_writer.py)
-                self.slot_writer.submit(v, slot, adapter, self.last_step_event)
+                self.slot_writer.submit(v, slot, adapter, after)
                 continue
             with torch.cuda.stream(self.side_stream):
-                if self.last_step_event is not None:
-                    self.side_stream.wait_event(self.last_step_event)
+                if after is not None:
+                    self.side_stream.wait_event(after)
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(self.side_stream)
                 copied = torch.cuda.Event(enable_timing=True)

@@ -5,9 +5,9 @@ Measured on the H200 (BENCHMARKS.md, "Cold-load storm"): issued from the step th
 engine busy for milliseconds, so the next decode step's few-KB input copy waited behind it:
 steps with writes in flight took 17-45 ms instead of 6. Here a write
 
-- waits (on the side stream) for the last step launched before it was submitted, so no step
-  that may still read the slot's old contents races it (the scheduler hands out only slots no
-  running request reads);
+- waits (on the side stream) for the step in flight when that step may still read the slot's
+  old contents (the executor passes its event only then; the scheduler hands out only slots
+  no running request reads), else starts at once, overlapping it;
 - moves the packed image host -> device in ``chunk_bytes`` pieces, each issued only once the
   previous one has landed (the thread sleeps meanwhile, without the GIL): a step's input copy
   waits behind at most one chunk;
