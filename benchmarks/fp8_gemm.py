@@ -156,7 +156,9 @@ def main() -> None:
                 "fp8_floor_ms": floor_ms, "rel_err": err,
             }  # fmt: skip
             rows.append(row)
-            cfg_s = f"{best.block_m}x{best.block_n}x{best.block_k} w{best.num_warps} s{best.num_stages}"
+            cfg_s = (
+                f"{best.block_m}x{best.block_n}x{best.block_k} w{best.num_warps} s{best.num_stages}"
+            )
             smm_s = f"{smm_ms * 1e3:7.1f}" if smm_ms else "      -"
             qs = f"{quant_ms * 1e3:8.1f}" if quant_ms else "       -"
             print(
