@@ -16,7 +16,9 @@ from loraplex.engine.model.kernels.fp8_linear import (
 from loraplex.engine.model.quant import dequantize_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+DTYPES = [torch.float32, torch.float16] + (
+    [pytest.param(torch.bfloat16, marks=pytest.mark.gpu)] if DEVICE == "cuda" else []
+)
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
