@@ -62,6 +62,10 @@ class EngineConfig:
     # byte quota of the staging dir (LRU over idle versions; re-fetched when needed); None: no cap
     adapter_cache_bytes: int | None = None
     max_concurrent_loads: int = 4  # cold loads fetched / staged at once; others queue
+    # a request whose adapter's slot write is issued in a step joins that very step (the step
+    # waits on the write on the device) while the step's joined writes total at most this many
+    # bytes and no earlier write is still landing; 0: requests wait for their write to land
+    slot_write_join_bytes: int = 128 << 20
     # helper processes that fetch, verify, preflight and pack adapters (off this process's
     # GIL); None: 2 on CUDA, 0 (threads of this process) on CPU
     loader_processes: int | None = None

@@ -132,16 +132,19 @@ class StepExecutor:
             )
         # NOTE: invariants of slot safety, checked every step (cheap): a scheduled row reads a
         # slot its version owns and whose write completed; a slot being written has no reader.
-        read = set()
+        # A row may read a slot written in this very step only as its owner (it joined the
+        # step: ``launch`` makes the forward wait for the write; later steps run behind it).
+        readers = {id(c.req.adapter) for c in plan.chunks if c.req.adapter is not None}
+        for v in plan.slot_writes:
+            assert v.adapter is not None and v.slot is not None
+            v.slot_event = None
+            v.slot_joined = id(v) in readers
+            self.set_slot_rank(v.slot, v.rank)  # (no row reads the slot before the write)
         for c in plan.chunks:
             v = c.req.adapter
             if v is not None:
-                assert v.slot is not None and v.slot_ready and self.adapters.slot_owner(v.slot) is v
-                read.add(v.slot)
-        for v in plan.slot_writes:
-            assert v.slot not in read, f"slot {v.slot} written while a scheduled row reads it"
-            assert v.adapter is not None and v.slot is not None
-            v.slot_event = None
+                assert v.slot is not None and self.adapters.slot_owner(v.slot) is v
+                assert v.slot_ready or v.slot_joined, f"slot {v.slot} read before its write"
         plan.slot_jobs = [(v, v.slot, v.adapter) for v in plan.slot_writes]
         return items
 
@@ -152,7 +155,10 @@ class StepExecutor:
         prev: InFlightStep | None = None,
     ) -> InFlightStep:
         """Step thread: slot writes (side stream), then queue the forward and sampling."""
-        self._write_slots(plan.slot_jobs, prev)
+        read = {it.lora_slot for it in items}
+        joined = self._write_slots(plan.slot_jobs, prev, read)
+        for event in joined:  # rows that joined their slot's write read it after it lands
+            torch.cuda.current_stream(self.device).wait_event(event)
         t0 = time.perf_counter()
         if not items:
             return InFlightStep(plan, items, [], None, t0, t0, None, False)
@@ -219,8 +225,11 @@ class StepExecutor:
         return self.collect(self.launch(plan, items))
 
     def _write_slots(
-        self, jobs: list[tuple[AdapterVersion, int, Any]], prev: InFlightStep | None
-    ) -> None:
+        self,
+        jobs: list[tuple[AdapterVersion, int, Any]],
+        prev: InFlightStep | None,
+        read: set[int] = frozenset(),  # type: ignore[assignment]
+    ) -> list[Any]:
         """Step thread. Uses the (slot, adapter) snapshot of ``prepare``, never the version's
         live fields: the loop may drop the version meanwhile (its slot is then written for
         nothing and the next owner's write, issued later on the same stream, replaces it).
@@ -228,10 +237,14 @@ class StepExecutor:
         A write waits for the last step launched only when that step may still read the slot:
         ``prev`` (the one step in flight when a step is pipelined behind it; every earlier step
         was collected) has a row on it, e.g. of a request aborted after ``prev`` was planned,
-        whose slot went back to the pool. Otherwise it starts at once and overlaps ``prev``,
-        so the slot is ready for the very next plan (issue: TTFT of a cold request).
+        whose slot went back to the pool. Otherwise it starts at once and overlaps ``prev``.
+
+        Slots in ``read`` (rows of this step joined their write) are written unpaced and
+        their completion events returned, for the step to wait on; the other writes' rows
+        join a later step once the engine sees their event.
         """
         busy = {it.lora_slot for it in prev.items} if prev is not None else set()
+        joined: list[tuple[AdapterVersion, Any]] = []
         for v, slot, adapter in jobs:
             v.timings["h2d_start"] = time.perf_counter()
             if self.side_stream is None:
@@ -239,7 +252,9 @@ class StepExecutor:
                 continue
             after = self.last_step_event if slot in busy else None
             if self.slot_writer is not None:  # its own thread, paced chunks (slot_writer.py)
-                self.slot_writer.submit(v, slot, adapter, after)
+                issued = self.slot_writer.submit(v, slot, adapter, after, paced=slot not in read)
+                if slot in read:
+                    joined.append((v, issued))
                 continue
             with torch.cuda.stream(self.side_stream):
                 if after is not None:
@@ -252,3 +267,13 @@ class StepExecutor:
                 event.record(self.side_stream)
             v.slot_event = v.region_event = event  # the region is reused after this copy
             v.slot_timing = (start, copied)
+            if slot in read:
+                joined.append((v, None))
+        events = []
+        for v, issued in joined:
+            if issued is not None and not issued.wait(timeout=30.0):
+                raise RuntimeError(f"the slot write of {v.name!r} was not issued in 30 s")
+            if v.slot_event is None:
+                raise RuntimeError(f"the slot write of {v.name!r} failed (see the log)")
+            events.append(v.slot_event)
+        return events

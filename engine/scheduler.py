@@ -10,7 +10,9 @@ Policy (one step):
    prefilled in chunks over several steps, mixed with decodes (chunked prefill): decodes
    never wait behind a long prompt.
 3. A request whose adapter is not in a usable GPU slot yet is skipped, not waited on: its load
-   runs in the background and others go ahead. At most ``max_loras`` distinct adapters are in
+   runs in the background and others go ahead. One whose slot write is issued in this very
+   step joins it (the step waits for the write on the device) while the step's joined writes
+   stay within ``slot_write_join_bytes`` and no earlier write is still landing. At most ``max_loras`` distinct adapters are in
    a step (one slot each). If a starved request is held back only because every slot is
    referenced, no further requests are admitted until a slot drains, so it cannot starve.
 4. ``chain`` plans the step after one in flight (pipelined decode): its rows decode the tokens
@@ -130,6 +132,7 @@ class Scheduler:
         the token ``budget``, the sequence budget (``seqs`` already in the step) and free
         blocks allow; a request whose adapter failed goes to ``out.failed``."""
         order = ([head] if head else []) + [r for r in self.waiting if r is not head]
+        joinable = self._joinable_writes(out)
         for req in order:
             if budget <= 0 or seqs >= self.config.max_num_seqs:
                 break
@@ -140,6 +143,8 @@ class Scheduler:
                     self.waiting.remove(req)
                     out.failed.append((req, v.error or RuntimeError("adapter load failed")))
                     continue
+                if stage == _WRITING and id(v) in joinable:
+                    stage = _READY  # joins the step that writes its slot
                 if stage != _READY:
                     if req is head:
                         break  # let slots drain for the starved request
@@ -226,6 +231,25 @@ class Scheduler:
                 out.slot_writes.append(v)
         for req, _ in out.failed:
             self.waiting.remove(req)
+
+    def _joinable_writes(self, out: SchedulerOutput) -> set[int]:
+        """ids of the versions whose slot write ``out`` issues and whose requests may join
+        ``out`` itself: the first writes within ``slot_write_join_bytes``, and none while an
+        earlier write is still landing (the step would wait behind it on the device)."""
+        budget = self.config.slot_write_join_bytes
+        if not out.slot_writes or budget <= 0:
+            return set()
+        issued = {id(v) for v in out.slot_writes}
+        if any(not v.slot_ready and id(v) not in issued for v in self.adapters.resident):
+            return set()
+        joinable = set()
+        for v in out.slot_writes:
+            size = v.adapter.nbytes if v.adapter is not None else 0
+            if size > budget:
+                break
+            budget -= size
+            joinable.add(id(v))
+        return joinable
 
     def _adapter_stage(self, v: AdapterVersion) -> int:
         """Where a waiting request's adapter stands on its way to admission: ``_READY`` (its

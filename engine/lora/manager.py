@@ -68,6 +68,9 @@ class AdapterVersion:
     error: BaseException | None = None
     slot: int | None = None
     slot_ready: bool = False
+    # rows joined the step that issued the slot write (that step waits for it on the device,
+    # later steps run behind it): its rows may read the slot before ``slot_ready``
+    slot_joined: bool = False
     slot_event: Any = None  # torch.cuda.Event of the pending slot write
     slot_timing: Any = None  # (start, host->device copy done) events of that write
     slot_refs: int = 0  # running requests reading the slot
@@ -286,9 +289,9 @@ class AdapterManager:
         self._collect()
 
     def acquire_slot(self, v: AdapterVersion) -> None:
-        """A request starts running on ``v``'s slot (written and ready); the slot is not
-        reassigned while such references remain."""
-        assert v.slot is not None and v.slot_ready
+        """A request starts running on ``v``'s slot (written, or written in the step the
+        request joins); the slot is not reassigned while such references remain."""
+        assert v.slot is not None and self._slots[v.slot] is v
         v.slot_refs += 1
         v.last_used = time.monotonic()
 
@@ -400,12 +403,12 @@ class AdapterManager:
                 return None
             old = min(idle, key=lambda o: o.last_used)
             slot = old.slot
-            old.slot, old.slot_ready, old.slot_event = None, False, None
+            old.slot, old.slot_ready, old.slot_event, old.slot_joined = None, False, None, False
             self.stats["gpu_evictions"] += 1
             self._evict_cpu(keep=v)
         assert slot is not None
         self._slots[slot] = v
-        v.slot, v.slot_ready = slot, False
+        v.slot, v.slot_ready, v.slot_joined = slot, False, False
         v.last_used = time.monotonic()
         return slot
 

@@ -47,12 +47,19 @@ class SlotWriter:
         self._thread = threading.Thread(target=self._run, name="loraplex-slot-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, v: Any, slot: int, adapter: Any, after: Any) -> None:
+    def submit(
+        self, v: Any, slot: int, adapter: Any, after: Any, *, paced: bool = True
+    ) -> threading.Event:
         """Write ``adapter`` into ``slot`` for version ``v`` once the step whose event is
-        ``after`` (None: none) has completed; sets ``v.slot_event`` when issued."""
+        ``after`` (None: none) has completed; sets ``v.slot_event`` when issued. ``paced``
+        False: one host -> device copy (a step that waits for this write anyway gains nothing
+        from pacing). Returns an event set once the write is issued (or has failed: then
+        ``v.slot_event`` stays None)."""
         if not self._thread.is_alive():  # fail the step loudly rather than wait forever
             raise RuntimeError("the slot writer thread is not running")
-        self._jobs.put((v, slot, adapter, after))
+        issued = threading.Event()
+        self._jobs.put((v, slot, adapter, after, paced, issued))
+        return issued
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -68,7 +75,7 @@ class SlotWriter:
             job = self._jobs.get()
             if job is None:
                 return
-            v, slot, adapter, after = job
+            v, slot, adapter, after, paced, issued = job
             try:
                 with torch.cuda.stream(self.stream):
                     if after is not None:
@@ -78,7 +85,8 @@ class SlotWriter:
                     copied = torch.cuda.Event(enable_timing=True)
                     write_slot(
                         self.model, slot, adapter, h2d_done=copied,
-                        chunk_bytes=self.chunk_bytes, pace=self._pace,
+                        chunk_bytes=self.chunk_bytes if paced else None,
+                        pace=self._pace if paced else None,
                     )  # fmt: skip
                     event = torch.cuda.Event(enable_timing=True)
                     event.record(self.stream)
@@ -87,3 +95,5 @@ class SlotWriter:
                 v.slot_event = event  # NOTE: set last: the loop polls it
             except Exception:  # noqa: BLE001 - a failed write must not kill the thread
                 log.exception("slot_write_failed", name=getattr(v, "name", None), slot=slot)
+            finally:
+                issued.set()

@@ -177,7 +177,8 @@ async def test_slot_write_of_a_version_dropped_mid_step_fails_nobody(tiny, tmp_p
     long = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     new_dir = derived_adapter(adapters["sql"], tmp_path / "sql2", seed=5)
-    async with AsyncEngine(config(model_dir)) as engine:
+    # (requests wait for their write to land: the write's step has no row of the version)
+    async with AsyncEngine(config(model_dir, slot_write_join_bytes=0)) as engine:
         await engine.add_adapter("sql", f"file://{adapters['sql']}")
         v_old = engine.testing.adapters.get("sql")
         base = asyncio.create_task(collect(engine, PROMPT, long))

@@ -73,8 +73,10 @@ def make(
     max_cpu_loras: int = 4,
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 64,
+    slot_write_join_bytes: int = 128 << 20,
 ) -> tuple[Scheduler, FakeBlocks, AdapterManager, FakeLoader]:
     cfg = EngineConfig(
+        slot_write_join_bytes=slot_write_join_bytes,
         max_loras=max_loras,
         max_cpu_loras=max_cpu_loras,
         max_num_seqs=max_num_seqs,
@@ -187,7 +189,7 @@ async def test_schedule_starts_the_load_of_a_waiting_adapter():
 
 
 async def test_loaded_adapter_gets_a_slot_write_then_its_requests_run():
-    s, blocks, m, loader = make()
+    s, blocks, m, loader = make(slot_write_join_bytes=0)  # requests wait for the write to land
     v = register(m, "sql")
     r1, r2 = submit(s, "a", 3, v), submit(s, "b", 5, v)
     s.schedule()
@@ -203,6 +205,43 @@ async def test_loaded_adapter_gets_a_slot_write_then_its_requests_run():
     assert v.slot_refs == 2 and r1.holds_slot and r2.holds_slot
     assert blocks.keys == {"a": v.key, "b": v.key}  # prefix cache keyed by the version
     check_references(s, blocks)
+
+
+async def test_requests_join_the_step_that_writes_their_slot():
+    s, blocks, m, loader = make()
+    v = register(m, "sql")
+    r1, r2 = submit(s, "a", 3, v), submit(s, "b", 5, v)
+    s.schedule()
+    await loader.finish(v)
+    plan = s.schedule()  # the write and both requests' prefills in one step
+    assert plan.slot_writes == [v] and not v.slot_ready
+    assert rows(plan) == [("a", 3, True), ("b", 5, True)]
+    assert v.slot_refs == 2 and r1.holds_slot and r2.holds_slot
+    check_references(s, blocks)
+
+
+async def test_no_join_while_an_earlier_write_lands_or_over_the_byte_budget():
+    s, _, m, loader = make()
+    u, v = register(m, "u"), register(m, "v")
+    submit(s, "a", 3, u)
+    s.schedule()
+    await loader.finish(u)
+    s.schedule()  # u's write issued, its request joined
+    assert not u.slot_ready
+    rb = submit(s, "b", 3, v)
+    s.schedule()
+    await loader.finish(v)
+    plan = s.schedule()  # v's write is issued while u's has not landed: b waits for it
+    assert plan.slot_writes == [v] and rb in s.waiting
+    u.slot_ready = v.slot_ready = True
+    assert rb in [c.req for c in s.schedule().chunks] and rb not in s.waiting
+    s2, _, m2, loader2 = make(slot_write_join_bytes=1)  # every adapter is over the budget
+    w = register(m2, "w")
+    rc = submit(s2, "c", 3, w)
+    s2.schedule()
+    await loader2.finish(w)
+    plan = s2.schedule()
+    assert plan.slot_writes == [w] and not plan.chunks and rc in s2.waiting
 
 
 def test_adapter_in_a_ready_slot_is_admitted_at_once():
@@ -490,13 +529,17 @@ def test_chain_fails_a_waiting_request_for_want_of_a_slot_as_schedule_does():
     assert [(r, type(e)) for r, e in nxt.failed] == [(w, SlotFullError)] and not s.waiting
 
 
-def test_chain_gives_a_loaded_adapter_its_slot():
-    s, blocks, m, _, reqs, plan = steady()
+@pytest.mark.parametrize("join", [True, False])
+def test_chain_gives_a_loaded_adapter_its_slot(join):
+    s, blocks, m, _, reqs, plan = steady(slot_write_join_bytes=(128 << 20) * join)
     v = loaded(m, "sql")  # loaded, a slot is free
     w = submit(s, "w", 3, v)
     nxt = s.chain(plan, max_model_len=100)
     assert nxt is not None and nxt.slot_writes == [v] and v.slot is not None
-    assert [c.req for c in nxt.chunks] == reqs and list(s.waiting) == [w]  # once it landed
+    if join:  # its prefill rides in the step that writes the slot
+        assert [c.req for c in nxt.chunks] == [*reqs, w] and not s.waiting
+    else:  # it runs once the write landed
+        assert [c.req for c in nxt.chunks] == reqs and list(s.waiting) == [w]
 
 
 @pytest.mark.parametrize("starved", [False, True])
