@@ -74,9 +74,13 @@ def projections(shape: str, slots: int, rank: int) -> list[tuple[str, int, int, 
 
 def sweep_configs(block_m: int) -> list[Fp8LinearConfig]:
     out = []
-    for bn, bk, warps, stages in itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 4, 6)):
-        if warps == 8 and bn == 32:
+    for bn, bk, warps, stages in itertools.product(
+        (16, 32, 64, 128), (128, 256, 512), (4, 8), (3, 4, 6)
+    ):
+        if (warps == 8) != (bn == 128):
             continue
+        if stages * (block_m * bk * 2 + bk * bn * 3) > 200_000:
+            continue  # over the shared memory of one SM
         out.append(Fp8LinearConfig(block_m, bn, bk, warps, stages))
     return out
 

@@ -43,9 +43,14 @@ def fp8_linear_config(num_tokens: int, n: int, k: int, group: int) -> Fp8LinearC
     """The launch configuration for ``num_tokens`` rows against an (n, k) fp8 weight whose
     scale groups span ``group`` columns of K (BLOCK_K must divide it)."""
     block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64
-    block_k = 128 if group % 256 else 256
+    # a first pick from the H200 sweep of benchmarks/fp8_gemm.py (BENCHMARKS.md); wide K
+    # tiles only for few rows (shared memory: stages x (BLOCK_M x BLOCK_K x 2 + BLOCK_K x
+    # BLOCK_N) bytes must stay under 227 KB)
+    block_k = 256 if block_m == 16 and group % 256 == 0 else 128
     block_k = min(block_k, triton.next_power_of_2(k))
-    return Fp8LinearConfig(block_m=block_m, block_n=64, block_k=block_k, num_warps=4, num_stages=4)
+    block_n = 32 if block_m == 16 else 64
+    stages = 3 if block_m == 16 else 4
+    return Fp8LinearConfig(block_m, block_n, block_k, num_warps=4, num_stages=stages)
 
 
 @triton.jit(do_not_specialize=["T"])
