@@ -14,14 +14,16 @@ if TYPE_CHECKING:
     from loraplex.engine.config import EngineConfig
     from loraplex.engine.request import RequestOutput
     from loraplex.engine.sampling_params import SamplingParams
+    from loraplex.engine.structured import StructuredOutput
 
-__all__ = ["AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutput"]
+__all__ = ["AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutput", "StructuredOutput"]
 
 _WHERE = {
     "AsyncEngine": "loraplex.engine.async_engine",
     "EngineConfig": "loraplex.engine.config",
     "RequestOutput": "loraplex.engine.request",
     "SamplingParams": "loraplex.engine.sampling_params",
+    "StructuredOutput": "loraplex.engine.structured",
 }
 
 

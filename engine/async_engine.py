@@ -180,10 +180,14 @@ class AsyncEngine:
         core = self._core()
         await self._intake.turn()  # a burst of calls: one per loop turn (intake.py)
         params = params or SamplingParams()
+        guide = None
+        if params.structured is not None:  # compiled in the grammar threads (cached)
+            guide = await core.guide(params.structured)
+            self._core()  # (closed meanwhile: EngineClosedError)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use", field="request_id")
-        req = core.submit(rid, prompt, params, adapter)
+        req = core.submit(rid, prompt, params, adapter, guide)
         self._requests[rid] = req
         self._wake.set()
         try:

@@ -39,6 +39,8 @@ from loraplex.engine.request import Request
 from loraplex.engine.sampler import SamplerOutput, make_generator
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.engine.structured.grammars import GrammarCache, Guide
+from loraplex.engine.structured.spec import StructuredOutput
 from loraplex.engine.tokenizer import Tokenizer
 from loraplex.engine.warmup import COMPILES
 
@@ -142,6 +144,11 @@ class EngineCore:
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self._load_gate: asyncio.Semaphore | None = None
         self.loop_lag: LoopLag | None = None  # started by ``start`` on the engine's loop
+        self.grammars = (
+            GrammarCache(tokenizer.backend.to_str, cfg.vocab_size, sorted(self.eos_ids))
+            if tokenizer is not None
+            else None
+        )
 
     @property
     def internals(self) -> EngineInternals:
@@ -163,6 +170,8 @@ class EngineCore:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.to_thread(self.executor.close)
+        if self.grammars is not None:
+            await asyncio.to_thread(self.grammars.close)
         await asyncio.to_thread(self.loader.close)
 
     def subscribe(self, fn: Callable[[str, dict[str, Any]], None]) -> None:
@@ -387,15 +396,25 @@ class EngineCore:
 
     # -- requests -------------------------------------------------------------------------------
 
+    async def guide(self, spec: StructuredOutput) -> Guide:
+        """A matcher for a structured-output request (compiled off the loop, cached)."""
+        if self.grammars is None:
+            raise InvalidRequestError(
+                "structured output needs the model's tokenizer", field=spec.field
+            )
+        return await self.grammars.guide(spec)
+
     def submit(
         self,
         request_id: str,
         prompt: str | Sequence[int],
         params: SamplingParams,
         adapter: AdapterChoice = None,
+        guide: Guide | None = None,
     ) -> Request:
         """Check and queue a request; raises typed errors (unknown adapter, bad prompt...).
-        ``adapter``: a name, or a composition [(name, weight), ...] (``AdapterChoice``)."""
+        ``adapter``: a name, or a composition [(name, weight), ...] (``AdapterChoice``);
+        ``guide``: its matcher when ``params.structured`` is set (``guide()``)."""
         if adapter is None:
             version = None
         elif isinstance(adapter, str):
@@ -405,6 +424,7 @@ class EngineCore:
         try:
             prompt_ids = self._encode_prompt(prompt, params)
             req = Request(request_id, prompt_ids, params, version, eos_ids=frozenset(self.eos_ids))
+            req.guide = guide
             if params.seed is not None:
                 req.generator = make_generator(params.seed, self.device)
             req.detok = self._detokenizer(req)

@@ -33,6 +33,7 @@ from loraplex.engine.model_runner import ModelRunner, StepItem
 from loraplex.engine.request import Request
 from loraplex.engine.sampler import PendingSample, Sampler, SamplerOutput, min_tokens_banned_ids
 from loraplex.engine.scheduler import SchedulerOutput
+from loraplex.engine.structured.bitmask import fill_masks
 from loraplex.engine.warmup import warm_slot_writes
 
 __all__ = ["InFlightStep", "StepExecutor", "StepRecord"]
@@ -65,6 +66,9 @@ class InFlightStep:
     t_launched: float  # ... the forward was queued
     events: tuple | None  # CUDA events around the graph replay
     loading: bool  # an adapter load was in flight
+    guided: bool = False  # some row samples under a grammar (its matcher takes the token)
+    collected: bool = False  # ``collect`` ran (``result`` holds its tokens)
+    result: SamplerOutput | None = None
 
 
 class StepExecutor:
@@ -173,6 +177,7 @@ class StepExecutor:
         t_launched = time.perf_counter()  # the forward is queued (async on CUDA)
         chunks = [c for c in plan.chunks if c.need_logits]
         rows = [c.req for c in chunks]
+        guided = any(r.guide is not None for r in rows)
         sample = self.sampler.launch(
             logits,
             [r.params for r in rows],
@@ -181,12 +186,34 @@ class StepExecutor:
                 min_tokens_banned_ids(r.params, len(r.output_ids) + c.feed, r.eos_ids)
                 for r, c in zip(rows, chunks, strict=True)
             ],
+            masks=self._masks(rows, prev, logits.shape[1]) if guided else None,
         )
         if self.device.type == "cuda":
             self.last_step_event = torch.cuda.Event()
             self.last_step_event.record()
         loading = any(v.state is AdapterState.LOADING for v in self.adapters.versions())
-        return InFlightStep(plan, items, rows, sample, t0, t_launched, events, loading)
+        return InFlightStep(plan, items, rows, sample, t0, t_launched, events, loading, guided)
+
+    def _masks(
+        self, rows: list[Request], prev: InFlightStep | None, vocab: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step thread: the token bitmasks of this step's constrained rows, on the device.
+
+        A row's mask depends on every token its request sampled so far. Behind a step still
+        in flight (pipelined decode) this step's forward is already queued; its sampling waits
+        here for ``prev``'s tokens (``collect``: the matchers take them), then the masks are
+        computed while the GPU runs the forward. Steps without constrained rows never come here.
+        """
+        if prev is not None and not prev.collected:
+            self.collect(prev)
+        idx = [i for i, r in enumerate(rows) if r.guide is not None]
+        guides = [rows[i].guide for i in idx]
+        cuda = self.device.type == "cuda"
+        mask = fill_masks(guides, vocab, sorted(rows[idx[0]].eos_ids), pin=cuda)  # type: ignore[arg-type]
+        index = torch.tensor(idx, dtype=torch.long)
+        if cuda:
+            index = index.pin_memory()
+        return mask.to(self.device, non_blocking=True), index.to(self.device, non_blocking=True)
 
     def collect(self, step: InFlightStep) -> SamplerOutput | None:
         """Step thread: wait for ``step``'s tokens (only this step's) and log its timing.
@@ -194,10 +221,18 @@ class StepExecutor:
         Step time: from the later of the launch and the previous step's results to this
         step's results (pipelined steps overlap, so their launch-to-result spans would not).
         """
+        if step.collected:
+            return step.result  # collected early, for the masks of the step behind it
+        step.collected = True
         if step.sample is None:
             return None
         out = step.sample.fetch()
         t_end = time.perf_counter()
+        if step.guided:
+            for r, tok in zip(step.rows, out.token_ids, strict=True):
+                if r.guide is not None:
+                    r.guide.accept(tok)
+        step.result = out
         gpu_ms = step.events[0].elapsed_time(step.events[1]) if step.events else None
         items = step.items
         tokens = sum(len(it.token_ids) for it in items)

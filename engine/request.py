@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
     from loraplex.engine.detokenizer import IncrementalDetokenizer
     from loraplex.engine.lora.manager import AdapterVersion
+    from loraplex.engine.structured.grammars import Guide
 
 __all__ = ["RequestStatus", "RequestOutput", "Request", "TokenLogprob", "Tokens"]
 
@@ -126,6 +127,7 @@ class Request:
     token_times: list[float] = field(default_factory=list)  # monotonic time of each token
     eos_ids: frozenset[int] = frozenset()
     meta: dict[str, Any] = field(default_factory=dict)
+    guide: Guide | None = None  # the matcher of a structured-output request
 
     @property
     def tokens(self) -> Tokens:

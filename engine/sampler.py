@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.structured.bitmask import apply_bitmask
 
 __all__ = [
     "PendingSample",
@@ -131,9 +132,10 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None] | None = None,
         banned: Sequence[Sequence[int]] | None = None,
+        masks: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SamplerOutput:
         """Sample one token per row of ``logits`` (B, V); see ``launch``."""
-        return self.launch(logits, params, generators, banned).fetch()
+        return self.launch(logits, params, generators, banned, masks).fetch()
 
     def launch(
         self,
@@ -141,12 +143,14 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None] | None = None,
         banned: Sequence[Sequence[int]] | None = None,
+        masks: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> PendingSample:
         """Queue sampling of one token per row of ``logits`` (B, V); no host sync.
 
         ``generators[i]`` (optional) is row i's own generator; ``banned[i]`` lists token ids row i
-        must not sample (used for ``min_tokens``). Logprobs are those of the raw model distribution
-        (log_softmax of the unmodified logits).
+        must not sample (used for ``min_tokens``); ``masks``: (bitmask (R, W) int32, rows (R,))
+        on the device, the allowed tokens of constrained rows (``structured/bitmask.py``).
+        Logprobs are those of the raw model distribution (log_softmax of the unmodified logits).
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be 2-D (batch, vocab), got shape {tuple(logits.shape)}")
@@ -161,6 +165,9 @@ class Sampler:
         logits = logits.float()
         want_lp = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        if masks is not None:
+            logits = logits.contiguous()
+            apply_bitmask(logits, *masks)  # in place: raw_logprobs is a new tensor
 
         if banned is not None and any(banned):
             logits = self._apply_banned(logits, banned, vocab)

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from loraplex.engine.structured.spec import StructuredOutput
+
 __all__ = ["SamplingParams", "InvalidSamplingParams", "MAX_LOGPROBS", "GREEDY_EPS"]
 
 MAX_LOGPROBS = 20
@@ -37,6 +39,8 @@ class SamplingParams:
     ``temperature`` 0 means greedy; ``top_k`` -1 or 0 means off (normalised to -1); ``stop`` is
     normalised to a list of strings and ``stop_token_ids`` to a list of ints. ``logprobs`` is the
     number of top logprobs returned per generated token (0: only the sampled token's).
+    ``structured`` constrains the output (JSON schema, regex, choice, grammar); logprobs stay
+    those of the unconstrained distribution.
     """
 
     max_tokens: int = 16
@@ -49,6 +53,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    structured: StructuredOutput | None = None  # constrained decoding (engine/structured/)
 
     def __post_init__(self) -> None:
         self._check_ints()
@@ -57,6 +62,11 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise InvalidSamplingParams(
                 f"ignore_eos must be a bool, got {self.ignore_eos!r}", field="ignore_eos"
+            )
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidSamplingParams(
+                f"structured must be a StructuredOutput, got {self.structured!r}",
+                field="structured",
             )
 
     def _check_ints(self) -> None:

@@ -25,6 +25,7 @@ from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.loader import load_model, resolve_dtype
 from loraplex.engine.model.protocol import CausalLM
 from loraplex.engine.model_runner import ModelRunner
+from loraplex.engine.structured.bitmask import warm_bitmask
 from loraplex.engine.tokenizer import Tokenizer, TokenizerError
 from loraplex.engine.warmup import COMPILES, warm_eager_steps
 
@@ -116,6 +117,7 @@ def build_core(
     if runner.fused and model.device.type == "cuda":
         # other mixed prefill + decode steps run eagerly: compile their kernel variants now
         warm_eager_steps(runner, config.max_num_batched_tokens, config.max_num_seqs, max_len)
+    warm_bitmask(model.cfg.vocab_size, config.max_num_seqs, model.device)  # (CUDA only)
     tokenizer = None  # token-id prompts only
     if path is not None:
         with contextlib.suppress(TokenizerError):

@@ -15,7 +15,9 @@ from typing import Any
 from loraplex.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from loraplex.engine.server.body import check_depth, parse_json
 from loraplex.engine.server.errors import APIError
+from loraplex.engine.server.guided import parse_structured
 from loraplex.engine.server.limits import ServerLimits, flag
+from loraplex.engine.structured import StructuredOutput
 
 __all__ = ["GenerationRequest", "parse_json", "parse_completion", "parse_chat", "MAX_N"]
 
@@ -54,6 +56,7 @@ class GenerationRequest:
     tokens_as_ids: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)
     adapters: list[tuple[str, float]] | None = None  # a composition ("adapters" field)
+    structured: StructuredOutput | None = None  # response_format, structured_outputs, guided_*
 
     def params(self, prompt_len: int, limit: int, choice: int = 0) -> SamplingParams:
         """Engine params for one choice; ``limit`` is the longest prompt + output allowed."""
@@ -71,7 +74,9 @@ class GenerationRequest:
         if choice and isinstance(seed, int) and not isinstance(seed, bool):
             # NOTE: choice i samples with seed + i so n seeded choices differ, reproducibly.
             kw["seed"] = seed + choice if seed + choice <= _SEED_MAX else seed - choice
-        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **kw)
+        return SamplingParams(
+            max_tokens=max_tokens, logprobs=self.logprobs, structured=self.structured, **kw
+        )
 
 
 def utf8(value: str, param: str) -> str:
@@ -159,12 +164,6 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         ("use_beam_search", lambda v: not v),
         ("echo", lambda v: not v),
         ("suffix", lambda v: not v),
-        ("tools", lambda v: not v),
-        ("tool_choice", lambda v: v in (None, "none")),
-        (
-            "response_format",
-            lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-        ),
     )
     for name, allowed in checks:
         if not allowed(body.get(name)):
@@ -202,6 +201,7 @@ def _common(body: dict[str, Any], limits: ServerLimits) -> GenerationRequest:
         return_token_ids=_get(body, "return_token_ids", bool, False),
         tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, False),
         sampling=sampling,
+        structured=parse_structured(body, limits),
     )
 
 
@@ -262,6 +262,9 @@ def _check_fan_out(prompts: int, n: int, limits: ServerLimits, param: str) -> No
 
 def parse_completion(body: dict[str, Any], limits: ServerLimits | None = None) -> GenerationRequest:
     limits = limits or ServerLimits()
+    for name in ("tools", "tool_choice"):  # chat only
+        if body.get(name) not in (None, [], "none"):
+            raise bad(f"{name} is not supported by the completions API (use chat)", name)
     req = _common(body, limits)
     if "prompt" not in body:
         raise bad("prompt is required", "prompt")
@@ -308,6 +311,9 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"self", "messages", "add_generation_promp
 
 def parse_chat(body: dict[str, Any], limits: ServerLimits | None = None) -> GenerationRequest:
     limits = limits or ServerLimits()
+    for name in ("tools", "tool_choice"):
+        if body.get(name) not in (None, [], "none"):
+            raise bad(f"{name} is not supported by this server", name)
     req = _common(body, limits)
     _check_fan_out(1, req.n, limits, "n")
     messages = body.get("messages")

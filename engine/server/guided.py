@@ -1,0 +1,107 @@
+"""Structured-output request fields -> one ``StructuredOutput``.
+
+Forms (one per request):
+- OpenAI ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}``,
+  ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``;
+- vLLM's current ``structured_outputs``: ``{"json": schema}``, ``{"regex": "..."}``,
+  ``{"choice": [...]}``, ``{"grammar": "..."}`` or ``{"json_object": true}``;
+- vLLM's older fields, accepted as aliases: ``guided_json``, ``guided_regex``,
+  ``guided_choice``, ``guided_grammar``.
+
+Errors are 400s naming the field (``param``); a constraint that parses here but does not
+compile (bad schema, unsupported keyword, bad regex) is refused by the engine's compile, also
+naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loraplex.engine.errors import InvalidRequestError
+from loraplex.engine.server.body import check_depth
+from loraplex.engine.server.errors import APIError
+from loraplex.engine.server.limits import ServerLimits
+from loraplex.engine.structured import StructuredOutput
+
+__all__ = ["parse_structured"]
+
+_ALIASES = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+_FORMS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _bad(message: str, param: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def _make(form: str, value: Any, param: str) -> StructuredOutput:
+    try:
+        if form == "json":
+            return StructuredOutput.json_schema(value, param)
+        if form == "json_object":
+            return StructuredOutput.json_object(param)
+        return getattr(StructuredOutput, form)(value, param)
+    except InvalidRequestError as e:
+        raise _bad(str(e), param) from None
+
+
+def _response_format(rf: Any) -> StructuredOutput | None:
+    param = "response_format"
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise _bad("response_format must be an object with a string type", param)
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _make("json_object", None, param)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise _bad("response_format.json_schema must be an object", param)
+        schema = js.get("schema")
+        if schema is None:
+            return _make("json_object", None, param)  # OpenAI: a schema is optional
+        return _make("json", schema, param)
+    raise _bad(
+        f"response_format type {kind!r} is not supported (text, json_object, json_schema)", param
+    )
+
+
+def _structured_outputs(so: Any) -> StructuredOutput | None:
+    param = "structured_outputs"
+    if not isinstance(so, dict):
+        raise _bad("structured_outputs must be an object", param)
+    if so.get("structural_tag") is not None:
+        raise _bad("structured_outputs.structural_tag is not supported", param)
+    given = [f for f in _FORMS if so.get(f) not in (None, False)]
+    if len(given) > 1:
+        raise _bad(f"structured_outputs sets {', '.join(given)}: set one of them", param)
+    if not given:
+        return None
+    return _make(given[0], so[given[0]], param)
+
+
+def parse_structured(body: dict[str, Any], limits: ServerLimits) -> StructuredOutput | None:
+    """The request's constraint, or None; 400 when fields conflict or are malformed."""
+    found: list[StructuredOutput] = []
+    for name in ("response_format", "structured_outputs", *_ALIASES):
+        value = body.get(name)
+        if value is None:
+            continue
+        check_depth(value, limits.max_json_depth, name)
+        if name == "response_format":
+            spec = _response_format(value)
+        elif name == "structured_outputs":
+            spec = _structured_outputs(value)
+        else:
+            spec = _make(_ALIASES[name], value, name)
+        if spec is not None:
+            found.append(spec)
+    if len(found) > 1:
+        names = ", ".join(s.field for s in found)
+        raise _bad(f"{names}: a request may set one structured output form", found[1].field)
+    return found[0] if found else None
