@@ -23,6 +23,7 @@ from loraplex.engine.server.logprobs import TokenNamer, chat_logprobs
 from loraplex.engine.server.protocol import GenerationRequest, parse_chat
 from loraplex.engine.server.respond import respond
 from loraplex.engine.server.state import DRAIN_KEY, ENGINE_KEY, LIMITS_KEY
+from loraplex.engine.server.tools import ToolStream, parse_calls, tool_format, tool_messages
 from loraplex.engine.tokenizer import TokenizerError
 
 __all__ = ["create_chat_completion", "render_chat"]
@@ -37,8 +38,11 @@ def render_chat(engine: AsyncEngine, req: GenerationRequest) -> list[int]:
     if tok is None:
         raise APIError(400, "this model has no tokenizer, so it cannot chat", param="messages")
     assert req.messages is not None
+    messages, extra = req.messages, {}
+    if req.tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        messages, extra = tool_messages(messages, req.tools, tok.chat_template)
     try:
-        text = tok.apply_chat_template(req.messages, **req.chat_kwargs)
+        text = tok.apply_chat_template(messages, **req.chat_kwargs, **extra)
     except TokenizerError as e:
         raise APIError(400, str(e), param="messages") from e
     ids = tok.encode_batch([text], add_special_tokens=False)[0]
@@ -53,6 +57,26 @@ class ChatShape:
     def __init__(self, engine: AsyncEngine, req: GenerationRequest) -> None:
         self.req = req
         self.namer = TokenNamer(engine.tokenizer, req.tokens_as_ids)
+        self.tools = req.tools
+        self.fmt = tool_format(engine.tokenizer.chat_template) if req.tools else "hermes"
+        self.streams: dict[int, ToolStream] = {}  # per choice, with tools
+
+    def _reason(self, reason: str | None, calls: int) -> str | None:
+        """OpenAI: "tool_calls" when the model chose to call (a forced named call: "stop")."""
+        named = self.tools is not None and self.tools.choice == "named"
+        return "tool_calls" if reason == "stop" and calls and not named else reason
+
+    def _tool_delta(self, job: Job, out: RequestOutput) -> tuple[dict[str, Any], str | None]:
+        assert self.tools is not None
+        st = self.streams.setdefault(job.index, ToolStream(self.tools, self.fmt))
+        content, calls = st.feed(out.text)
+        if out.finished:
+            more, rest = st.finish()
+            content, calls = content + more, calls + rest
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, self._reason(out.finish_reason, st.count) if out.finished else None
 
     def _logprobs(self, lps: list[Any]) -> dict[str, Any] | None:
         if self.req.logprobs is None:
@@ -82,11 +106,14 @@ class ChatShape:
     def delta(self, job: Job, out: RequestOutput) -> dict[str, Any] | None:
         if not (out.text or out.token_ids or out.finished):
             return None
+        delta, reason = {"content": out.text} if out.text else {}, out.finish_reason
+        if self.tools is not None:
+            delta, reason = self._tool_delta(job, out)
         choice: dict[str, Any] = {
             "index": job.index,
-            "delta": {"content": out.text} if out.text else {},
+            "delta": delta,
             "logprobs": self._logprobs(out.logprobs or []),
-            "finish_reason": out.finish_reason if out.finished else None,
+            "finish_reason": reason if out.finished else None,
             "stop_reason": out.stop_reason if out.finished else None,
         }
         if self.req.return_token_ids:
@@ -97,11 +124,17 @@ class ChatShape:
         choices = []
         for job in reply.jobs:
             c = reply.choices[job.index]
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            reason = c.finish_reason
+            if self.tools is not None:
+                content, calls = parse_calls(c.text, self.tools, self.fmt)
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                reason = self._reason(reason, len(calls))
             choice: dict[str, Any] = {
                 "index": job.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": self._logprobs(c.logprobs),
-                "finish_reason": c.finish_reason,
+                "finish_reason": reason,
                 "stop_reason": c.stop_reason,
             }
             if self.req.return_token_ids:

@@ -17,6 +17,7 @@ from loraplex.engine.server.body import check_depth, parse_json
 from loraplex.engine.server.errors import APIError
 from loraplex.engine.server.guided import parse_structured
 from loraplex.engine.server.limits import ServerLimits, flag
+from loraplex.engine.server.tools import Tools, parse_tools
 from loraplex.engine.structured import StructuredOutput
 
 __all__ = ["GenerationRequest", "parse_json", "parse_completion", "parse_chat", "MAX_N"]
@@ -57,6 +58,7 @@ class GenerationRequest:
     sampling: dict[str, Any] = field(default_factory=dict)
     adapters: list[tuple[str, float]] | None = None  # a composition ("adapters" field)
     structured: StructuredOutput | None = None  # response_format, structured_outputs, guided_*
+    tools: Tools | None = None  # chat: tools that may be called (tool_choice not "none")
 
     def params(self, prompt_len: int, limit: int, choice: int = 0) -> SamplingParams:
         """Engine params for one choice; ``limit`` is the longest prompt + output allowed."""
@@ -311,11 +313,18 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"self", "messages", "add_generation_promp
 
 def parse_chat(body: dict[str, Any], limits: ServerLimits | None = None) -> GenerationRequest:
     limits = limits or ServerLimits()
-    for name in ("tools", "tool_choice"):
-        if body.get(name) not in (None, [], "none"):
-            raise bad(f"{name} is not supported by this server", name)
     req = _common(body, limits)
     _check_fan_out(1, req.n, limits, "n")
+    req.tools = parse_tools(body, limits)
+    forced = req.tools.constraint() if req.tools is not None else None
+    if forced is not None:
+        if req.structured is not None:
+            raise bad(
+                f"tool_choice {req.tools.choice!r} constrains the output: it cannot be combined "
+                f"with {req.structured.field}",
+                "tool_choice",
+            )
+        req.structured = forced
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty list", "messages")

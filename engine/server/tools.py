@@ -1,0 +1,357 @@
+"""Chat tool calling: ``tools`` and ``tool_choice`` in, ``tool_calls`` out (OpenAI shapes).
+
+The tool format is the model's own, as its chat template defines it:
+- ``llama3``: a template that knows Llama 3's ``ipython`` role or ``<|python_tag|>``; the
+  model answers with a JSON object ``{"name": ..., "parameters": {...}}`` (several: ``;``);
+- ``hermes``: any other template; calls are ``<tool_call>{"name": ..., "arguments": {...}}
+  </tool_call>`` blocks. A template that does not render ``tools`` at all gets them from a
+  system message written here in that format, and earlier calls and results in the history
+  as the same tags.
+
+``tool_choice``: ``none`` (tools are not shown, nothing is parsed), ``auto`` (free text, calls
+parsed from it), ``required`` and a named function: the output is grammar-constrained JSON
+(``required``: a non-empty array of ``{"name", "parameters"}`` over the given tools; a named
+function: its arguments object), so the call is well-formed whatever the model would write.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from loraplex.engine.server.body import check_depth
+from loraplex.engine.server.errors import APIError
+from loraplex.engine.server.limits import ServerLimits
+from loraplex.engine.structured import StructuredOutput
+
+__all__ = ["Tools", "parse_tools", "tool_messages", "parse_calls", "ToolStream", "tool_format"]
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _bad(message: str, param: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+@dataclass(frozen=True)
+class Tools:
+    tools: list[dict[str, Any]]  # as sent: {"type": "function", "function": {...}}
+    choice: str  # "auto" | "none" | "required" | "named"
+    name: str | None = None  # the function of a named choice
+    parallel: bool = True  # ``parallel_tool_calls``: false allows one call (``required``)
+
+    @property
+    def names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.tools]
+
+    def parameters(self, name: str) -> Any:
+        for t in self.tools:
+            if t["function"]["name"] == name:
+                return t["function"].get("parameters") or {"type": "object"}
+        raise KeyError(name)
+
+    def constraint(self) -> StructuredOutput | None:
+        """The grammar of ``required`` / a named function (None for ``auto``)."""
+        if self.choice == "named":
+            assert self.name is not None
+            return StructuredOutput.json_schema(self.parameters(self.name), "tools")
+        if self.choice != "required":
+            return None
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"enum": [n]}, "parameters": self.parameters(n)},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for n in self.names
+        ]
+        one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        schema = {"type": "array", "items": one, "minItems": 1}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return StructuredOutput.json_schema(schema, "tools")
+
+
+def parse_tools(body: dict[str, Any], limits: ServerLimits) -> Tools | None:
+    """``tools`` / ``tool_choice`` of a chat request; None when no tool may be called."""
+    raw, choice = body.get("tools"), body.get("tool_choice")
+    if raw is None or raw == []:
+        if choice not in (None, "none", "auto"):
+            raise _bad("tool_choice needs tools", "tool_choice")
+        return None
+    if not isinstance(raw, list):
+        raise _bad("tools must be a list of function tools", "tools")
+    check_depth(raw, limits.max_json_depth, "tools")
+    tools, seen = [], set()
+    for i, t in enumerate(raw):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise _bad(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", "tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise _bad(f"tools[{i}].function.name must match {_NAME.pattern}", "tools")
+        if name in seen:
+            raise _bad(f"tools names {name!r} twice", "tools")
+        seen.add(name)
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise _bad(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        desc = fn.get("description")
+        if desc is not None and not isinstance(desc, str):
+            raise _bad(f"tools[{i}].function.description must be a string", "tools")
+        tools.append({"type": "function", "function": fn})
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise _bad("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    if choice is None or choice in ("auto", "none", "required"):
+        kind = choice or "auto"
+        return None if kind == "none" else Tools(tools, kind, parallel=parallel)
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name")
+        if name in seen:
+            return Tools(tools, "named", name, parallel)
+        raise _bad(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+    raise _bad(
+        "tool_choice must be 'none', 'auto', 'required' or "
+        "{'type': 'function', 'function': {'name': ...}}",
+        "tool_choice",
+    )
+
+
+# -- prompts --------------------------------------------------------------------------------------
+
+
+def tool_format(template: str | None) -> str:
+    """The template's tool format: "llama3" or "hermes"."""
+    t = template or ""
+    return "llama3" if "<|python_tag|>" in t or "ipython" in t else "hermes"
+
+
+def _renders_tools(template: str | None) -> bool:
+    return bool(template) and re.search(r"\btools\b", template or "") is not None
+
+
+_SYSTEM = (
+    "You can call functions. Their signatures, one JSON object per line, are inside "
+    "<tools></tools>:\n<tools>\n{tools}\n</tools>\n"
+    "To call functions, answer with one <tool_call></tool_call> block per call, each holding a "
+    "JSON object with the function's name and its arguments:\n"
+    '<tool_call>\n{{"name": "function name", "arguments": {{"argument": "value"}}}}\n</tool_call>'
+)
+
+
+def _arguments(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def tool_messages(
+    messages: list[dict[str, Any]], tools: Tools | None, template: str | None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Messages and template kwargs for a chat with tools (or with tool turns in history)."""
+    if _renders_tools(template):
+        out = []
+        for m in messages:  # templates read arguments as objects (``| tojson``)
+            if m.get("tool_calls"):
+                calls = [
+                    {**c, "function": {**c["function"], "arguments": _arguments(
+                        c["function"].get("arguments"))}}
+                    if isinstance(c, dict) and isinstance(c.get("function"), dict) else c
+                    for c in m["tool_calls"]
+                ]  # fmt: skip
+                m = {**m, "tool_calls": calls}
+            out.append(m)
+        return out, ({"tools": tools.tools} if tools is not None else {})
+    out = []
+    for m in messages:  # history in the hermes tags the system message below teaches
+        if m.get("tool_calls"):
+            blocks = [
+                f"{OPEN}\n" + json.dumps({"name": f.get("name"), "arguments": _arguments(
+                    f.get("arguments"))}, ensure_ascii=False) + f"\n{CLOSE}"
+                for c in m["tool_calls"] if isinstance(c, dict)
+                for f in [c.get("function") or {}]
+            ]  # fmt: skip
+            text = "\n".join(x for x in [m.get("content") or "", *blocks] if x)
+            m = {k: v for k, v in m.items() if k != "tool_calls"} | {"content": text}
+        elif m.get("role") == "tool":
+            m = {**m, "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
+        out.append(m)
+    if tools is not None:
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools.tools)
+        system = _SYSTEM.format(tools=listing)
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{system}".strip()}
+        else:
+            out.insert(0, {"role": "system", "content": system})
+    return out, {}
+
+
+# -- parsing ----------------------------------------------------------------------------------
+
+
+def _call(name: str, arguments: Any) -> dict[str, Any]:
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def _from_object(obj: Any) -> dict[str, Any] | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        args = _arguments(args)
+    if not isinstance(args, dict):
+        return None
+    return _call(obj["name"], args)
+
+
+def _hermes_block(raw: str) -> dict[str, Any] | None:
+    try:
+        return _from_object(json.loads(raw.strip()))
+    except ValueError:
+        return None
+
+
+def _llama3(text: str) -> list[dict[str, Any]] | None:
+    text = text.strip().removeprefix("<|python_tag|>").strip()
+    if not text.startswith("{"):
+        return None
+    try:
+        objs = [json.loads(text)]
+    except ValueError:
+        try:
+            objs = [json.loads(p) for p in text.split(";") if p.strip()]
+        except ValueError:
+            return None
+    calls = [_from_object(o) for o in objs]
+    return calls if calls and all(c is not None for c in calls) else None  # type: ignore[return-value]
+
+
+def parse_calls(text: str, tools: Tools, fmt: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool_calls) of a whole output."""
+    if tools.choice == "named":
+        assert tools.name is not None
+        return None, [_call(tools.name, text)]
+    if tools.choice == "required":
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return text, []
+        calls = [_from_object(o) for o in items] if isinstance(items, list) else []
+        good = [c for c in calls if c is not None]
+        return (None, good) if good else (text, [])
+    if fmt == "llama3":
+        calls = _llama3(text)
+        return (None, calls) if calls else (text or None, [])
+    stream = ToolStream(tools, fmt)
+    content, calls = stream.feed(text)
+    more, rest = stream.finish()
+    content = (content + more).strip()
+    return content or None, calls + rest
+
+
+class ToolStream:
+    """Streams one choice: text deltas in, (content delta, finished tool calls) out."""
+
+    def __init__(self, tools: Tools, fmt: str) -> None:
+        self.tools, self.fmt = tools, fmt
+        self.buf = ""
+        self.inside = False  # hermes: between OPEN and CLOSE
+        self.mode: str | None = None  # llama3: "json" (buffer) or "text", once decided
+        self.pending_ws = ""  # whitespace not sent yet (trailing, or between calls)
+        self.count = 0  # tool calls sent
+        self.named_id: str | None = None
+
+    def _content(self, text: str) -> str:
+        if not text.strip():
+            self.pending_ws += text
+            return ""
+        out, self.pending_ws = self.pending_ws + text, ""
+        return out
+
+    def _index(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = []
+        for c in calls:
+            out.append({"index": self.count, **c})
+            self.count += 1
+        return out
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        choice = self.tools.choice
+        if choice == "named":  # arguments stream as they come
+            if not text:
+                return "", []
+            if self.named_id is None:
+                call = _call(self.tools.name or "", text)
+                self.named_id = call["id"]
+                self.count = 1
+                return "", [{"index": 0, **call}]
+            return "", [{"index": 0, "function": {"arguments": text}}]
+        self.buf += text
+        if choice == "required":
+            return "", []
+        if self.fmt == "llama3":
+            if self.mode is None:
+                head = self.buf.lstrip()
+                if not head:
+                    return "", []
+                self.mode = "json" if head.startswith(("{", "<|python_tag|>")) else "text"
+            if self.mode == "json":
+                return "", []
+            out, self.buf = self.buf, ""
+            return self._content(out), []
+        content, calls = "", []
+        while True:
+            if not self.inside:
+                i = self.buf.find(OPEN)
+                if i >= 0:
+                    content += self.buf[:i]
+                    self.buf, self.inside = self.buf[i + len(OPEN) :], True
+                    continue
+                keep = next(
+                    (k for k in range(len(OPEN) - 1, 0, -1) if self.buf.endswith(OPEN[:k])), 0
+                )
+                content += self.buf[: len(self.buf) - keep]
+                self.buf = self.buf[len(self.buf) - keep :]
+                break
+            j = self.buf.find(CLOSE)
+            if j < 0:
+                break
+            raw, self.buf, self.inside = self.buf[:j], self.buf[j + len(CLOSE) :], False
+            call = _hermes_block(raw)
+            if call is None:
+                content += OPEN + raw + CLOSE  # not a call after all: it is text
+            else:
+                calls += self._index([call])
+        return self._content(content) if content else "", calls
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """The rest at the end of the output."""
+        buf, self.buf = self.buf, ""
+        if self.tools.choice == "named":
+            return "", []
+        if self.tools.choice == "required" or (self.fmt == "llama3" and self.mode == "json"):
+            content, calls = parse_calls(buf, self.tools, self.fmt)
+            if calls:
+                return "", self._index(calls)
+            return self._content(content or ""), []
+        if self.inside:  # an unclosed last call
+            call = _hermes_block(buf)
+            if call is not None:
+                return "", self._index([call])
+            buf = OPEN + buf
+        return (self._content(buf) if buf else ""), []
