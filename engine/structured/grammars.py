@@ -133,6 +133,9 @@ class GrammarCache:
         matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
         if matcher.is_error():
             raise _CompileError(matcher.get_error())
+        # NOTE: the first mask builds lexer states lazily (up to ~15 ms on a fresh tokenizer);
+        # here, not in the step thread: copies of this matcher share them
+        matcher.compute_bitmask()
         self.compile_s.append(time.perf_counter() - t0)
         return matcher
 
