@@ -26,6 +26,8 @@ from loraplex.engine.errors import AdapterCompositionError, InvalidRequestError
 from loraplex.engine.executor import InFlightStep, StepExecutor, StepRecord
 from loraplex.engine.kv import BlockManager
 from loraplex.engine.loop_lag import LoopLag
+from loraplex.engine.lora.adapter import LoRAAdapter, load_magnitudes
+from loraplex.engine.lora.dora import compute_dora
 from loraplex.engine.lora.errors import AdapterNotFoundError
 from loraplex.engine.lora.loader import AdapterLoader
 from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion
@@ -272,6 +274,8 @@ class EngineCore:
                     f"adapter {name!r} has not been fetched yet: request it alone once before "
                     "composing it"
                 )
+            if v.dora:
+                raise bad(f"adapter {name!r} is a DoRA adapter: DoRA adapters cannot be composed")
             versions.append((v, weight))
         rank = sum(v.lora_rank for v, _ in versions)
         if rank > self.config.max_lora_rank:
@@ -306,9 +310,12 @@ class EngineCore:
                 v.adapter = await self._stage_combination(v)
             else:
                 await self._fetched(v)
-                v.adapter = await self.loader.stage(
+                adapter = await self.loader.stage(
                     v, self.model.dtype, pin=self.device.type == "cuda"
                 )
+                if adapter.config.use_dora:  # the row scales need the base weights: here
+                    await asyncio.to_thread(self._compute_dora, v, adapter)
+                v.adapter = adapter
         except Exception as e:
             self.emit(
                 "adapter_load",
@@ -329,6 +336,13 @@ class EngineCore:
             total_s=total,
             nbytes=v.adapter.nbytes,
         )
+
+    def _compute_dora(self, v: AdapterVersion, adapter: LoRAAdapter) -> None:
+        """Worker thread: a DoRA adapter's row scales against this model (lora/dora.py)."""
+        t0 = time.perf_counter()
+        assert v.local_dir is not None  # (on failure the manager releases v's region)
+        compute_dora(self.model, adapter, load_magnitudes(v.local_dir, self.model.cfg))
+        v.timings["dora"] = time.perf_counter() - t0
 
     async def _fetched(self, v: AdapterVersion) -> None:
         """Make sure ``v``'s files are in the staging dir (fetched again if they went)."""
@@ -383,7 +397,8 @@ class EngineCore:
             gpu_s = start.elapsed_time(v.slot_event) / 1e3  # transfer + on-device scatter
             copy_s = start.elapsed_time(copied) / 1e3  # the host -> device transfer alone
         v.slot_ready, v.slot_event, v.slot_timing = True, None, None
-        self.executor.set_slot_rank(v.slot, v.rank)
+        dora = v.adapter is not None and v.adapter.dora is not None
+        self.executor.set_slot_rank(v.slot, v.rank, dora=dora)
         h2d = time.perf_counter() - v.timings.get("h2d_start", time.perf_counter())
         v.timings["h2d"] = h2d
         nbytes = v.adapter.nbytes if v.adapter is not None else 0

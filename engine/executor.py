@@ -110,9 +110,14 @@ class StepExecutor:
         if self.slot_writer is not None:
             self.slot_writer.close()
 
-    def set_slot_rank(self, slot: int, rank: int) -> None:
-        """Loop: the adapter written into ``slot`` has rank ``rank`` (its write landed)."""
+    def set_slot_rank(self, slot: int, rank: int, *, dora: bool = False) -> None:
+        """Loop: the adapter written into ``slot`` has rank ``rank`` (its write landed);
+        ``dora``: it is a DoRA adapter (its rows get the DoRA row scale)."""
         self.runner.slot_ranks[slot] = rank
+        if dora:
+            self.runner.dora_slots.add(slot)
+        else:
+            self.runner.dora_slots.discard(slot)
 
     def prepare(self, plan: SchedulerOutput, prev: InFlightStep | None = None) -> list[StepItem]:
         """Loop: step items of ``plan``; ``prev``: the step in flight that ``feed`` chunks read."""
@@ -168,7 +173,7 @@ class StepExecutor:
             return InFlightStep(plan, items, [], None, t0, t0, None, False)
         feed = prev.sample.token_ids if prev is not None and prev.sample is not None else None
         mixed = self.mixed_graphs
-        if mixed is not None and mixed.fits(items, feed):
+        if mixed is not None and mixed.fits(items, feed) and not self.runner.has_dora(items):
             logits = mixed.run(items, feed)  # decode rows + short prefills, one graph replay
             events = mixed.last_events
         else:

@@ -71,6 +71,7 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.slot_ranks: list[int] = [0] * model.max_loras
+        self.dora_slots: set[int] = set()  # slots holding a DoRA adapter (lora/dora.py)
         self.graphs: DecodeGraphs | None = None
         self.last_was_graph = False
         self.last_events: tuple | None = None  # CUDA events around the last graph replay
@@ -125,7 +126,13 @@ class ModelRunner:
             zero_slot=self.zero_slot,
         )
         mapping = (  # NOTE: the fused path reads token slots directly, no segments
-            LoRAMapping.build(token_slots, self.slot_ranks, dev, triton=self.backend.triton)
+            LoRAMapping.build(
+                token_slots,
+                self.slot_ranks,
+                dev,
+                triton=self.backend.triton,
+                dora_slots=self.dora_slots,
+            )  # fmt: skip
             if not self.fused and any(s >= 0 for s in token_slots)
             else None
         )
@@ -188,17 +195,23 @@ class ModelRunner:
             meta.max_query_len = max(len(it.token_ids) for it in items)
             hidden = fused_forward(
                 self.model, ids, pos, self.kv_caches, meta, token_slots,
-                triton=self.backend.triton,
+                triton=self.backend.triton, dora=self.has_dora(items),
             )  # fmt: skip
         else:
             hidden = self.model(ids, pos, self.kv_caches, meta, mapping)
         return self.model.compute_logits(hidden.index_select(0, last))
 
+    def has_dora(self, items: list[StepItem]) -> bool:
+        """Some row's slot holds a DoRA adapter (no cost while none is resident)."""
+        return bool(self.dora_slots) and any(it.lora_slot in self.dora_slots for it in items)
+
     def _graphable(self, items: list[StepItem]) -> bool:
         assert self.graphs is not None
+        # NOTE: the graphs hold no DoRA row scaling: steps with DoRA rows run eagerly
         return (
             all(len(it.token_ids) == 1 and it.need_logits for it in items)
             and len(items) <= self.graphs.max_batch
+            and not self.has_dora(items)
         )
 
     def _execute_graph(self, items: list[StepItem], feed: torch.Tensor | None) -> torch.Tensor:

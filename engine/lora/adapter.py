@@ -23,7 +23,11 @@ from loraplex.engine.lora.errors import (
     AdapterValueError,
 )
 from loraplex.engine.lora.peft_config import PeftLoRAConfig, parse_peft_config_json
-from loraplex.engine.lora.preflight import DEFAULT_MAX_HEADER_BYTES, read_safetensors_header
+from loraplex.engine.lora.preflight import (
+    DEFAULT_MAX_HEADER_BYTES,
+    check_dora_pair,
+    read_safetensors_header,
+)
 from loraplex.engine.lora.targets import PARENT as _PARENT
 from loraplex.engine.lora.targets import base_module_name, check_targets
 from loraplex.engine.model.config import LORA_MODULES, ModelConfig
@@ -37,6 +41,7 @@ __all__ = [
     "base_module_name",
     "check_targets",
     "check_weight_values",
+    "load_magnitudes",
     "CONFIG_FILE",
 ]
 
@@ -74,6 +79,9 @@ class LoRAAdapter:
     config: PeftLoRAConfig
     # (layer index, module short name) -> tensors; a WeightsView once packed (staging.py)
     weights: dict[tuple[int, str], LoRAWeights] | WeightsView
+    # DoRA: (layer, module) -> the row scale m / ||W + s B A|| (out,) float32, folded into B
+    # too (dora.py); None for plain LoRA and until computed against the base
+    dora: dict[tuple[int, str], torch.Tensor] | None = None
 
     @property
     def rank(self) -> int:
@@ -106,7 +114,8 @@ def _resolve_module(name: str, num_layers: int) -> tuple[int, str]:
 
 
 def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
-    """``base_model.model.<module>.lora_A[.<adapter>].weight`` -> (layer, module, "A" or "B")."""
+    """``base_model.model.<module>.lora_A[.<adapter>].weight`` -> (layer, module, "A" or "B");
+    ``<module>.lora_magnitude_vector[.<adapter>][.weight]`` (DoRA) -> "M"."""
     parts = key.removeprefix("base_model.model.").split(".")
     i = next((j for j, p in enumerate(parts) if p.startswith("lora_")), None)
     if i is None:  # a full weight, e.g. modules_to_save's lm_head.weight
@@ -115,6 +124,9 @@ def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
         module = ".".join(parts[:i])
     layer, short = _resolve_module(module, num_layers)
     rest = parts[i + 1 :] if i is not None else []
+    magnitude = i is not None and parts[i] == "lora_magnitude_vector"
+    if magnitude and (len(rest) < 2 or (len(rest) == 2 and rest[-1] == "weight")):
+        return layer, short, "M"
     if (
         i is None
         or parts[i] not in ("lora_A", "lora_B")
@@ -122,7 +134,7 @@ def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
         or len(rest) > 2
     ):
         raise AdapterFormatError(
-            f"{WEIGHTS_FILE}: tensor {key!r} is not a LoRA A/B weight (only plain LoRA is supported)",
+            f"{WEIGHTS_FILE}: tensor {key!r} is not a LoRA A/B weight or DoRA magnitude",
             field=key,
         )
     return layer, short, parts[i][-1]
@@ -191,7 +203,8 @@ def _index(
             )
         pair[ab] = key
     for (layer, module), pair in found.items():
-        if len(pair) != 2:
+        check_dora_pair(pair, config, base_module_name(layer, module), lambda k: k)
+        if "A" not in pair or "B" not in pair:
             missing = "lora_B" if "A" in pair else "lora_A"
             key = next(iter(pair.values()))
             raise AdapterShapeError(
@@ -222,6 +235,14 @@ def _check_pair(
             raise AdapterShapeError(
                 f"{WEIGHTS_FILE}: tensor {key!r} has shape {tuple(got)}, expected {tuple(want)}",
                 field=key,
+            )
+    if "M" in pair:
+        sl = f.get_slice(pair["M"])
+        if sl.get_dtype() not in _DTYPES or list(sl.get_shape()) != [d_out]:
+            raise AdapterShapeError(
+                f"{WEIGHTS_FILE}: DoRA magnitude {pair['M']!r} has {sl.get_dtype()} "
+                f"{tuple(sl.get_shape())}, expected ({d_out},) of {', '.join(_DTYPES)}",
+                field=pair["M"],
             )
     if r > max_rank:
         raise AdapterRankError(
@@ -275,9 +296,28 @@ def load_adapter(
     return LoRAAdapter(name=name or folder.name, path=str(folder), config=config, weights=weights)
 
 
+def load_magnitudes(
+    path: str | Path, model_config: ModelConfig
+) -> dict[tuple[int, str], torch.Tensor]:
+    """A DoRA adapter's magnitude vectors (out,) in float32, checked finite and in range
+    (``check_weight_values``); empty for a plain adapter. The folder passed ``load_adapter``."""
+    folder = Path(path)
+    config = _read_config(folder)
+    if not config.use_dora:
+        return {}
+    out = {}
+    with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as f:
+        for key, pair in _index(f, config, model_config).items():
+            m = f.get_tensor(pair["M"]).float()
+            check_weight_values(m, pair["M"])
+            out[key] = m
+    return out
+
+
 def check_adapter_values(
     path: str | Path, model_config: ModelConfig, *, max_lora_rank: int
 ) -> None:
     """Parse every tensor once and check its values (``check_weight_values``), keeping
     nothing: a registration refuses garbage weights before any request can ask for them."""
     load_adapter(path, model_config, max_lora_rank=max_lora_rank, dtype=torch.float32)
+    load_magnitudes(path, model_config)

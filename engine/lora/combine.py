@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.engine.lora.adapter import LoRAAdapter, LoRAWeights, check_weight_values
-from loraplex.engine.lora.errors import AdapterRankError
+from loraplex.engine.lora.errors import AdapterConfigError, AdapterRankError
 from loraplex.engine.model.config import LORA_MODULES
 
 __all__ = ["combine_adapters"]
@@ -34,6 +34,12 @@ def combine_adapters(
     ``parts``' tensors are read as they are (load them in float32 for an exact sum); the
     result is in ``dtype``. Raises AdapterRankError if a module's summed rank is above
     ``max_lora_rank``, AdapterValueError if a weighted B leaves the accepted range."""
+    for a, _ in parts:
+        if a.config.use_dora:
+            raise AdapterConfigError(
+                f"adapter {a.name!r} is a DoRA adapter: DoRA adapters cannot be composed",
+                field="adapters",
+            )
     keys = sorted(
         {k for a, _ in parts for k in a.weights},
         key=lambda k: (k[0], LORA_MODULES.index(k[1])),

@@ -13,6 +13,7 @@ base output and every slot's shrink (the fused GPU decode path, model/fused.py):
     (x @ weight_aug.T)[t, N_total + (s*L + slot)*R + r] = x[t] . A[s, slot, r]
 
 forward(x) = x W^T (+ bias), then each token adds its slot's delta (scale folded into B).
+DoRA slots also scale their rows' base output first (``dora_scale``, lora/dora.py).
 
 CPU path: ``set_base_layout(transposed=True)`` (the model runner's choice) stores the base rows
 of ``weight_aug`` as the bytes of W^T (in, N_total), in place: a GEMM of a few rows against a
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.lora.ops import add_lora
+from loraplex.engine.lora.ops.dora import apply_dora
 from loraplex.engine.lora.ops.runs import add_lora_runs
 
 __all__ = ["LoRALinear"]
@@ -64,6 +66,10 @@ class LoRALinear(torch.nn.Module):
         self.lora_a: torch.Tensor | None = None
         lora_b = torch.zeros(max_loras, n, max_rank, **kw) if max_loras > 0 else None
         self.register_buffer("lora_b", lora_b)
+        # DoRA row scales per slot (L + 1, N_total): ones but where a DoRA adapter's slot
+        # holds g; row L (index -1, base rows) stays ones. Read only by steps with DoRA rows.
+        dora = torch.ones(max_loras + 1, n, **kw) if max_loras > 0 else None
+        self.register_buffer("dora_scale", dora)
         if max_loras > 0:
             self.lora_a = self.weight_aug[n:].view(len(slices), max_loras, max_rank, in_features)
 
@@ -124,6 +130,8 @@ class LoRALinear(torch.nn.Module):
             y = torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)  # (T, N_total)
         else:
             y = F.linear(x, self.weight, self.bias)  # (T, N_total)
+        if mapping is not None and mapping.dora:
+            apply_dora(y, self.dora_scale, self.bias, mapping.token_slots)
         if mapping is None or not mapping.has_lora or self.lora_a is None:
             return y
         if mapping.runs is not None and y.dtype == torch.float32 and not mapping.triton:

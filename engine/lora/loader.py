@@ -169,7 +169,8 @@ class AdapterLoader:
                 },
             )
             v.local_dir, v.digest = Path(r["local_dir"]), r["digest"]
-            v.pinned_uri, v.nbytes, v.lora_rank = r["pinned_uri"], r["nbytes"], r["rank"]
+            v.pinned_uri, v.nbytes = r["pinned_uri"], r["nbytes"]
+            v.lora_rank, v.dora = r["rank"], r["dora"]
             t.update(r["timings"])
             return
         t0 = time.perf_counter()
@@ -177,7 +178,7 @@ class AdapterLoader:
         await asyncio.to_thread(policy.check, v.uri)
         t1 = time.perf_counter()
         dest = Path(tempfile.mkdtemp(prefix=f"v{v.version}-", dir=self.cache_dir))
-        result, digest, stages, v.lora_rank = await fetch_and_check(
+        result, digest, stages, report = await fetch_and_check(
             resolver, uri, dest, name=v.name, shown_uri=v.uri, sha256=sha256,
             expect_digest=v.digest, model_config=self.model_config,
             max_lora_rank=self.config.max_lora_rank, max_bytes=self.config.max_adapter_bytes,
@@ -189,6 +190,7 @@ class AdapterLoader:
             result.pinned_uri,
             result.nbytes,
         )
+        v.lora_rank, v.dora = report.rank, report.config.use_dora
         t.update(resolve=t1 - t0, **stages)
 
     def _fetch_in_helpers(self) -> bool:

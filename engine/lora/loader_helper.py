@@ -118,7 +118,7 @@ class _Helper:
         await asyncio.to_thread(p["policy"].check, p["uri"])
         t1 = time.perf_counter()
         dest = Path(tempfile.mkdtemp(prefix=p["prefix"], dir=self.init.cache_dir))
-        result, digest, stages, rank = await fetch_and_check(
+        result, digest, stages, report = await fetch_and_check(
             resolver, p["uri"], dest, name=p["name"], shown_uri=p["uri"], sha256=p["sha256"],
             expect_digest=p["expect_digest"], model_config=self.init.model_config,
             max_lora_rank=p["max_lora_rank"], max_bytes=p["max_bytes"],
@@ -129,7 +129,8 @@ class _Helper:
             "digest": digest,
             "pinned_uri": result.pinned_uri,
             "nbytes": result.nbytes,
-            "rank": rank,
+            "rank": report.rank,
+            "dora": report.config.use_dora,
             "timings": t,
         }
 

@@ -87,6 +87,7 @@ class AdapterVersion:
     region: Any = None  # host-pool Region holding the CPU-tier tensors (pool.py)
     region_event: Any = None  # torch.cuda.Event after the last slot write out of the region
     lora_rank: int = 0  # largest module rank, from the preflight (0: not fetched yet)
+    dora: bool = False  # a DoRA adapter (preflight)
     # a combination: (component version, weight) in request order (empty: a plain adapter)
     parts: tuple[tuple[AdapterVersion, float], ...] = ()
 

@@ -42,6 +42,9 @@ class LoRAMapping:
     # host (slot, first row, length, rank) per segment when each segment is a run of
     # consecutive rows; None otherwise
     runs: tuple[tuple[int, int, int, int], ...] | None = None
+    # some token's slot holds a DoRA adapter: base outputs get their slot's row scale
+    # (lora/dora.py); False costs nothing
+    dora: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -67,8 +70,10 @@ class LoRAMapping:
         device: torch.device | str = "cpu",
         *,
         triton: bool = False,
+        dora_slots: frozenset[int] | set[int] = frozenset(),
     ) -> LoRAMapping:
-        """Group tokens by slot. ``slot_ranks[s]`` is the rank loaded in slot ``s``."""
+        """Group tokens by slot. ``slot_ranks[s]`` is the rank loaded in slot ``s``;
+        ``dora_slots``: slots holding a DoRA adapter."""
         groups: dict[int, list[int]] = {}
         for t, slot in enumerate(token_slots):
             if slot >= 0:
@@ -101,4 +106,5 @@ class LoRAMapping:
             seg_ranks=i32(ranks),
             max_seg_len=max(lens, default=0),
             runs=runs,
+            dora=bool(dora_slots) and any(s in dora_slots for s in order),
         )

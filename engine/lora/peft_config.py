@@ -1,4 +1,4 @@
-r"""Parse and check a PEFT ``adapter_config.json`` (plain LoRA only).
+r"""Parse and check a PEFT ``adapter_config.json`` (plain LoRA, and DoRA: ``use_dora``).
 
 Module names are as PEFT sees them inside a causal LM, e.g. ``model.layers.3.self_attn.q_proj``.
 Matching follows PEFT 0.21 exactly (``check_target_module_exists``, ``get_pattern_key``).
@@ -58,7 +58,6 @@ MAX_REGEX_GROUPS = 100  # also bounds the nesting depth the parser recurses into
 
 # Keys whose truthy value asks for something other than a plain A/B delta on linear layers.
 _REJECT_IF_SET = (
-    "use_dora",
     "use_qalora",
     "lora_bias",
     "fan_in_fan_out",
@@ -86,6 +85,7 @@ class PeftLoRAConfig:
     layers_pattern: tuple[str, ...] | None = None
     base_model_name_or_path: str | None = None
     exclude_modules: tuple[str, ...] | str | None = None
+    use_dora: bool = False  # DoRA: every targeted module has a lora_magnitude_vector
 
     def rank_for(self, module_name: str) -> int:
         """Rank of ``module_name``: the first matching ``rank_pattern`` key, else ``r``."""
@@ -406,6 +406,9 @@ def parse_peft_config(raw: dict[str, Any]) -> PeftLoRAConfig:
     use_rslora = raw.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise _fail("use_rslora", f"must be true or false, got {_show(use_rslora)}")
+    use_dora = raw.get("use_dora", False)
+    if use_dora is not None and not isinstance(use_dora, bool):
+        raise _fail("use_dora", f"must be true or false, got {_show(use_dora)}")
     targets = _targets(raw)
     layers_pattern = _layers_pattern(raw)
     layers = _layers(raw, targets)
@@ -423,4 +426,5 @@ def parse_peft_config(raw: dict[str, Any]) -> PeftLoRAConfig:
         layers_pattern=layers_pattern,
         base_model_name_or_path=base if isinstance(base, str) else None,
         exclude_modules=_excludes(raw),
+        use_dora=bool(use_dora),
     )

@@ -38,6 +38,7 @@ __all__ = [
     "TensorEntry",
     "preflight",
     "read_safetensors_header",
+    "check_dora_pair",
 ]
 
 CONFIG_FILE = "adapter_config.json"
@@ -45,7 +46,10 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 DEFAULT_MAX_HEADER_BYTES = 8 << 20  # ~150 B per tensor: room for 50k tensors
 MAX_CONFIG_BYTES = 1 << 20
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-_KEY_RE = re.compile(r"(?P<module>.+?)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight")
+_KEY_RE = re.compile(
+    r"(?P<module>.+?)\.(?:lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight"
+    r"|lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?)"
+)
 _MODULE_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
 _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
 _PARENT = {
@@ -145,7 +149,8 @@ def _read_config(path: Path, size: int) -> PeftLoRAConfig:
 
 
 def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
-    """``base_model.model.<module>.lora_A[.<adapter>].weight`` -> (layer, module, "A"/"B")."""
+    """``base_model.model.<module>.lora_A[.<adapter>].weight`` -> (layer, module, "A"/"B");
+    ``<module>.lora_magnitude_vector[.<adapter>][.weight]`` (DoRA) -> "M"."""
     name = key.removeprefix("base_model.model.")
     m = _KEY_RE.fullmatch(name)
     if m is not None:
@@ -169,10 +174,10 @@ def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
         )
     if m is None:
         raise AdapterFormatError(
-            f"{WEIGHTS_FILE}: tensor {key!r} is not a LoRA A/B weight (only plain LoRA)",
+            f"{WEIGHTS_FILE}: tensor {key!r} is not a LoRA A/B weight or DoRA magnitude",
             field=key,
         )
-    return layer, short, m.group("ab")
+    return layer, short, m.group("ab") or "M"
 
 
 def _check_modules(
@@ -191,8 +196,8 @@ def _check_modules(
         pair = found.setdefault((layer, module), {})
         if ab in pair:
             raise AdapterFormatError(
-                f"{WEIGHTS_FILE}: tensors {pair[ab].key!r} and {t.key!r} are both lora_{ab} of "
-                f"{full!r}",
+                f"{WEIGHTS_FILE}: tensors {pair[ab].key!r} and {t.key!r} are both "
+                f"{_KIND[ab]} of {full!r}",
                 field=t.key,
             )
         pair[ab] = t
@@ -202,13 +207,21 @@ def _check_modules(
     out: dict[tuple[int, str], ModuleReport] = {}
     for (layer, module), pair in sorted(found.items()):
         full = base_module_name(layer, module)
-        if len(pair) != 2:
+        check_dora_pair(pair, config, full, lambda t: t.key)
+        if "A" not in pair or "B" not in pair:
             have = next(iter(pair.values())).key
             missing = "lora_B" if "A" in pair else "lora_A"
             raise AdapterShapeError(
                 f"{WEIGHTS_FILE}: {full!r} has {have!r} but no {missing}", field=have
             )
         a, b = pair["A"], pair["B"]
+        m = pair.get("M")
+        if m is not None and m.shape != (shapes[module][1],):
+            raise AdapterShapeError(
+                f"{WEIGHTS_FILE}: tensor {m.key!r} has shape {m.shape}, expected "
+                f"({shapes[module][1]},) for {full!r} of the base",
+                field=m.key,
+            )
         for t in (a, b):
             if len(t.shape) != 2:
                 raise AdapterShapeError(
@@ -238,6 +251,27 @@ def _check_modules(
                 )
         out[(layer, module)] = ModuleReport(layer, module, r, a.key, b.key)
     return out
+
+
+_KIND = {"A": "lora_A", "B": "lora_B", "M": "lora_magnitude_vector"}
+
+
+def check_dora_pair(pair: dict[str, Any], config: PeftLoRAConfig, full: str, key: Any) -> None:
+    """A DoRA adapter has a magnitude vector for every module it targets, a plain one none
+    (``key(entry)`` names an entry of ``pair`` in the error)."""
+    if config.use_dora and "M" not in pair:
+        have = key(next(iter(pair.values())))
+        raise AdapterFormatError(
+            f"{WEIGHTS_FILE}: {full!r} has no lora_magnitude_vector, but {CONFIG_FILE} sets "
+            "use_dora (a DoRA adapter needs one per targeted module)",
+            field=have,
+        )
+    if not config.use_dora and "M" in pair:
+        raise AdapterFormatError(
+            f"{WEIGHTS_FILE}: tensor {key(pair['M'])!r} is a DoRA magnitude, but {CONFIG_FILE} "
+            "does not set use_dora",
+            field=key(pair["M"]),
+        )
 
 
 def read_safetensors_header(path: Path, *, max_header_bytes: int) -> SafetensorsHeader:

@@ -13,7 +13,7 @@ from typing import Any
 from loraplex.engine.lora.adapter import check_adapter_values
 from loraplex.engine.lora.digest import adapter_digest
 from loraplex.engine.lora.errors import AdapterDigestError
-from loraplex.engine.lora.preflight import preflight
+from loraplex.engine.lora.preflight import PreflightReport, preflight
 
 __all__ = ["fetch_and_check"]
 
@@ -31,10 +31,10 @@ async def fetch_and_check(
     max_lora_rank: int,
     max_bytes: int,
     progress: Any = None,
-) -> tuple[Any, str, dict[str, float], int]:
+) -> tuple[Any, str, dict[str, float], PreflightReport]:
     """Fetch ``uri`` into ``dest`` (removed again on any failure) and check it; returns the
     resolver's FetchResult, the digest, the seconds of fetch / verify / preflight and the
-    adapter's largest module rank."""
+    preflight's report (rank, config)."""
     t1 = time.perf_counter()
     try:
         result = await resolver.fetch(uri, dest, progress, max_bytes=max_bytes)
@@ -65,4 +65,4 @@ async def fetch_and_check(
         await asyncio.to_thread(shutil.rmtree, dest, True)
         raise
     stages = {"fetch": t2 - t1, "verify": t3 - t2, "preflight": t4 - t3}
-    return result, digest, stages, report.rank
+    return result, digest, stages, report

@@ -55,6 +55,7 @@ class _ModelCache:
     )  # slot -> (flat lora_a[s, slot] per site (R*in,), id(linear) -> flat lora_b[slot] (N*R,))
     staging: dict[tuple[torch.dtype, int], torch.Tensor] = field(default_factory=dict)
     plans: dict[tuple, ScatterPlan] = field(default_factory=dict)  # packed layout -> plan
+    dora_slots: set[int] = field(default_factory=set)  # slots whose DoRA scales are not ones
 
 
 _CACHES: weakref.WeakKeyDictionary[CausalLM, _ModelCache] = weakref.WeakKeyDictionary()
@@ -279,6 +280,7 @@ def write_slot(
         if h2d_done is not None:
             h2d_done.record()
         scatter_triton(src if src is not None else plan.base, plan, slot)
+        _write_dora(c, slot, adapter)
         return
     if scatter != "torch":
         raise ValueError(f"scatter must be 'auto', 'triton' or 'torch', not {scatter!r}")
@@ -290,6 +292,27 @@ def write_slot(
         _copy(dst, [base[o : o + n] for o, n in ranges])
     if zero:
         _zero(zero)
+    _write_dora(c, slot, adapter)
+
+
+def _write_dora(c: _ModelCache, slot: int, adapter: object) -> None:
+    """``slot``'s DoRA row scales (lora/dora.py): the adapter's g per module, ones elsewhere.
+    Nothing is written while neither the slot nor the adapter has any (plain LoRA)."""
+    scales = getattr(adapter, "dora", None)
+    if not scales and slot not in c.dora_slots:
+        return
+    rows = [lin.dora_scale[slot] for lin in c.linears if lin.dora_scale is not None]
+    for r in rows:
+        r.fill_(1.0)
+    c.dora_slots.discard(slot)
+    if not scales:
+        return
+    for site in c.sites:
+        g = scales.get((site.layer, site.module))
+        if g is not None:
+            dst = site.linear.dora_scale[slot, site.lo : site.hi]  # type: ignore[index]
+            dst.copy_(g.to(dst.dtype), non_blocking=True)
+    c.dora_slots.add(slot)
 
 
 @torch.no_grad()
@@ -300,6 +323,7 @@ def clear_slot(model: CausalLM, slot: int) -> None:
     a_views, b_views = _slot_views(c, slot)
     if a_views:
         _zero(a_views + list(b_views.values()))
+    _write_dora(c, slot, None)
 
 
 @torch.no_grad()
@@ -312,6 +336,7 @@ def write_slot_reference(model: CausalLM, slot: int, adapter: LoRAAdapter) -> No
                 linear.reset_lora(slot, module)
             else:
                 linear.set_lora(slot, module, w.a, w.b)
+    _write_dora(_cache(model), slot, adapter)
 
 
 def measure_slot_write(

@@ -31,7 +31,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from loraplex.engine.lora.layers import LoRALinear
 from loraplex.engine.lora.mapping import LoRAMapping
+from loraplex.engine.lora.ops.dora import apply_dora
 from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul, rmsnorm
@@ -39,6 +41,19 @@ from loraplex.engine.model.paged_attention import paged_attention
 from loraplex.engine.model.protocol import CausalLM
 
 __all__ = ["fused_forward"]
+
+
+def _linear(x: torch.Tensor, lin: LoRALinear, token_slots: torch.Tensor) -> torch.Tensor:
+    """(T, N_total + shrink columns): base output and every slot's shrink, one GEMM."""
+    return linear(x, lin.weight_aug, lin.bias_aug)
+
+
+def _dora_linear(x: torch.Tensor, lin: LoRALinear, token_slots: torch.Tensor) -> torch.Tensor:
+    """``_linear``, then the DoRA row scale on the base columns (steps with DoRA rows)."""
+    y = linear(x, lin.weight_aug, lin.bias_aug)
+    if lin.dora_scale is not None:
+        apply_dora(y[:, : lin.out_features], lin.dora_scale, lin.bias, token_slots)
+    return y
 
 
 def fused_forward(
@@ -51,17 +66,21 @@ def fused_forward(
     attention: Callable[..., torch.Tensor] = paged_attention,
     *,
     triton: bool = True,
+    dora: bool = False,
 ) -> torch.Tensor:
     """input_ids, positions, token_slots: (T,). Returns final normed hidden states (T, H).
 
     ``attention``: ``paged_attention``'s signature; mixed-step graphs pass their own split.
-    ``triton``: the epilogues as Triton kernels, else as their torch twins."""
+    ``triton``: the epilogues as Triton kernels, else as their torch twins.
+    ``dora``: some row's slot holds a DoRA adapter: each base output gets the row scale
+    (lora/dora.py; B already holds it) before its epilogue adds the delta."""
     cfg = model.cfg
     t = input_ids.shape[0]
     eps = cfg.rms_norm_eps
     layers = model.layers
     first = layers[0]
-    mapping = LoRAMapping(token_slots, triton=triton)  # the step's LoRA metadata, built once
+    mapping = LoRAMapping(token_slots, triton=triton, dora=dora)  # the step's LoRA metadata
+    proj = _dora_linear if dora else _linear
     residual = F.embedding(input_ids, model.embed_tokens)  # updated in place by add_rmsnorm
     h = torch.empty_like(residual)
     rmsnorm(residual, first.input_layernorm.weight, eps, h, triton=triton)
@@ -69,20 +88,20 @@ def fused_forward(
     act = torch.empty(t, cfg.intermediate_size, dtype=h.dtype, device=h.device)
     for i, layer in enumerate(layers):
         k_cache, v_cache = kv_caches[i]
-        qkv = linear(h, layer.qkv_proj.weight_aug, layer.qkv_proj.bias_aug)
+        qkv = proj(h, layer.qkv_proj, token_slots)
         lora_qkv_rope(
             qkv, layer.qkv_proj.lora_b, mapping, positions, model.rope.cos, model.rope.sin,
             k_cache, v_cache, meta.slot_mapping, q,
         )  # fmt: skip
         attn = attention(q, k_cache, v_cache, meta, layer.scale, cfg.sliding_window)
-        o = linear(attn.view(t, cfg.q_size), layer.o_proj.weight_aug, layer.o_proj.bias_aug)
+        o = proj(attn.view(t, cfg.q_size), layer.o_proj, token_slots)
         lora_add_rmsnorm(
             o, residual, layer.o_proj.lora_b, mapping, layer.post_attention_layernorm.weight,
             eps, h,
         )  # fmt: skip
-        gu = linear(h, layer.gate_up_proj.weight_aug, layer.gate_up_proj.bias_aug)
+        gu = proj(h, layer.gate_up_proj, token_slots)
         lora_silu_mul(gu, layer.gate_up_proj.lora_b, mapping, act)
-        d = linear(act, layer.down_proj.weight_aug, layer.down_proj.bias_aug)
+        d = proj(act, layer.down_proj, token_slots)
         norm_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.norm.weight
         lora_add_rmsnorm(d, residual, layer.down_proj.lora_b, mapping, norm_w, eps, h)
     return h

@@ -25,13 +25,15 @@ class HFReference:
     ) -> tuple[list[int], list[float]]:
         """Tokens and, per position, the gap between the top-2 logits."""
         name = adapter or "__base__"
+        route = {"adapter_names": [name]}
+        if adapter is not None and self.model.peft_config[adapter].use_dora:
+            self.model.set_adapter(adapter)  # PEFT takes no adapter_names with DoRA
+            route = {}
         ids = torch.tensor([prompt])
         past = None
         tokens, gaps = [], []
         for _ in range(max_tokens):
-            out = self.model(
-                input_ids=ids, past_key_values=past, use_cache=True, adapter_names=[name]
-            )
+            out = self.model(input_ids=ids, past_key_values=past, use_cache=True, **route)
             logits = out.logits[0, -1].float()
             top2 = logits.topk(2).values
             gaps.append((top2[0] - top2[1]).item())

@@ -198,7 +198,7 @@ def test_defaults_written_by_peft_parse():
 
 
 CONFIG_REJECTS = [
-    ("use_dora", True),
+    ("use_dora", "yes"),
     ("modules_to_save", ["lm_head"]),
     ("bias", "lora_only"),
     ("fan_in_fan_out", True),

@@ -208,7 +208,8 @@ def test_bin_only(tmp_path: Path) -> None:
             AdapterTargetError,
             "does not target",
         ),
-        (f"{Q}.lora_magnitude_vector.weight", AdapterFormatError, "not a LoRA A/B weight"),
+        (f"{Q}.lora_magnitude_vector.weight", AdapterFormatError, "does not set use_dora"),
+        (f"{Q}.lora_C.weight", AdapterFormatError, "not a LoRA A/B weight"),
     ],
 )
 def test_unknown_or_untargeted_modules(tmp_path: Path, key: str, error: type, match: str) -> None:

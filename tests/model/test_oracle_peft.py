@@ -90,12 +90,14 @@ def setup(request, tmp_path_factory):
 
 def hf_mixed_batch(
     model_dir, adapters, prompts, names, dtype=torch.float32, device="cpu", force=None,
-    prepare=None,
+    prepare=None, active=None,
 ):  # fmt: skip
     """Prefill + greedy decode with PEFT; returns logits per step (B, V) and tokens.
 
     ``force``: decode these tokens (per step, per row) instead of the greedy ones.
     ``prepare(peft_model)``: called once the adapters are loaded (e.g. to add a weighted one).
+    ``active``: run every row on this adapter, without ``adapter_names`` (PEFT refuses mixed
+    batches with DoRA adapters).
     """
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
     first, *rest = adapters
@@ -104,6 +106,8 @@ def hf_mixed_batch(
         model.load_adapter(adapters[name], adapter_name=name)
     if prepare is not None:
         prepare(model)
+    if active is not None:
+        model.set_adapter(active)
     model.to(device).eval()
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
@@ -120,7 +124,7 @@ def hf_mixed_batch(
                 position_ids=pos,
                 past_key_values=past,
                 use_cache=True,
-                adapter_names=hf_names,
+                **({"adapter_names": hf_names} if active is None else {}),
             )
             logits = out.logits[:, -1].float().cpu()
             steps.append(logits)
@@ -139,8 +143,11 @@ def ours(
     model_dir, adapters, prompts, names, hf_tokens, dtype=torch.float32, device="cpu",
     loaded=None, **runner_kw,
 ):  # fmt: skip
-    """``adapters``: name -> folder, or (``loaded``) name -> a LoRAAdapter in ``dtype``."""
+    """``adapters``: name -> folder, or (``loaded``) name -> a LoRAAdapter in ``dtype`` (or
+    ``loaded(model)`` -> such a dict)."""
     model = load_model(model_dir, dtype=dtype, device=device, max_loras=4, max_lora_rank=16)
+    if callable(loaded):
+        loaded = loaded(model)
     runner = ModelRunner(model, num_blocks=64, block_size=4, **runner_kw)
     slots = {}
     # NOTE: slots in reverse order so slot index != adapter order
@@ -150,6 +157,8 @@ def ours(
         )
         write_slot(model, slot, adapter)
         runner.slot_ranks[slot] = adapter.rank
+        if adapter.dora is not None:
+            runner.dora_slots.add(slot)
         slots[name] = slot
     free = list(range(64))
     random.Random(0).shuffle(free)  # scattered blocks exercise the paging

@@ -1,0 +1,77 @@
+"""Adapter forms beyond plain LoRA through AsyncEngine (cold loads, CPU tier, slot writes and
+re-writes under eviction, prefix-cache identity) against HF PEFT, and their typed refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from safetensors.torch import load_file
+
+from loraplex.engine import AsyncEngine, SamplingParams
+from loraplex.engine.errors import AdapterCompositionError
+from loraplex.engine.lora.errors import AdapterFormatError
+from tests.engine.hf_reference import HFReference, compare
+from tests.engine.test_async_engine import assert_idle, collect, config, register
+from tests.helpers.models import copy_adapter
+from tests.lora.test_dora import make_dora_adapter
+
+
+@pytest.fixture(scope="module")
+def dora(tiny, tmp_path_factory):
+    model_dir, _ = tiny
+    root = tmp_path_factory.mktemp("forms")
+    return make_dora_adapter(
+        model_dir, root / "dora", seed=31, r=4, alpha=8,
+        target_modules=["q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"],
+    )  # fmt: skip
+
+
+async def test_dora_through_the_engine_matches_peft(tiny, dora):
+    model_dir, adapters = tiny
+    use = {"sql": adapters["sql"], "poem": adapters["poem"], "dora": dora}
+    g = random.Random(8)
+    choices = [None, "dora", "sql", "dora", "poem"]
+    reqs = [
+        (f"r{i}", [g.randrange(3, 250) for _ in range(g.randint(2, 18))], choices[i % 5], 5)
+        for i in range(10)
+    ]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    # two slots for three adapters: DoRA and plain adapters take turns in the same slots
+    async with AsyncEngine(config(model_dir, max_loras=2)) as engine:
+        await register(engine, use)
+        results = await asyncio.gather(
+            *(collect(engine, p, params, a, rid) for rid, p, a, _ in reqs)
+        )
+        again = [await collect(engine, p, params, a) for _, p, a, _ in reqs[:5]]
+        s = engine.stats()
+        assert_idle(engine)
+    assert s["adapters"]["gpu_evictions"] > 0
+    hf = HFReference(model_dir, use)
+    for (_, prompt, a, n), (tokens, _, _) in zip(reqs, results, strict=True):
+        ref, gaps = hf.greedy(prompt, a, n)
+        compare(tokens, ref, gaps)
+    assert [t for t, _, _ in again] == [t for t, _, _ in results[:5]]
+
+
+async def test_dora_without_magnitudes_is_refused_at_registration(tiny, dora, tmp_path):
+    model_dir, _ = tiny
+    tensors = load_file(dora / "adapter_model.safetensors")
+    bad = copy_adapter(
+        dora, tmp_path / "bad", tensors={k: v for k, v in tensors.items() if "magnitude" not in k}
+    )
+    async with AsyncEngine(config(model_dir)) as engine:
+        with pytest.raises(AdapterFormatError, match="no lora_magnitude_vector"):
+            await engine.add_adapter("bad", f"file://{bad}")
+        assert engine.list_adapters() == []
+        assert engine.stats()["adapter_refs"] == {}
+
+
+async def test_dora_adapters_are_not_composed(tiny, dora):
+    model_dir, adapters = tiny
+    async with AsyncEngine(config(model_dir)) as engine:
+        await register(engine, {"sql": adapters["sql"], "dora": dora})
+        with pytest.raises(AdapterCompositionError, match="DoRA"):
+            await collect(engine, [1, 2], SamplingParams(max_tokens=2), [("sql", 1), ("dora", 1)])
+        assert engine.stats()["adapters"]["loads"] == 0
