@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,n
 export PYTHONUNBUFFERED=1
 what=${1:-all}; shift || true
 if [[ $what == all || $what == tests ]]; then
-  python3 -m pytest -q -m gpu -p no:cacheprovider tests/lora/test_ops.py tests/lora/test_slots.py tests/model \
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/lora/test_ops.py tests/lora/test_slots.py tests/lora/test_dora.py tests/model \
     tests/engine/test_pipelined.py tests/engine/test_loader_process.py tests/engine/test_chain_admission.py 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|^E " | tail -25
 fi
@@ -26,6 +26,9 @@ if [[ $what == all || $what == epilogues ]]; then
 fi
 if [[ $what == all || $what == decode ]]; then
   python3 -m benchmarks.decode --append "$OUT/decode.md" "$@" 2>&1 | grep -v "\[info" | tee "$OUT/decode.log" | tail -45
+fi
+if [[ $what == all || $what == mixed_rank ]]; then
+  python3 -m benchmarks.mixed_rank --append "$OUT/mixed_rank.md" 2>&1 | grep -v "\[info" | tee "$OUT/mixed_rank.log" | tail -12
 fi
 if [[ $what == storm ]]; then
   python3 -m benchmarks.storm --out "$OUT/storm.json" --plot "$OUT/storm.png" "$@" 2>&1 | grep -v -E "^\[|\[(info|warn)" \
