@@ -49,10 +49,10 @@ async def test_dora_through_the_engine_matches_peft(tiny, dora):
         assert_idle(engine)
     assert s["adapters"]["gpu_evictions"] > 0
     hf = HFReference(model_dir, use)
-    for (_, prompt, a, n), (tokens, _, _) in zip(reqs, results, strict=True):
+    # the second round runs on slots re-written after evictions (DoRA <-> plain)
+    for (_, prompt, a, n), (tokens, _, _) in zip(reqs + reqs[:5], results + again, strict=True):
         ref, gaps = hf.greedy(prompt, a, n)
         compare(tokens, ref, gaps)
-    assert [t for t, _, _ in again] == [t for t, _, _ in results[:5]]
 
 
 async def test_dora_without_magnitudes_is_refused_at_registration(tiny, dora, tmp_path):
