@@ -10,9 +10,10 @@ Policy (one step):
    prefilled in chunks over several steps, mixed with decodes (chunked prefill): decodes
    never wait behind a long prompt.
 3. A request whose adapter is not in a usable GPU slot yet is skipped, not waited on: its load
-   runs in the background and others go ahead. One whose slot write is issued in this very
-   step joins it (the step waits for the write on the device) while the step's joined writes
-   stay within ``slot_write_join_bytes`` and no earlier write is still landing. At most ``max_loras`` distinct adapters are in
+   runs in the background and others go ahead. In a step chained behind one in flight
+   (4.), one whose slot write is issued in this very step joins it: the write overlaps the
+   step in flight and the new step waits for it on the device (while the step's joined
+   writes stay within ``slot_write_join_bytes`` and no earlier write is still landing). At most ``max_loras`` distinct adapters are in
    a step (one slot each). If a starved request is held back only because every slot is
    referenced, no further requests are admitted until a slot drains, so it cannot starve.
 4. ``chain`` plans the step after one in flight (pipelined decode): its rows decode the tokens
@@ -123,16 +124,19 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(req, n, req.num_computed + n == req.num_tokens))
             scheduled.append(req)
             budget -= n
-        # 2. waiting requests
-        self._admit(out, head, budget, len(scheduled))
+        # 2. waiting requests (nothing is in flight for a slot write to overlap: no joins)
+        self._admit(out, head, budget, len(scheduled), join=False)
         return out
 
-    def _admit(self, out: SchedulerOutput, head: Request | None, budget: int, seqs: int) -> None:
+    def _admit(
+        self, out: SchedulerOutput, head: Request | None, budget: int, seqs: int, *, join: bool
+    ) -> None:
         """Step 2 of ``schedule``: admit waiting requests (``head`` first) into ``out`` while
         the token ``budget``, the sequence budget (``seqs`` already in the step) and free
-        blocks allow; a request whose adapter failed goes to ``out.failed``."""
+        blocks allow; a request whose adapter failed goes to ``out.failed``. ``join``: a
+        request may join the step that writes its slot (``_joinable_writes``)."""
         order = ([head] if head else []) + [r for r in self.waiting if r is not head]
-        joinable = self._joinable_writes(out)
+        joinable = self._joinable_writes(out) if join else set()
         for req in order:
             if budget <= 0 or seqs >= self.config.max_num_seqs:
                 break
@@ -173,7 +177,8 @@ class Scheduler:
         Each of ``plan``'s requests decodes the token ``plan`` samples (unknown yet: ``feed``).
         Waiting requests ride along as ``schedule`` would admit them (pipelined admission: a
         request whose adapter slot is written joins with its prefill chunk, loaded adapters get
-        their slots, the writes run on the side stream), so a storm of cold loads landing does
+        their slots, the writes run on the side stream, overlapping ``plan``, and requests may
+        join the step that writes their slot), so a storm of cold loads landing does
         not stop pipelined decode for a step per request. Chains only when: every chunk of
         ``plan`` samples, every running request is in it, no waiting request is starved or has
         a failed adapter, and the rows' next KV blocks are free without preemption. A request
@@ -212,7 +217,8 @@ class Scheduler:
         if self.waiting:
             self._collect_slot_writes(out, None)
             budget = self.config.max_num_batched_tokens - len(rows)
-            self._admit(out, None, budget, len(self.running))  # (rows left out still run)
+            # (rows left out still run)
+            self._admit(out, None, budget, len(self.running), join=True)
         return out
 
     def _collect_slot_writes(self, out: SchedulerOutput, head: Request | None) -> None:

@@ -207,41 +207,27 @@ async def test_loaded_adapter_gets_a_slot_write_then_its_requests_run():
     check_references(s, blocks)
 
 
-async def test_requests_join_the_step_that_writes_their_slot():
-    s, blocks, m, loader = make()
+async def test_schedule_never_joins_a_write_nothing_overlaps():
+    s, _, m, loader = make()  # joins allowed, but only in chained steps
     v = register(m, "sql")
-    r1, r2 = submit(s, "a", 3, v), submit(s, "b", 5, v)
+    r = submit(s, "a", 3, v)
     s.schedule()
     await loader.finish(v)
-    plan = s.schedule()  # the write and both requests' prefills in one step
-    assert plan.slot_writes == [v] and not v.slot_ready
-    assert rows(plan) == [("a", 3, True), ("b", 5, True)]
-    assert v.slot_refs == 2 and r1.holds_slot and r2.holds_slot
-    check_references(s, blocks)
+    plan = s.schedule()
+    assert plan.slot_writes == [v] and not plan.chunks and list(s.waiting) == [r]
 
 
-async def test_no_join_while_an_earlier_write_lands_or_over_the_byte_budget():
-    s, _, m, loader = make()
-    u, v = register(m, "u"), register(m, "v")
-    submit(s, "a", 3, u)
-    s.schedule()
-    await loader.finish(u)
-    s.schedule()  # u's write issued, its request joined
-    assert not u.slot_ready
-    rb = submit(s, "b", 3, v)
-    s.schedule()
-    await loader.finish(v)
-    plan = s.schedule()  # v's write is issued while u's has not landed: b waits for it
-    assert plan.slot_writes == [v] and rb in s.waiting
-    u.slot_ready = v.slot_ready = True
-    assert rb in [c.req for c in s.schedule().chunks] and rb not in s.waiting
-    s2, _, m2, loader2 = make(slot_write_join_bytes=1)  # every adapter is over the budget
-    w = register(m2, "w")
-    rc = submit(s2, "c", 3, w)
-    s2.schedule()
-    await loader2.finish(w)
-    plan = s2.schedule()
-    assert plan.slot_writes == [w] and not plan.chunks and rc in s2.waiting
+def test_no_join_while_an_earlier_write_lands_or_over_the_byte_budget():
+    s, _, m, _, reqs, plan = steady()
+    u = loaded(m, "u")
+    u.slot = m.assign_slot(u)  # its write was issued earlier and has not landed
+    w = submit(s, "w", 3, loaded(m, "sql"))
+    nxt = s.chain(plan, max_model_len=100)
+    assert nxt is not None and [c.req for c in nxt.chunks] == reqs and list(s.waiting) == [w]
+    s, _, m, _, reqs, plan = steady(slot_write_join_bytes=1)  # every adapter is over it
+    w = submit(s, "w", 3, loaded(m, "sql"))
+    nxt = s.chain(plan, max_model_len=100)
+    assert nxt is not None and [c.req for c in nxt.chunks] == reqs and list(s.waiting) == [w]
 
 
 def test_adapter_in_a_ready_slot_is_admitted_at_once():
