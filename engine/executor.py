@@ -148,7 +148,8 @@ class StepExecutor:
             assert v.adapter is not None and v.slot is not None
             v.slot_event = None
             v.slot_joined = id(v) in readers
-            self.set_slot_rank(v.slot, v.rank)  # (no row reads the slot before the write)
+            # (no row reads the slot before the write; joined rows read it behind it)
+            self.set_slot_rank(v.slot, v.rank, dora=v.adapter.dora is not None)
         for c in plan.chunks:
             v = c.req.adapter
             if v is not None:

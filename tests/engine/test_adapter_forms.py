@@ -75,3 +75,39 @@ async def test_dora_adapters_are_not_composed(tiny, dora):
         with pytest.raises(AdapterCompositionError, match="DoRA"):
             await collect(engine, [1, 2], SamplingParams(max_tokens=2), [("sql", 1), ("dora", 1)])
         assert engine.stats()["adapters"]["loads"] == 0
+
+
+async def test_dora_request_joining_its_slot_write_is_exact(tiny, dora):
+    """A DoRA request admitted mid-decode into the chained step that writes its slot (the
+    step waits for the write on the device) gets its row scale in that very step."""
+    model_dir, adapters = tiny
+    use = {"sql": adapters["sql"], "poem": adapters["poem"], "dora": dora}
+    one = SamplingParams(max_tokens=1)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    cfg = config(model_dir, max_loras=2, max_cpu_loras=3, async_scheduling=True)
+    async with AsyncEngine(cfg) as engine:
+        await register(engine, use)
+        for name in ("sql", "dora", "poem", "sql"):  # dora ends in the CPU tier, slotless
+            await collect(engine, [5, 6], one, name)
+        assert "dora" not in engine.stats()["gpu_resident"]
+        engine.testing.step_log.clear()
+        started = asyncio.Event()
+
+        async def first():
+            tokens = []
+            async for out in engine.generate([9, 8, 7, 6], greedy, adapter="sql"):
+                tokens += out.token_ids
+                if len(tokens) >= 3:
+                    started.set()
+            return tokens
+
+        async def late():
+            await started.wait()
+            return (await collect(engine, [30, 31, 32, 33, 34], greedy, "dora"))[0]
+
+        _, tokens = await asyncio.gather(first(), late())
+        joined = sum(1 for e in engine.testing.step_log if e.pipelined and not e.decode)
+        assert_idle(engine)
+    assert joined > 0, "the DoRA request did not join a chained step"
+    ref, gaps = HFReference(model_dir, use).greedy([30, 31, 32, 33, 34], "dora", 12)
+    compare(tokens, ref, gaps)
