@@ -1,6 +1,6 @@
 """Routing on Ray Serve: adapter residency against random and least-loaded, 2 CPU replicas.
 
-    python -m benchmarks.serve_ray_routing                         # the table (~10 min, 2 cores)
+    python -m benchmarks.serve_ray_routing                         # the table (~15 min, 2 cores)
     python -m benchmarks.serve_ray_routing --append BENCHMARKS.md  # ... and append it
     python -m benchmarks.serve_ray_routing --smoke                 # a short run: checks the script
 
@@ -11,7 +11,9 @@ written once to a temporary folder, registered on every replica). For each Zipf 
 routing policy the replicas are deployed afresh (cold), then ``--requests`` requests arrive
 open-loop (Poisson, ``--rate`` per second; adapter ranks drawn Zipf(alpha), the same sequence
 for every policy), each a 16-token random prompt and ``--new`` greedy tokens, sent through the
-ingress's ``ClusterEngine`` (the HTTP server's engine).
+ingress's ``ClusterEngine`` (the HTTP server's engine), after a short warm-up on the base
+model. ``--repeats`` runs per (alpha, policy), the policy order reversed on every other one,
+are pooled into one row.
 
 Figures: slot-hit rate = requests whose adapter sat in a slot of the replica that ran it
 (the engines' own counters), CPU-tier hits likewise, cold loads per request = requests whose
@@ -136,22 +138,26 @@ async def run_policy(
         _, decisions = board.snapshot()
         decisions.subtract(decisions_before)
     d = {k: after.get(k, 0) - before.get(k, 0) for k in ("gpu_hits", "cpu_hits", "misses")}
-    n = len(requests)
-    q = statistics.quantiles(sorted(ttfts), n=100, method="inclusive")
     tiers: dict[str, int] = {}
     for (_, tier), count in decisions.items():
         if count:
             tiers[tier] = tiers.get(tier, 0) + count
+    return {"policy": policy, "n": len(requests), "ttfts": ttfts, "wall_s": wall, **d,
+            "routed": tiers}  # fmt: skip
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from the repeats of one (alpha, policy): counts summed, TTFTs pooled."""
+    n = sum(r["n"] for r in runs)
+    ttfts = sorted(t for r in runs for t in r["ttfts"])
+    q = statistics.quantiles(ttfts, n=100, method="inclusive")
     return {
-        "policy": policy,
-        "slot_hit": d["gpu_hits"] / n,
-        "cpu_hit": d["cpu_hits"] / n,
-        "cold_per_request": d["misses"] / n,
+        "policy": runs[0]["policy"],
+        "slot_hit": sum(r["gpu_hits"] for r in runs) / n,
+        "cpu_hit": sum(r["cpu_hits"] for r in runs) / n,
+        "cold_per_request": sum(r["misses"] for r in runs) / n,
         "ttft_p50_ms": 1000 * statistics.median(ttfts),
         "ttft_p99_ms": 1000 * q[98],
-        "wall_s": wall,
-        "counted": sum(d.values()),
-        "routed": tiers,
     }
 
 
@@ -182,11 +188,12 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=10.0, help="requests per second (Poisson)")
     ap.add_argument("--new", type=int, default=8, help="tokens per request")
     ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--repeats", type=int, default=2, help="runs per (alpha, policy), pooled")
     ap.add_argument("--smoke", action="store_true", help="24 adapters, 60 requests, one alpha")
     ap.add_argument("--append", type=Path, help="append the table to this markdown file")
     args = ap.parse_args()
     if args.smoke:
-        args.adapters, args.requests, args.alphas = 24, 60, [1.1]
+        args.adapters, args.requests, args.alphas, args.repeats = 24, 60, [1.1], 1
     logging.basicConfig(level=logging.WARNING)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
@@ -206,13 +213,18 @@ def main() -> None:
         spec = ReplicaSpec(config, modules)
         for alpha in args.alphas:
             requests = workload(args.requests, args.adapters, alpha, args.rate, args.seed)
+            runs: dict[str, list[dict[str, Any]]] = {p: [] for p in args.policies}
+            for rep in range(args.repeats):
+                # odd repeats run the policies in reverse: drift of the machine's load is shared
+                for policy in args.policies[:: 1 if rep % 2 == 0 else -1]:
+                    handle = deploy(spec, replicas=args.replicas, policy=policy)
+                    run = asyncio.run(run_policy(handle, board_of(), policy, requests, args.new))
+                    undeploy()
+                    runs[policy].append(run)
+                    brief = {k: v for k, v in run.items() if k != "ttfts"}
+                    print(json.dumps({"alpha": alpha, "repeat": rep, **brief}), flush=True)
             for policy in args.policies:
-                handle = deploy(spec, replicas=args.replicas, policy=policy)
-                row = asyncio.run(run_policy(handle, board_of(), policy, requests, args.new))
-                undeploy()
-                row["alpha"] = alpha
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                rows.append({"alpha": alpha, **pooled(runs[policy])})
     finally:
         ray_cluster.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -225,7 +237,9 @@ def main() -> None:
             f"{args.slots} slots + {args.cpu_tier} CPU-tier places per replica, "
             f"{args.adapters} adapters, {args.requests} requests per run at {args.rate:g}/s "
             f"(Poisson), 16-token prompts, {args.new} tokens each; replicas deployed afresh "
-            "per run; hits and cold loads from the engines' counters, TTFT at the ingress"
+            f"per run, {args.repeats} runs per row (policy order reversed on every other "
+            "run), pooled; hits and cold loads from the engines' counters, TTFT at the "
+            f"ingress; load average at the end: {os.getloadavg()[0]:.1f}"
         )
         append_cpu_record(str(args.append), command, text, 1, note)
 
