@@ -6,8 +6,8 @@
 
 Setup: a local Ray cluster (127.0.0.1), ``--replicas`` engine replicas of the built-in demo
 model on CPU, each with ``--slots`` adapter slots and ``--cpu-tier`` places in its CPU tier,
-and ``--adapters`` distinct adapters (the demo adapters' shapes with seeded random weights,
-written once to a temporary folder, registered on every replica). For each Zipf alpha and
+and ``--adapters`` distinct adapters (rank ``--rank`` on every projection, seeded random
+weights, written once to a temporary folder, registered on every replica). For each Zipf alpha and
 routing policy the replicas are deployed afresh (cold), then ``--requests`` requests arrive
 open-loop (Poisson, ``--rate`` per second; adapter ranks drawn Zipf(alpha), the same sequence
 for every policy), each a 16-token random prompt and ``--new`` greedy tokens, sent through the
@@ -38,7 +38,7 @@ from typing import Any
 
 import structlog
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from benchmarks.record import append_cpu_record
 from loraplex.engine.demo import demo_adapters
@@ -46,23 +46,42 @@ from loraplex.engine.demo import demo_adapters
 POLICIES = ("residency", "least_loaded", "random")
 
 
-def make_adapters(out: Path, n: int) -> list[tuple[str, str, None]]:
-    """``n`` distinct adapters shaped like the demo ones (seeded random A and B)."""
-    templates = list(demo_adapters().values())
+def _shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
+    """(in, out) of each target projection of the base model."""
+    c = json.loads((model_dir / "config.json").read_text())
+    h, i = c["hidden_size"], c["intermediate_size"]
+    kv = h // c["num_attention_heads"] * c.get("num_key_value_heads", c["num_attention_heads"])
+    attn = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h)}
+    return {**attn, "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def make_adapters(out: Path, n: int, rank: int) -> list[tuple[str, str, None]]:
+    """``n`` distinct PEFT adapters of ``rank`` on every projection of the demo model
+    (seeded random A and B; the demo adapters' config with r, alpha and targets changed)."""
+    from loraplex.engine.demo import demo_model_dir
+
+    model_dir = demo_model_dir()
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    shapes = _shapes(model_dir)
+    template = json.loads(
+        (next(iter(demo_adapters().values())) / "adapter_config.json").read_text()
+    )
+    config = {**template, "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(shapes)}
     modules = []
-    for i in range(n):
-        src = templates[i % len(templates)]
-        tensors = load_file(src / "adapter_model.safetensors")
-        gen = torch.Generator().manual_seed(1000 + i)
-        noisy = {
-            k: (t + 0.02 * torch.randn(t.shape, generator=gen, dtype=t.dtype)).contiguous()
-            for k, t in tensors.items()
-        }
-        dst = out / f"z{i:03d}"
+    for a in range(n):
+        gen = torch.Generator().manual_seed(1000 + a)
+        tensors = {}
+        for layer in range(layers):
+            for proj, (fan_in, fan_out) in shapes.items():
+                part = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+                key = f"base_model.model.model.layers.{layer}.{part}.{proj}"
+                tensors[f"{key}.lora_A.weight"] = 0.05 * torch.randn(rank, fan_in, generator=gen)
+                tensors[f"{key}.lora_B.weight"] = 0.05 * torch.randn(fan_out, rank, generator=gen)
+        dst = out / f"z{a:03d}"
         dst.mkdir(parents=True)
-        shutil.copy(src / "adapter_config.json", dst / "adapter_config.json")
-        save_file(noisy, dst / "adapter_model.safetensors")
-        modules.append((f"z{i:03d}", str(dst), None))
+        (dst / "adapter_config.json").write_text(json.dumps(config))
+        save_file(tensors, dst / "adapter_model.safetensors")
+        modules.append((f"z{a:03d}", str(dst), None))
     return modules
 
 
@@ -120,6 +139,7 @@ async def run_policy(
         before = await _adapter_counters(handle, replicas)
         _, decisions_before = board.snapshot()
         ttfts: list[float] = []
+        by_tier: dict[str, list[float]] = {}
 
         async def one(i: int, at: float, name: str, t0: float) -> None:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
@@ -130,6 +150,8 @@ async def run_policy(
                 if first is None and out.token_ids:
                     first = time.perf_counter() - start
             ttfts.append(first if first is not None else float("nan"))
+            route = board.route_of(f"{policy}-{i}")
+            by_tier.setdefault(route[1] if route else "?", []).append(first or float("nan"))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(one(i, at, name, t0) for i, (at, name) in enumerate(requests)))
@@ -142,8 +164,9 @@ async def run_policy(
     for (_, tier), count in decisions.items():
         if count:
             tiers[tier] = tiers.get(tier, 0) + count
+    tier_p50 = {t: round(1000 * statistics.median(v), 1) for t, v in sorted(by_tier.items())}
     return {"policy": policy, "n": len(requests), "ttfts": ttfts, "wall_s": wall, **d,
-            "routed": tiers}  # fmt: skip
+            "routed": tiers, "ttft_p50_ms_by_tier": tier_p50}  # fmt: skip
 
 
 def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -180,6 +203,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--adapters", type=int, default=128)
+    ap.add_argument("--rank", type=int, default=64, help="adapter rank (every projection)")
     ap.add_argument("--slots", type=int, default=8, help="adapter slots per replica")
     ap.add_argument("--cpu-tier", type=int, default=16, help="CPU-tier adapters per replica")
     ap.add_argument("--alphas", type=float, nargs="+", default=[0.8, 1.1])
@@ -205,10 +229,10 @@ def main() -> None:
     ray_cluster = LocalRay.start(num_cpus=max(os.cpu_count() or 1, args.replicas))
     rows = []
     try:
-        modules = tuple(make_adapters(tmp / "adapters", args.adapters))
+        modules = tuple(make_adapters(tmp / "adapters", args.adapters, args.rank))
         config = EngineConfig(
             model=None, device="cpu", served_model_name="demo", max_loras=args.slots,
-            max_cpu_loras=args.cpu_tier, max_num_seqs=32,
+            max_cpu_loras=args.cpu_tier, max_num_seqs=32, max_lora_rank=args.rank,
         )  # fmt: skip
         spec = ReplicaSpec(config, modules)
         for alpha in args.alphas:
@@ -235,7 +259,7 @@ def main() -> None:
         note = (
             f"{args.replicas} replicas of the demo model on CPU (one core each), "
             f"{args.slots} slots + {args.cpu_tier} CPU-tier places per replica, "
-            f"{args.adapters} adapters, {args.requests} requests per run at {args.rate:g}/s "
+            f"{args.adapters} adapters (rank {args.rank}, every projection), {args.requests} requests per run at {args.rate:g}/s "
             f"(Poisson), 16-token prompts, {args.new} tokens each; replicas deployed afresh "
             f"per run, {args.repeats} runs per row (policy order reversed on every other "
             "run), pooled; hits and cold loads from the engines' counters, TTFT at the "

@@ -33,7 +33,7 @@ class Board:
     decisions: Counter = field(default_factory=Counter)  # (replica, tier) -> requests
     in_flight: dict[str, set[str]] = field(default_factory=dict)  # replica -> internal ids
     loading: dict[str, dict[str, float]] = field(default_factory=dict)  # replica -> {adapter: t}
-    served_by: OrderedDict = field(default_factory=OrderedDict)  # request id -> replica
+    served_by: OrderedDict = field(default_factory=OrderedDict)  # request id -> (replica, tier)
 
     @classmethod
     def named(cls, name: str) -> Board:
@@ -82,7 +82,7 @@ class Board:
             if adapter is not None and tier in ("miss", "loading"):
                 self.loading.setdefault(replica, {})[adapter] = time.monotonic()
             if request_id is not None:
-                self.served_by[request_id] = replica
+                self.served_by[request_id] = (replica, tier)
                 while len(self.served_by) > _REMEMBERED_REQUESTS:
                     self.served_by.popitem(last=False)
 
@@ -104,6 +104,11 @@ class Board:
             return dict(self.reports), Counter(self.decisions)
 
     def replica_of(self, request_id: str) -> str | None:
+        route = self.route_of(request_id)
+        return route[0] if route is not None else None
+
+    def route_of(self, request_id: str) -> tuple[str, str] | None:
+        """(replica, tier of the request's adapter there when it was sent) of a request."""
         with self.lock:
             return self.served_by.get(request_id)
 

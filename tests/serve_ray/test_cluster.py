@@ -239,6 +239,18 @@ def test_admin_load_reaches_every_replica_and_unload_leaves_none(cluster: Cluste
     assert status == 404 and err["error"]["param"] == "model"
 
 
+def test_example_client_runs_against_the_ingress(cluster: Cluster):
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "ray_serve",
+                          "route_adapters.py")  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, script, "--base-url", cluster.url, "--requests", "6"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "requests per adapter" in out.stdout
+    assert "loraplex_route_decisions_total{" in out.stdout
+
+
 # -- a replica dies ----------------------------------------------------------------------------------
 
 

@@ -96,7 +96,7 @@ def test_board_hints_a_cold_adapter_until_its_replica_reports_it():
     board.routed("r0", "i1", "req-1", "x", "miss")
     view = board.view("r0", {}, now=1.0)
     assert view.tier("x") == "loading" and view.load == 1  # in flight here
-    assert board.replica_of("req-1") == "r0"
+    assert board.replica_of("req-1") == "r0" and board.route_of("req-1") == ("r0", "miss")
     board.completed("r0", "i1")
     view = board.view("r0", {"gpu": ["x"], "cpu": [], "load": 0}, now=1.5)
     assert view.tier("x") == "slot" and view.load == 0 and not view.loading
