@@ -23,6 +23,7 @@ from typing import Any
 import structlog
 
 from loraplex.engine.serve_ray.board import Board
+from loraplex.engine.serve_ray.loopback import ENV as LOOPBACK_ENV
 from loraplex.engine.serve_ray.replica import EngineReplica, ReplicaSpec
 from loraplex.engine.serve_ray.router import ROUTER_CLASS
 from loraplex.engine.serve_ray.routing import POLICIES
@@ -38,6 +39,7 @@ _LOOPBACK_ENV = {
     # Ray's single-machine mode: the node IP is the loopback address, not the host's own
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",  # no usage report leaves the machine
+    LOOPBACK_ENV: "1",  # the replicas' own gRPC server binds 127.0.0.1 too (loopback.py)
 }
 
 

@@ -23,6 +23,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import AdapterChoice
 from loraplex.engine.request import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.serve_ray.loopback import keep_replica_on_loopback
 
 __all__ = ["ReplicaSpec", "EngineReplica", "WireError", "routing_stats"]
 
@@ -105,6 +106,7 @@ class EngineReplica:
     """The deployment class (``cluster.py`` wraps it with ``serve.deployment``)."""
 
     async def __init__(self, spec: ReplicaSpec) -> None:
+        keep_replica_on_loopback()  # before Ray Serve starts this replica's gRPC server
         self.engine = AsyncEngine(spec.config)
         await self.engine.start()
         try:

@@ -55,6 +55,7 @@ class Cluster:
     url: str  # the ingress
     reference_url: str  # loraplex serve, same flags
     gcs_address: str
+    temp_dir: str  # the local cluster's session folder
 
     def client(self, url: str | None = None) -> openai.OpenAI:
         return openai.OpenAI(
@@ -112,7 +113,7 @@ def cluster() -> Iterator[Cluster]:
 
         engine, url, reference_url = loop.run(start())
         gcs = ray.get_runtime_context().gcs_address
-        yield Cluster(loop, handle, engine, url, reference_url, gcs)
+        yield Cluster(loop, handle, engine, url, reference_url, gcs, str(ray_cluster.temp_dir))
 
         async def stop() -> None:
             for r in runners:

@@ -6,6 +6,7 @@ cluster. The order matters only for the last two (they take replicas or the app 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import os
 import random
@@ -249,6 +250,77 @@ def test_example_client_runs_against_the_ingress(cluster: Cluster):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "requests per adapter" in out.stdout
     assert "loraplex_route_decisions_total{" in out.stdout
+
+
+def _tcp_listeners() -> dict[int, str]:
+    """Socket inode -> local address of every listening TCP socket (Linux /proc)."""
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A":  # LISTEN
+                    continue
+                hexaddr = cols[1].split(":")[0]
+                raw = b"".join(
+                    bytes.fromhex(hexaddr[i : i + 8])[::-1] for i in range(0, len(hexaddr), 8)
+                )
+                found[int(cols[9])] = str(ipaddress.ip_address(raw))
+    return found
+
+
+def _ray_processes(temp_dir: str) -> set[int]:
+    """This session's Ray processes: those started with its temp dir, their descendants, and
+    this process (the driver)."""
+    parent, roots = {}, {os.getpid()}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if temp_dir.encode() in f.read():
+                    roots.add(int(entry))
+            with open(f"/proc/{entry}/stat") as f:
+                parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+    found, grew = set(roots), True
+    while grew:
+        more = {p for p, pp in parent.items() if pp in found} - found
+        found |= more
+        grew = bool(more)
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux /proc")
+def test_local_cluster_listens_on_loopback_only(cluster: Cluster):
+    listeners = _tcp_listeners()
+    seen = {}
+    for pid in _ray_processes(cluster.temp_dir):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inode = int(target[8:-1])
+                if inode in listeners:
+                    seen[(pid, inode)] = listeners[inode]
+    assert len({pid for pid, _ in seen}) >= 4, seen  # gcs, raylet, replicas, this driver ...
+    for pid in {int(r["pid"]) for r in cluster.engine.board.snapshot()[0].values()}:
+        assert any(p == pid for p, _ in seen), f"replica {pid} not found"
+
+    def loopback(addr: str) -> bool:
+        ip = ipaddress.ip_address(addr)
+        mapped = getattr(ip, "ipv4_mapped", None)
+        return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+    wide = {k: a for k, a in seen.items() if not loopback(a)}
+    assert not wide, f"listening beyond the loopback: {wide}"
 
 
 # -- a replica dies ----------------------------------------------------------------------------------
