@@ -27,6 +27,7 @@ from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.loader import ModelLoadError
 from loraplex.engine.model.registry import ModelFamily
 from loraplex.engine.model.rope import RotaryEmbedding, apply_rotary
+from loraplex.engine.model.tp import TensorParallel
 
 __all__ = ["LlamaForCausalLM", "LlamaWeights", "RMSNorm", "FAMILY"]
 
@@ -69,6 +70,7 @@ class DecoderLayer(torch.nn.Module):
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
         self.scale = cfg.head_dim**-0.5
+        self.tp: TensorParallel | None = None  # a shard of a tensor-parallel model (tp.py)
 
     def lora_linears(self) -> dict[str, LoRALinear]:
         """Original module name -> the fused layer holding its slice."""
@@ -97,10 +99,12 @@ class DecoderLayer(torch.nn.Module):
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
         write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
         attn = paged_attention_batched(q, kv[0], kv[1], meta, self.scale, cfg.sliding_window)
-        x = x + self.o_proj(attn.reshape(t, cfg.q_size), mapping)
+        o = self.o_proj(attn.reshape(t, cfg.q_size), mapping)
+        x = x + (self.tp.all_reduce(o) if self.tp is not None else o)
         h = self.post_attention_layernorm(x)
         gate, up = self.gate_up_proj(h, mapping).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up, mapping)
+        d = self.down_proj(F.silu(gate) * up, mapping)
+        return x + (self.tp.all_reduce(d) if self.tp is not None else d)
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -140,6 +144,15 @@ class LlamaForCausalLM(torch.nn.Module):
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device
         )
+        # a shard of a tensor-parallel model: ``cfg`` is the shard's (tp.shard_config), the
+        # embedding and LM head hold its vocabulary rows
+        self.tp: TensorParallel | None = None
+
+    def set_tensor_parallel(self, tp: TensorParallel) -> None:
+        """Make this model (built from ``tp.shard_config``) run as its rank of ``tp``."""
+        self.tp = tp
+        for layer in self.layers:
+            layer.tp = tp
 
     @property
     def max_loras(self) -> int:
@@ -184,15 +197,19 @@ class LlamaForCausalLM(torch.nn.Module):
         mapping: LoRAMapping | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: (T,). Returns final hidden states (T, hidden)."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        if self.tp is not None:
+            x = self.tp.embed(input_ids, self.embed_tokens)
+        else:
+            x = F.embedding(input_ids, self.embed_tokens)
         rope = self.rope.table(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, kv, meta, mapping, rope)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> (N, vocab) float32."""
-        return F.linear(hidden, self.lm_head).float()
+        """(N, hidden) -> (N, vocab) float32 (a tensor-parallel shard gathers every rank's)."""
+        logits = F.linear(hidden, self.lm_head).float()
+        return self.tp.gather_logits(logits) if self.tp is not None else logits
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

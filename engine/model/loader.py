@@ -34,6 +34,12 @@ from loraplex.engine.model.quant import (
     quantize_fp8,
     row_scales,
 )
+from loraplex.engine.model.tp import (
+    TensorParallel,
+    TensorParallelError,
+    shard_config,
+    shard_tensor,
+)
 
 if TYPE_CHECKING:
     from loraplex.engine.model.protocol import CausalLM
@@ -96,8 +102,12 @@ def load_model(
     max_loras: int = 0,
     max_lora_rank: int = 16,
     quantization: str | None = None,
+    tensor_parallel: TensorParallel | None = None,
 ) -> CausalLM:
     """The model of the checkpoint in ``path``, weights in ``dtype`` on ``device``.
+
+    ``tensor_parallel``: build and load only this rank's shard (``tp.py``; the model then
+    runs its collectives in ``tensor_parallel.group``).
 
     ``quantization``: None loads the checkpoint as it is stored (a pre-quantized fp8 checkpoint
     as fp8); "fp8" quantizes the projections of a float checkpoint on load (``quant.py``).
@@ -107,9 +117,17 @@ def load_model(
     cfg = ModelConfig.from_dir(path)
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATIONS)}")
+    full_cfg, shard = cfg, None
+    if tensor_parallel is not None and tensor_parallel.size > 1:
+        shard = tensor_parallel.shard
+        if quantization is not None:
+            raise TensorParallelError("fp8 bases are not split over ranks yet")
+        cfg = shard_config(full_cfg, shard)
     model = build_model(
         cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, device=device
     )
+    if shard is not None:
+        model.set_tensor_parallel(tensor_parallel)
     weights = registry.family(cfg.architecture).weights
     # data_ptr of each weight the checkpoint must fill -> (name, element count)
     expected = {t.data_ptr(): (name, t.numel()) for name, t in weights.units(model)}
@@ -126,6 +144,8 @@ def load_model(
             if dst is None:
                 continue
             src = f.get_tensor(key)
+            if shard is not None:
+                src = shard_tensor(key, src, full_cfg, shard)
             if tuple(src.shape) != tuple(dst.shape):
                 raise ModelLoadError(
                     f"{key}: checkpoint shape {tuple(src.shape)} != expected {tuple(dst.shape)}"
