@@ -81,7 +81,11 @@ def fused_forward(
     first = layers[0]
     mapping = LoRAMapping(token_slots, triton=triton, dora=dora)  # the step's LoRA metadata
     proj = _dora_linear if dora else _linear
-    residual = F.embedding(input_ids, model.embed_tokens)  # updated in place by add_rmsnorm
+    tp = getattr(model, "tp", None)  # a tensor-parallel shard (tp.py): o / down all-reduced
+    if tp is not None:
+        residual = tp.embed(input_ids, model.embed_tokens)
+    else:
+        residual = F.embedding(input_ids, model.embed_tokens)  # updated in place by add_rmsnorm
     h = torch.empty_like(residual)
     rmsnorm(residual, first.input_layernorm.weight, eps, h, triton=triton)
     q = torch.empty(t, cfg.num_heads, cfg.head_dim, dtype=h.dtype, device=h.device)
@@ -95,6 +99,8 @@ def fused_forward(
         )  # fmt: skip
         attn = attention(q, k_cache, v_cache, meta, layer.scale, cfg.sliding_window)
         o = proj(attn.view(t, cfg.q_size), layer.o_proj, token_slots)
+        if tp is not None:  # base and shrink partials in one all-reduce, then the epilogue
+            tp.all_reduce(o)
         lora_add_rmsnorm(
             o, residual, layer.o_proj.lora_b, mapping, layer.post_attention_layernorm.weight,
             eps, h,
@@ -102,6 +108,8 @@ def fused_forward(
         gu = proj(h, layer.gate_up_proj, token_slots)
         lora_silu_mul(gu, layer.gate_up_proj.lora_b, mapping, act)
         d = proj(act, layer.down_proj, token_slots)
+        if tp is not None:
+            tp.all_reduce(d)
         norm_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.norm.weight
         lora_add_rmsnorm(d, residual, layer.down_proj.lora_b, mapping, norm_w, eps, h)
     return h

@@ -122,19 +122,22 @@ def tiny(tmp_path_factory):
     return root, out
 
 
-@pytest.mark.parametrize("kind,size", [("llama", 2), ("qwen2", 4)])
-def test_tp_logits_equal_tp1(tiny, kind: str, size: int) -> None:
+@pytest.mark.parametrize(
+    "kind,size,fused", [("llama", 2, False), ("qwen2", 4, False), ("llama", 2, True)]
+)
+def test_tp_logits_equal_tp1(tiny, kind: str, size: int, fused: bool) -> None:
     """TP = size over gloo against one process, float32: prefill and two decode steps of a
     batch with two adapters (ranks 8 and 4, different modules) and base rows. qwen2: tied
-    embeddings, qkv bias; at 4 ranks its 2 KV heads are replicated."""
+    embeddings, qkv bias; at 4 ranks its 2 KV heads are replicated. ``fused``: the GPU forward
+    (augmented GEMMs; shrink partials all-reduced with the base output) with torch epilogues."""
     root, models = tiny
     model_dir, adapters = models[kind]
-    ref = root / f"{kind}-tp1.pt"
-    tp_run.run(0, 1, 0, model_dir, adapters, str(ref))
-    got = root / f"{kind}-tp{size}.pt"
+    ref = root / f"{kind}-tp1-{fused}.pt"
+    tp_run.run(0, 1, 0, model_dir, adapters, str(ref), fused)
+    got = root / f"{kind}-tp{size}-{fused}.pt"
     mp.start_processes(
-        tp_run.run, args=(size, _free_port(), model_dir, adapters, str(got)), nprocs=size,
-        join=True, start_method="spawn",
+        tp_run.run, args=(size, _free_port(), model_dir, adapters, str(got), fused),
+        nprocs=size, join=True, start_method="spawn",
     )  # fmt: skip
     want, have = torch.load(ref), torch.load(got)
     assert len(have) == len(want) == 1 + len(tp_run.DECODE)

@@ -16,10 +16,14 @@ NAMES = ["a", None, "b", None, "a"]  # rows 0 and 3: the same prompt with and wi
 DECODE = [[3, 4, 5, 6, 7], [8, 9, 10, 11, 12]]  # tokens fed per decode step (one per row)
 
 
-def run(rank: int, size: int, port: int, model_dir: str, adapters: dict, out: str) -> None:
-    """Entry point of a spawned rank (``size`` 1: no process group)."""
+def run(
+    rank: int, size: int, port: int, model_dir: str, adapters: dict, out: str, fused: bool = False
+) -> None:
+    """Entry point of a spawned rank (``size`` 1: no process group). ``fused``: the GPU
+    forward (fused.py) with the epilogues' torch twins, else the reference forward."""
     from loraplex.engine.lora.adapter import load_adapter
     from loraplex.engine.lora.slots import write_slot
+    from loraplex.engine.model.backend import KernelBackend
     from loraplex.engine.model.config import ModelConfig
     from loraplex.engine.model.loader import load_model
     from loraplex.engine.model.tp import TensorParallel, TPShard, shard_adapter
@@ -39,7 +43,8 @@ def run(rank: int, size: int, port: int, model_dir: str, adapters: dict, out: st
             model_dir, dtype=torch.float32, device="cpu", max_loras=2, max_lora_rank=8,
             tensor_parallel=tp,
         )  # fmt: skip
-        runner = ModelRunner(model, num_blocks=32, block_size=4, kernel_backend="torch")
+        backend = KernelBackend(fused=True, triton=False) if fused else "torch"
+        runner = ModelRunner(model, num_blocks=32, block_size=4, kernel_backend=backend)
         slots = {}
         for slot, (name, folder) in enumerate(sorted(adapters.items())):
             adapter = load_adapter(folder, full, max_lora_rank=8, name=name)
