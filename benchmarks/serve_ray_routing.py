@@ -161,12 +161,15 @@ async def run_policy(
         decisions.subtract(decisions_before)
     d = {k: after.get(k, 0) - before.get(k, 0) for k in ("gpu_hits", "cpu_hits", "misses")}
     tiers: dict[str, int] = {}
-    for (_, tier), count in decisions.items():
+    per_replica: dict[str, int] = {}
+    for (replica, tier), count in decisions.items():
         if count:
             tiers[tier] = tiers.get(tier, 0) + count
+            per_replica[replica] = per_replica.get(replica, 0) + count
     tier_p50 = {t: round(1000 * statistics.median(v), 1) for t, v in sorted(by_tier.items())}
     return {"policy": policy, "n": len(requests), "ttfts": ttfts, "wall_s": wall, **d,
-            "routed": tiers, "ttft_p50_ms_by_tier": tier_p50}  # fmt: skip
+            "routed": tiers, "ttft_p50_ms_by_tier": tier_p50,
+            "requests_per_replica": sorted(per_replica.values(), reverse=True)}  # fmt: skip
 
 
 def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -211,6 +214,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--rate", type=float, default=10.0, help="requests per second (Poisson)")
     ap.add_argument("--new", type=int, default=8, help="tokens per request")
+    ap.add_argument("--max-imbalance", type=int, default=8, help="residency's imbalance bound")
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--repeats", type=int, default=2, help="runs per (alpha, policy), pooled")
     ap.add_argument("--smoke", action="store_true", help="24 adapters, 60 requests, one alpha")
@@ -241,7 +245,10 @@ def main() -> None:
             for rep in range(args.repeats):
                 # odd repeats run the policies in reverse: drift of the machine's load is shared
                 for policy in args.policies[:: 1 if rep % 2 == 0 else -1]:
-                    handle = deploy(spec, replicas=args.replicas, policy=policy)
+                    handle = deploy(
+                        spec, replicas=args.replicas, policy=policy,
+                        max_imbalance=args.max_imbalance,
+                    )  # fmt: skip
                     run = asyncio.run(run_policy(handle, board_of(), policy, requests, args.new))
                     undeploy()
                     runs[policy].append(run)
@@ -256,6 +263,10 @@ def main() -> None:
     print(text)
     if args.append:
         command = "python -m benchmarks.serve_ray_routing" + (" --smoke" if args.smoke else "")
+        if args.max_imbalance != 8:
+            command += f" --max-imbalance {args.max_imbalance}"
+        if args.policies != list(POLICIES):
+            command += " --policies " + " ".join(args.policies)
         note = (
             f"{args.replicas} replicas of the demo model on CPU (one core each), "
             f"{args.slots} slots + {args.cpu_tier} CPU-tier places per replica, "

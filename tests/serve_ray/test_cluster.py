@@ -330,6 +330,9 @@ def test_killed_replica_fails_its_stream_others_complete_new_requests_succeed(cl
     import ray
 
     client = cluster.client()
+    # a runtime adapter: the replacement replica must be given it too
+    body = {"lora_name": "runtime-pirate", "lora_path": str(demo_adapters()["pirate"])}
+    assert _post(cluster.url, "/v1/load_lora_adapter", body, ADMIN_TOKEN)[0] == 200
     kw = dict(model="demo", prompt=PROMPT, max_tokens=600, temperature=0.0,
               extra_body={"ignore_eos": True})  # fmt: skip
     doomed = client.completions.create(**kw, stream=True)
@@ -354,6 +357,26 @@ def test_killed_replica_fails_its_stream_others_complete_new_requests_succeed(cl
         assert reply.choices[0].finish_reason == "length"
     _wait(lambda: len(cluster.replicas()) == 2 and victim not in cluster.replicas(), 120,
           "Ray to replace the replica")  # fmt: skip
+
+    def everywhere() -> bool:
+        reports = cluster.engine.board.snapshot()[0]
+        return len(reports) == 2 and all(
+            "runtime-pirate" in r["adapters"] for r in reports.values()
+        )
+
+    _wait(everywhere, 60, "the runtime adapter on the replacement")
+    replacement = next(r for r in cluster.replicas() if r != survivor)
+
+    async def on_replacement() -> str:
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        text = ""
+        async for out in cluster.engine.generate(
+            "Hello", params, adapter="runtime-pirate", replica=replacement
+        ):
+            text += out.text
+        return text
+
+    assert cluster.loop.run(on_replacement())
 
 
 # -- the command line --------------------------------------------------------------------------------
