@@ -161,15 +161,18 @@ def test_slot_refs_back_to_zero_and_never_negative():
         m.release_slot(v)
 
 
-def test_acquire_needs_a_ready_slot():
+def test_acquire_needs_the_slot_it_owns():
     m = make_manager()
-    v = loaded(m, "sql")
+    v, w = loaded(m, "sql"), loaded(m, "poem")
     with pytest.raises(AssertionError):
         m.acquire_slot(v)  # no slot
     m.assign_slot(v)
+    w.slot = v.slot  # a stale slot number: the slot belongs to v
     with pytest.raises(AssertionError):
-        m.acquire_slot(v)  # its write has not landed
-    assert v.slot_refs == 0
+        m.acquire_slot(w)
+    assert v.slot_refs == w.slot_refs == 0
+    m.acquire_slot(v)  # before its write landed: a request joining the write's step
+    assert v.slot_refs == 1 and not v.slot_ready
 
 
 async def test_last_user_leaving_cancels_the_load():
