@@ -164,8 +164,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         try:
-            with contextlib.suppress(Exception):  # nothing deployed, or Serve already gone
-                undeploy()
+            # a joined cluster lives on: take our app away. A local one goes away whole (and
+            # Ctrl-C in a terminal reaches its processes too: no call to them may wait)
+            if args.ray_address:
+                with contextlib.suppress(Exception):  # nothing deployed, or Serve gone
+                    undeploy()
         finally:
             cluster.stop()
     return 0
