@@ -90,7 +90,7 @@ class GrammarCache:
         vocab_size: int,
         eos_ids: list[int],
         *,
-        capacity: int = 512,
+        capacity: int = 128,
         threads: int = 2,
     ) -> None:
         self._tokenizer_json = tokenizer_json
@@ -159,18 +159,20 @@ class GrammarCache:
             if fut is None:
                 fut = asyncio.get_running_loop().run_in_executor(self._pool, self._try, spec)
                 self._pending[key] = fut
-                try:
-                    hit = await fut
-                finally:
-                    self._pending.pop(key, None)
-                self._store(key, hit)
-            else:
-                hit = await asyncio.shield(fut)
+                fut.add_done_callback(lambda f, key=key: self._settle(key, f))
+            # NOTE: shielded: a waiter that goes away (client gone) cancels neither the compile
+            # nor the other waiters
+            hit = await asyncio.shield(fut)
         else:
             self.hits += 1
         if isinstance(hit, _CompileError):
             raise InvalidRequestError(_message(spec, str(hit)), field=spec.field)
         return Guide(hit.deep_copy(), spec)
+
+    def _settle(self, key: tuple[str, str], fut: asyncio.Future) -> None:
+        self._pending.pop(key, None)
+        if not fut.cancelled() and fut.exception() is None:
+            self._store(key, fut.result())
 
     def _try(self, spec: StructuredOutput) -> Any:
         try:

@@ -153,3 +153,15 @@ async def test_compiles_are_cached_and_shared(engine):
     )
     assert len(cache.compile_s) == before + 1  # eight requests, one compile
     assert {t for _, t, _ in outs} <= {'{"k": "a"}', '{"k": "b"}'}
+
+
+async def test_a_waiter_going_away_leaves_the_shared_compile_alone(engine):
+    s = StructuredOutput.regex("[0-9]{3}-waiters")
+    cache = engine._core().grammars
+    first = asyncio.ensure_future(cache.guide(s))
+    second = asyncio.ensure_future(cache.guide(s))
+    await asyncio.sleep(0)
+    first.cancel()
+    guide = await second
+    assert not guide.failed
+    assert s.key in cache._cache  # stored once the compile finished
