@@ -23,7 +23,7 @@ from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
 from loraplex.engine.server import create_app, start_server
 from tests.server.conftest import Server
 from tests.structured.forms import FORMS, check
-from tests.structured.test_engine import spec
+from tests.structured.test_engine import assert_prefix, spec
 from tests.structured.test_tool_server import BOUNDED, TIME
 
 MODEL = smollm2_built()
@@ -37,7 +37,7 @@ pytestmark = [
 ]
 PER_FORM = 50
 ASK = {
-    "json_object": "Describe a book as a JSON object.",
+    "json_object": "Give the title and the year of one famous book as a JSON object.",
     "nested": "Give a person's name, address and age as JSON.",
     "enum": "Pick a t-shirt colour and size, as JSON.",
     "array": "List a few tags and scores for a movie, as JSON.",
@@ -77,11 +77,12 @@ async def test_every_form_parses_and_validates(smol):
     async def one(name: str, i: int):
         kw = dict(temperature=0.0) if i % 2 == 0 else dict(temperature=0.7, top_p=0.9, seed=i)
         p = SamplingParams(max_tokens=160, structured=spec(name), **kw)
-        text, reason = "", None
+        tokens, text, reason = [], "", None
         async for out in engine.generate(prompt(engine, ASK[name]), p, adapter=names[i % 3]):
+            tokens += out.token_ids
             text += out.text
             reason = out.finish_reason
-        return name, text, reason
+        return name, tokens, text, reason
 
     free = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
@@ -97,9 +98,22 @@ async def test_every_form_parses_and_validates(smol):
         *(one(name, i) for name in FORMS for i in range(PER_FORM)),
     )
     assert list(results[:4]) == alone  # free rows' tokens unchanged next to constrained ones
-    for name, text, reason in results[4:]:
-        assert reason == "stop", (name, text)
-        check(name, text)
+    bad, cut = [], []
+    for name, tokens, text, reason in results[4:]:
+        if reason == "length" and name == "json_object":
+            # NOTE: a free JSON string has no bound: a 135M model now and then repeats itself
+            # inside one until max_tokens; the cut output must still be a prefix the grammar
+            # accepts, and such runs stay rare
+            assert_prefix(engine, spec(name), tokens)
+            cut.append(text)
+            continue
+        try:
+            assert reason == "stop", reason
+            check(name, text)
+        except Exception as e:  # noqa: BLE001 - every failure listed at once
+            bad.append((name, text, repr(e)))
+    assert not bad, bad
+    assert len(cut) <= PER_FORM // 10, cut
 
 
 async def _stream_calls(c, **kw):
