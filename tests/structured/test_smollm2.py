@@ -78,7 +78,10 @@ async def test_every_form_parses_and_validates(smol):
         kw = dict(temperature=0.0) if i % 2 == 0 else dict(temperature=0.7, top_p=0.9, seed=i)
         p = SamplingParams(max_tokens=160, structured=spec(name), **kw)
         tokens, text, reason = [], "", None
-        async for out in engine.generate(prompt(engine, ASK[name]), p, adapter=names[i % 3]):
+        # NOTE: the adapters are random (untrained): with them a free JSON object is noise, so
+        # json_object runs on the base; the bounded forms rotate through the adapters
+        adapter = None if name == "json_object" else names[i % 3]
+        async for out in engine.generate(prompt(engine, ASK[name]), p, adapter=adapter):
             tokens += out.token_ids
             text += out.text
             reason = out.finish_reason
