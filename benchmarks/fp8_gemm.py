@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.record import git_commit
+from loraplex.engine.model.gemm import _time_ms  # CUDA-graph replays of ``reps`` calls
 from loraplex.engine.model.kernels.fp8_linear import (
     Fp8LinearConfig,
     fp8_aug_linear,
@@ -39,26 +40,6 @@ SHAPES = {  # name -> (hidden, intermediate, q_size, kv_size)
     "llama3-8b": (4096, 14336, 4096, 1024),
     "llama3-70b": (8192, 28672, 8192, 1024),
 }
-
-
-def _time_ms(fn, reps: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / (5 * reps)
 
 
 def projections(shape: str, slots: int, rank: int) -> list[tuple[str, int, int, int]]:
