@@ -254,3 +254,26 @@ def test_sweep_parsing() -> None:
     for bad in (["nope=1"], ["max_loras"], ["max_loras=x"]):
         with pytest.raises(ValueError):
             parse_sweep(bad)
+
+
+def test_warm_yardstick_serves_the_same_trace_without_cold_loads(tmp_path: Path) -> None:
+    study = run_study(_point(warm_yardstick=True), tmp_path, progress=False, quiet=True)
+    (res,) = study.results
+    cold = _check_point_dir(tmp_path)
+    _check_consistent(cold)
+    warm = json.loads((tmp_path / "warm" / "result.json").read_text())
+    # the same arrivals, every adapter already in the CPU tier: no miss, no fetch
+    assert [r["adapter"] for r in warm["requests"]] == [r["adapter"] for r in cold["requests"]]
+    assert warm["summary"]["tiers"]["counts"]["cold"] == 0
+    assert warm["summary"]["engine"]["adapters"]["misses"] == 0
+    assert warm["summary"]["loads"]["count"] == 0
+    used = {r["adapter"] for r in cold["requests"] if r["adapter"]}
+    assert warm["config"]["max_cpu_loras"] == FAST["max_cpu_loras"]  # the point as given
+    assert warm["engine"]["cpu_tier_adapters"] >= len(used)
+    y = res.summary["yardstick"]
+    assert y["warm_misses"] == 0
+    assert y["warm_itl"]["n"] == cold["summary"]["itl"]["all"]["n"] > 0
+    assert y["ratio_p99"] == pytest.approx(
+        cold["summary"]["itl"]["all"]["p99_s"] / warm["summary"]["itl"]["all"]["p99_s"]
+    )
+    assert "warm yardstick" in study.text

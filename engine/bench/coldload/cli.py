@@ -84,6 +84,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds to let in-flight requests finish after the arrivals",
     )
     r.add_argument("--no-warmup", action="store_true")
+    r.add_argument(
+        "--warm-yardstick",
+        action="store_true",
+        help="run each point twice: as given, then the same trace with every adapter it uses "
+        "pre-staged in the CPU tier (no cold loads); report cold / warm ITL p99",
+    )
     r.add_argument("--no-plots", action="store_true")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--quiet", action="store_true", help="only the final summary")
@@ -118,6 +124,7 @@ def point_from_args(args: argparse.Namespace) -> PointConfig:
         cuda_graphs=not args.no_cuda_graphs,
         warmup=not args.no_warmup,
         drain_timeout=args.drain_timeout,
+        warm_yardstick=args.warm_yardstick,
     )
 
 

@@ -66,6 +66,9 @@ class PointConfig:
     # run
     warmup: bool = True
     drain_timeout: float = 60.0
+    # also serve the same trace with every adapter it uses pre-staged in the CPU tier (no cold
+    # loads): the yardstick the cold run's ITL is compared with
+    warm_yardstick: bool = False
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:

@@ -109,6 +109,9 @@ def sweep_row(res: PointResult) -> dict[str, Any]:
         itl_p99_noload_s=s["itl"]["without_load"]["p99_s"],
         decode_stall_ratio=s["decode_stall_ratio"],
         step_stall_ratio=s["decode_steps"]["ratio_p99"],
+        itl_p99_s=s["itl"]["all"]["p99_s"],
+        warm_itl_p99_s=(s.get("yardstick") or {}).get("warm_itl", {}).get("p99_s"),
+        cold_warm_ratio=(s.get("yardstick") or {}).get("ratio_p99"),
         loads=s["loads"]["count"],
         bytes_fetched=s["loads"]["bytes_fetched"],
         gpu_evictions=s["engine"]["adapters"].get("gpu_evictions"),
@@ -187,6 +190,13 @@ def point_line(res: PointResult) -> str:
             else ""
         ),
     ]
+    y = s.get("yardstick")
+    if y:
+        lines.append(
+            f"  warm yardstick (same trace, adapters pre-staged, {y['warm_misses']} misses): "
+            f"ITL p99 cold/warm {_ms(y['cold_itl']['p99_s'])}/{_ms(y['warm_itl']['p99_s'])} ms "
+            f"-> {_num(y['ratio_p99'])} (with a load in flight: {_num(y['with_load_ratio_p99'])})"
+        )
     if not s["consistency"]["ok"]:
         lines.append(f"  WARNING: tiers / counters disagree: {s['consistency']}")
     return "\n".join(lines)

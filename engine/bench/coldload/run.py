@@ -51,14 +51,17 @@ class PointResult:
     start: float = 0.0  # monotonic time of the start of the measurement
 
 
-def engine_config(point: PointConfig, source_kwargs: dict[str, Any]) -> EngineConfig:
+def engine_config(
+    point: PointConfig, source_kwargs: dict[str, Any], *, cpu_tier: int | None = None
+) -> EngineConfig:
+    """The engine of a point; ``cpu_tier`` overrides the CPU tier's size (the warm run)."""
     max_len = point.prompt_len.hi + point.output_len.hi + 16
     return EngineConfig(
         model=point.model,
         device=point.device,
         dtype=point.dtype,
         max_loras=point.max_loras,
-        max_cpu_loras=point.max_cpu_loras,
+        max_cpu_loras=max(point.max_cpu_loras, cpu_tier or 0),
         max_lora_rank=point.rank,
         max_num_seqs=point.max_num_seqs,
         max_num_batched_tokens=max(point.max_num_batched_tokens, point.prompt_len.hi),
@@ -97,6 +100,20 @@ async def _warmup(
     await engine.remove_adapter(WARMUP_NAME)
 
 
+async def _prestage(engine: AsyncEngine, names: list[str], point: PointConfig) -> None:
+    """Bring every adapter of ``names`` into the CPU tier (the warm run): a one-token request
+    on each, ``max_loras`` at a time, so the measured trace finds them all staged."""
+    gate = asyncio.Semaphore(max(point.max_loras, 1))
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    async def one(name: str) -> None:
+        async with gate:
+            async for _ in engine.generate([16, 17, 18, 19], params, adapter=name):
+                pass
+
+    await asyncio.gather(*(one(n) for n in names))
+
+
 async def _one(engine: AsyncEngine, arr: Arrival, rid: str, errors: dict[str, str]) -> None:
     params = SamplingParams(max_tokens=arr.max_tokens, temperature=0.0, ignore_eos=True)
     try:
@@ -117,15 +134,22 @@ async def run_point(
     label: str = "run",
     values: dict[str, Any] | None = None,
     progress: bool = True,
+    warm: bool = False,
 ) -> PointResult:
-    """Run one engine over the point's workload; the source's environment must be set."""
+    """Run one engine over the point's workload; the source's environment must be set.
+
+    ``warm``: the yardstick run. The CPU tier is sized to hold every adapter the trace uses,
+    and all of them are staged there before the measurement, so the same arrivals are served
+    without a cold load (slot writes from the CPU tier still happen)."""
     from loraplex.engine.bench.coldload.adapters import model_config
 
     cfg = model_config(point)
     model = await asyncio.to_thread(build_model, point, cfg)
     arrivals = make_arrivals(point, aset.names, cfg["vocab_size"])
+    used = sorted({a.adapter for a in arrivals if a.adapter is not None})
     device = resolve_device(point.device)
-    engine = AsyncEngine(engine_config(point, source_kwargs), model=model)
+    tier = len(used) + 1 if warm else None
+    engine = AsyncEngine(engine_config(point, source_kwargs, cpu_tier=tier), model=model)
     del model
     collector = Collector()
     errors: dict[str, str] = {}
@@ -134,6 +158,8 @@ async def run_point(
         pinned = await asyncio.to_thread(pinned_gbps, device)
         if point.warmup:
             await _warmup(engine, point, cfg, workdir)
+        if warm:
+            await _prestage(engine, used, point)
         collector.reset()
         base_stats = dict(engine.stats()["adapters"])
         engine.testing.step_log.clear()

@@ -13,7 +13,7 @@ from loraplex.engine.bench.coldload.metrics import PARTS, TIERS, pct, split_stat
 if TYPE_CHECKING:
     from loraplex.engine.executor import StepRecord
 
-__all__ = ["summarize"]
+__all__ = ["summarize", "yardstick"]
 
 
 def _dist(xs: list[float]) -> dict[str, Any]:
@@ -141,6 +141,8 @@ def summarize(
     """Everything the text summary, the sweep table and the plots need of one run."""
     done = [r for r in rows if r["finish_reason"] in ("stop", "length")]
     itl_split = split_stats([d for _, d, w in itl if w], [d for _, d, w in itl if not w])
+    gaps = [d for _, d, _ in itl]
+    itl_split["all"] = {"n": len(gaps), "p50_s": pct(gaps, 0.5), "p99_s": pct(gaps, 0.99)}
     return {
         "requests": {
             "submitted": len(rows),
@@ -165,4 +167,27 @@ def summarize(
         "decode_steps": _steps(step_log),
         "loads": _loads(loads, folder_bytes),
         "h2d": _h2d(writes, pinned_gbps, copy_gbps),
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def yardstick(cold: dict[str, Any], warm: dict[str, Any]) -> dict[str, Any]:
+    """The cold run against the warm run of the same trace (every adapter pre-staged in the CPU
+    tier): what the cold loads themselves cost the running streams, with the traffic the same.
+
+    ``ratio_p99``: ITL p99 over every gap of the cold run / the same of the warm run;
+    ``with_load_ratio_p99``: the cold run's gaps with a load in flight / the warm run's all."""
+    c_all, w_all = cold["itl"]["all"], warm["itl"]["all"]
+    return {
+        "warm_itl": w_all,
+        "warm_misses": warm["tiers"]["counts"]["cold"],
+        "warm_ttft": warm["ttft"]["all"],
+        "warm_steps_p99_s": warm["decode_steps"]["without_load"]["p99_s"],
+        "cold_itl": c_all,
+        "ratio_p50": _ratio(c_all["p50_s"], w_all["p50_s"]),
+        "ratio_p99": _ratio(c_all["p99_s"], w_all["p99_s"]),
+        "with_load_ratio_p99": _ratio(cold["itl"]["with_load"]["p99_s"], w_all["p99_s"]),
     }

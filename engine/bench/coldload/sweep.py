@@ -23,6 +23,7 @@ from loraplex.engine.bench.coldload.report import point_line, write_point, write
 from loraplex.engine.bench.coldload.run import PointResult, run_point
 from loraplex.engine.bench.coldload.servers import hf_cache_env
 from loraplex.engine.bench.coldload.sources import SourcePool, environment
+from loraplex.engine.bench.coldload.summary import yardstick
 
 __all__ = ["run_study", "Study"]
 
@@ -81,6 +82,7 @@ async def _run_all(
             if point.source == "hub":
                 env.update(hf_cache_env(work / f"hf-cache-{i}"))
             _say(f"point {i + 1}/{len(points)}: {label}", quiet)
+            dest = out / "points" / label if sweep else out
             with environment(env):
                 res = await run_point(
                     point,
@@ -91,9 +93,22 @@ async def _run_all(
                     values=values,
                     progress=progress,
                 )
+                if point.warm_yardstick:
+                    _say(f"point {i + 1}/{len(points)}: {label}, warm yardstick", quiet)
+                    warm = await run_point(
+                        point,
+                        aset,
+                        source.engine_kwargs,
+                        work,
+                        label=f"{label}-warm",
+                        values=values,
+                        progress=progress,
+                        warm=True,
+                    )
+                    res.summary["yardstick"] = yardstick(res.summary, warm.summary)
+                    files += write_point(warm, dest / "warm")
             if point.source == "hub":
                 shutil.rmtree(work / f"hf-cache-{i}", ignore_errors=True)
-            dest = out / "points" / label if sweep else out
             files += write_point(res, dest)
             if plots:
                 from loraplex.engine.bench.coldload.plots import plot_point
