@@ -261,7 +261,9 @@ class AsyncEngine:
                 core.apply(step, result, behind=nstep)
                 self._forget_finished()
                 step = nstep
-                await asyncio.sleep(0)  # let consumers take their outputs
+                # NOTE: no yield here: consumers take their outputs while the next step runs
+                # (the await above); every extra pass through the loop's ready queue between
+                # two tokens arriving and the next launch is time the GPU may sit idle
             result = await loop.run_in_executor(self._executor, core.collect, step)
         except Exception as e:  # noqa: BLE001 - one bad step must not stop the engine
             log.exception("step_failed")
