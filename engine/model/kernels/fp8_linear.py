@@ -2,21 +2,35 @@
 
 An fp8 base keeps each projection's weight as e4m3 values with float32 scales
 (``quant.py``: ``weight_fp8`` (N, K), ``weight_scale`` (N, G), group = K // G) and the LoRA A
-rows of every slot in bfloat16 (``LoRALinear.lora_a``, E = S * L * R rows). Decode is bound by
-reading the weights, so the GEMM reads the fp8 bytes as they are and converts them to the
-activations' dtype in registers (weight-only quantization, W8A16): half the bytes of a bf16
-weight, no activation quantization, the same tensor-core dot. One launch writes the same
-(T, N + E) output as the bf16 augmented GEMM (``x @ [W; A].T``), so the fused epilogues read
-it unchanged:
+rows of every slot in the compute dtype (``LoRALinear.lora_a``, E = S * L * R rows). Decode is
+bound by reading the weights, so the GEMM reads the fp8 bytes as they are and converts them to
+the activations' dtype in registers (weight-only quantization, W8A16): half the bytes of a
+bf16 weight, no activation quantization. One launch writes the same (T, N + E) output as the
+bf16 augmented GEMM (``x @ [W; A].T``), so the fused epilogues read it unchanged:
 
     y[t, n]     = sum_k x[t, k] * weight_fp8[n, k] * weight_scale[n, k // group]  (+ bias[n])
     y[t, N + e] = sum_k x[t, k] * a[e, k]
 
-Grid ``(cdiv(N, BLOCK_N) + cdiv(E, BLOCK_N), cdiv(T, BLOCK_M))``: the first programs own base
-column tiles, the rest A-row tiles. Each program accumulates in float32 over K; per-channel
-scales (G = 1) multiply once at the end, group scales once per K tile (group a multiple of
-BLOCK_K). Nothing but ``T`` shapes the launch, so it can be captured in a CUDA graph.
-Semantics: ``fp8_aug_linear_torch`` (the twin: de-quantize, then one float32 GEMM).
+Shape of the launch, for the skinny decode GEMMs (T = 1..64 rows against 16-120 MB):
+
+- swapped operands: each program computes a (BLOCK_N weight rows, BLOCK_M tokens) tile as
+  ``dot(W tile, x tile^T)``; the converted weight tile is the dot's first operand, which the
+  tensor cores read from registers (no second trip through shared memory), and the token
+  count only sets the dot's narrow side (16..64);
+- split-K: ``SPLIT_K`` programs share one output tile, each over K / SPLIT_K columns, so the
+  4096-wide outputs (64 column tiles) still fill 132 SMs with loads in flight. Each writes
+  its float32 partial to a workspace and bumps the tile's counter; the last to arrive sums
+  the partials in split order (deterministic, whatever the arrival order), scales, adds the
+  bias, stores, and resets the counter to 0 for the next launch. Launches using the counters
+  must not overlap: one stream runs the forward (``_counters`` says why);
+- A rows: the programs past the base tiles read bf16 A rows (no conversion, no scale) in the
+  same launch: the LoRA shrink costs no extra launch, only its bytes (E x K x 2).
+
+Grid ``((cdiv(N, BLOCK_N) + cdiv(E, BLOCK_N)), SPLIT_K, cdiv(T, BLOCK_M))``. Nothing but
+``T`` shapes the launch, so it can be captured in a CUDA graph. Launch configurations come
+from ``CONFIGS`` (an H200 sweep of ``benchmarks/fp8_gemm.py``, BENCHMARKS.md) and
+``fp8_linear_config`` for shapes it lacks. Semantics: ``fp8_aug_linear_torch`` (the twin:
+de-quantize, then one float32 GEMM).
 """
 
 from __future__ import annotations
@@ -27,116 +41,171 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["Fp8LinearConfig", "fp8_linear_config", "fp8_aug_linear", "fp8_aug_linear_torch"]
+__all__ = [
+    "CONFIGS",
+    "Fp8LinearConfig",
+    "fp8_linear_config",
+    "fp8_aug_linear",
+    "fp8_aug_linear_torch",
+    "prepare_fp8_linear",
+]
 
 
 @dataclass(frozen=True)
 class Fp8LinearConfig:
-    block_m: int = 16
-    block_n: int = 64
-    block_k: int = 128
+    block_m: int = 16  # tokens per tile (the dot's narrow side)
+    block_n: int = 64  # weight rows per tile
+    block_k: int = 256
+    split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
 
 
+# (N, K, block_m) -> config, from the H200 sweep (benchmarks/fp8_gemm.py, BENCHMARKS.md);
+# N is the base rows (A rows ride along). Llama-3-8B shapes.
+CONFIGS: dict[tuple[int, int, int], Fp8LinearConfig] = {}
+
+_COUNTERS = 1 << 16  # tile counters per device for split-K (int32, zero between launches)
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _bucket(num_tokens: int) -> int:
+    return 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64 if num_tokens <= 64 else 128
+
+
 def fp8_linear_config(num_tokens: int, n: int, k: int, group: int) -> Fp8LinearConfig:
     """The launch configuration for ``num_tokens`` rows against an (n, k) fp8 weight whose
-    scale groups span ``group`` columns of K (BLOCK_K must divide it)."""
-    block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64
-    # a first pick from the H200 sweep of benchmarks/fp8_gemm.py (BENCHMARKS.md); wide K
-    # tiles only for few rows (shared memory: stages x (BLOCK_M x BLOCK_K x 2 + BLOCK_K x
-    # BLOCK_N) bytes must stay under 227 KB)
-    block_k = 256 if block_m == 16 and group % 256 == 0 else 128
-    block_k = min(block_k, triton.next_power_of_2(k))
-    block_n = 32 if block_m == 16 else 64
-    stages = 3 if block_m == 16 else 4
-    return Fp8LinearConfig(block_m, block_n, block_k, num_warps=4, num_stages=stages)
+    scale groups span ``group`` columns of K (BLOCK_K must divide it when group < k)."""
+    bm = _bucket(num_tokens)
+    cfg = CONFIGS.get((n, k, bm))
+    if cfg is not None and (group == k or group % cfg.block_k == 0):
+        return cfg
+    if bm == 128:  # prefill: a plain tiled GEMM, enough tiles without split-K
+        bk = 64 if group == k or group % 64 == 0 else 32
+        return Fp8LinearConfig(128, 128, bk, split_k=1, num_warps=8, num_stages=3)
+    bk = 256 if bm <= 32 else 128
+    while bk > 32 and group != k and group % bk:
+        bk //= 2
+    bk = min(bk, max(32, triton.next_power_of_2(k)))
+    bn = 64
+    tiles = triton.cdiv(n, bn)
+    split = 1
+    # split K while the grid is under ~2 programs per SM and each split keeps >= 4 K tiles
+    while tiles * split < 264 and k % (2 * split * bk) == 0 and k // (2 * split) >= 4 * bk:
+        split *= 2
+    return Fp8LinearConfig(bm, bn, bk, split_k=split, num_warps=4, num_stages=4)
+
+
+@triton.jit
+def _finish(acc, ws_ptr, bias_ptr, cols, col_ok, stride_sn,
+            IS_BASE: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """Per-channel scale and bias of a base tile (acc: (BLOCK_N, BLOCK_M) float32)."""
+    if IS_BASE:
+        if PER_CHANNEL:
+            s = tl.load(ws_ptr + cols * stride_sn, mask=col_ok, other=0.0)
+            acc = acc * s[:, None]
+        if HAS_BIAS:
+            b = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
+            acc += b.to(tl.float32)[:, None]
+    return acc
+
+
+@triton.jit
+def _partial(x_ptr, w_ptr, ws_ptr, rows, row_ok, cols, col_ok, k_lo, k_hi, K,
+             stride_xt, stride_wn, stride_sn,
+             IS_BASE: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             NUM_STAGES: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """(BLOCK_N, BLOCK_M) float32: W[cols, k_lo:k_hi] @ x[rows, k_lo:k_hi]^T; fp8 rows of a base
+    tile converted in registers (group scales applied per K tile), A rows as stored."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        xt = tl.load(
+            x_ptr + rows[None, :] * stride_xt + kk[:, None],
+            mask=row_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )  # (BLOCK_K, BLOCK_M)
+        w = tl.load(
+            w_ptr + cols[:, None] * stride_wn + kk[None, :],
+            mask=col_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_K)
+        if IEEE:
+            part = tl.dot(w.to(xt.dtype), xt, input_precision="ieee")
+        else:
+            part = tl.dot(w.to(xt.dtype), xt)
+        if IS_BASE and not PER_CHANNEL:
+            s = tl.load(ws_ptr + cols * stride_sn + k0 // GROUP, mask=col_ok, other=0.0)
+            acc += part * s[:, None]
+        else:
+            acc += part
+    return acc
 
 
 @triton.jit(do_not_specialize=["T"])
 def _fp8_aug_linear_kernel(
-    x_ptr,
-    wq_ptr,
-    ws_ptr,
-    a_ptr,
-    bias_ptr,
-    y_ptr,
-    T,
-    N,
-    E,
-    K,
-    stride_xt,
-    stride_wn,
-    stride_sn,
-    stride_an,
-    stride_yt,
+    x_ptr, wq_ptr, ws_ptr, a_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
+    T, N, E, K,
+    stride_xt, stride_wn, stride_sn, stride_an, stride_yt,
     GROUP: tl.constexpr,  # K columns per scale
     PER_CHANNEL: tl.constexpr,  # one scale per output channel (G = 1)
     HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-):
+    IEEE: tl.constexpr,  # float32 inputs: exact float32 dot (no tf32)
+):  # fmt: skip
     pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
     base_tiles = tl.cdiv(N, BLOCK_N)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_len = K // SPLIT_K  # NOTE: the host checks K % (SPLIT_K * BLOCK_K) == 0 when split
+    k_lo = pid_k * k_len
+    k_hi = K if SPLIT_K == 1 else k_lo + k_len
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # tokens
     row_ok = rows < T
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if pid_n < base_tiles:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            kk = k0 + offs_k
-            k_ok = kk < K
-            x = tl.load(
-                x_ptr + rows[:, None] * stride_xt + kk[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            w = tl.load(
-                wq_ptr + cols[None, :] * stride_wn + kk[:, None],
-                mask=col_ok[None, :] & k_ok[:, None],
-                other=0.0,
-            )
-            part = tl.dot(x, w.to(x.dtype))
-            if PER_CHANNEL:
-                acc += part
-            else:
-                s = tl.load(ws_ptr + cols * stride_sn + k0 // GROUP, mask=col_ok, other=0.0)
-                acc += part * s[None, :]
-        if PER_CHANNEL:
-            s = tl.load(ws_ptr + cols * stride_sn, mask=col_ok, other=0.0)
-            acc = acc * s[None, :]
-        if HAS_BIAS:
-            b = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
-            acc += b.to(tl.float32)[None, :]
+        acc = _partial(x_ptr, wq_ptr, ws_ptr, rows, row_ok, cols, col_ok, k_lo, k_hi, K,
+                       stride_xt, stride_wn, stride_sn, True, GROUP, PER_CHANNEL,
+                       BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, IEEE)  # fmt: skip
         out_cols = cols
     else:
-        ecols = (pid_n - base_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = ecols < E
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            kk = k0 + offs_k
-            k_ok = kk < K
-            x = tl.load(
-                x_ptr + rows[:, None] * stride_xt + kk[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            a = tl.load(
-                a_ptr + ecols[None, :] * stride_an + kk[:, None],
-                mask=col_ok[None, :] & k_ok[:, None],
-                other=0.0,
-            )
-            acc += tl.dot(x, a)
-        out_cols = N + ecols
-    tl.store(
-        y_ptr + rows[:, None] * stride_yt + out_cols[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & col_ok[None, :],
-    )
+        cols = (pid_n - base_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < E
+        acc = _partial(x_ptr, a_ptr, ws_ptr, rows, row_ok, cols, col_ok, k_lo, k_hi, K,
+                       stride_xt, stride_an, stride_sn, False, GROUP, PER_CHANNEL,
+                       BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, IEEE)  # fmt: skip
+        out_cols = N + cols
+    mask = col_ok[:, None] & row_ok[None, :]
+    y_ptrs = y_ptr + rows[None, :] * stride_yt + out_cols[:, None]
+    if SPLIT_K == 1:
+        if pid_n < base_tiles:
+            acc = _finish(acc, ws_ptr, bias_ptr, cols, col_ok, stride_sn,
+                          True, PER_CHANNEL, HAS_BIAS)  # fmt: skip
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        width = N + E
+        p_ptrs = part_ptr + rows[None, :] * width + out_cols[:, None]  # (SPLIT_K, T, N + E)
+        tl.store(p_ptrs + pid_k * T * width, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        tile = pid_m * tl.num_programs(0) + pid_n
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:  # the last program of this tile reduces, in split order
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(p_ptrs + s * T * width, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+            if pid_n < base_tiles:
+                total = _finish(total, ws_ptr, bias_ptr, cols, col_ok, stride_sn,
+                                True, PER_CHANNEL, HAS_BIAS)  # fmt: skip
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(
@@ -178,6 +247,20 @@ def fp8_aug_linear_torch(
     return y.to(x.dtype)
 
 
+def prepare_fp8_linear(device: torch.device | str) -> torch.Tensor:
+    """The split-K tile counters of ``device`` (allocated and zeroed once, outside any CUDA
+    graph capture: the engine calls this before capturing)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    counters = _counters.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("prepare_fp8_linear(device) must run before CUDA graph capture")
+        counters = _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+    return counters
+
+
 def fp8_aug_linear(
     x: torch.Tensor,
     weight_fp8: torch.Tensor,
@@ -185,6 +268,7 @@ def fp8_aug_linear(
     a: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     config: Fp8LinearConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(T, N + E): ``x`` (T, K) against fp8 ``weight_fp8`` (N, K) with ``weight_scale``
     (N, G) float32, then against the A rows ``a`` (E, K) in x's dtype; ``bias`` (>= N) added
@@ -198,18 +282,30 @@ def fp8_aug_linear(
     cfg = config or fp8_linear_config(t, n, k, group)
     if group != k and group % cfg.block_k:
         raise ValueError(f"scale group {group} is not a multiple of BLOCK_K {cfg.block_k}")
-    y = torch.empty(t, n + e, dtype=x.dtype, device=x.device)
+    if cfg.split_k > 1 and k % (cfg.split_k * cfg.block_k):
+        raise ValueError(f"K {k} is not a multiple of SPLIT_K x BLOCK_K of {cfg}")
+    if out is None:
+        out = torch.empty(t, n + e, dtype=x.dtype, device=x.device)
+    elif out.shape != (t, n + e) or out.stride(1) != 1 or out.dtype != x.dtype:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype}, want ({t}, {n + e}) {x.dtype}")
     if t == 0:
-        return y
-    grid = (triton.cdiv(n, cfg.block_n) + triton.cdiv(e, cfg.block_n), triton.cdiv(t, cfg.block_m))
+        return out
+    tiles = triton.cdiv(n, cfg.block_n) + triton.cdiv(e, cfg.block_n)
+    grid = (tiles, cfg.split_k, triton.cdiv(t, cfg.block_m))
+    part = counters = x  # unused without split-K
+    if cfg.split_k > 1:
+        if tiles * grid[2] > _COUNTERS:
+            raise ValueError(f"{tiles * grid[2]} output tiles exceed the split-K counters")
+        counters = prepare_fp8_linear(x.device)
+        part = torch.empty(cfg.split_k, t, n + e, dtype=torch.float32, device=x.device)
     _fp8_aug_linear_kernel[grid](
         x, weight_fp8, weight_scale,
-        a if a is not None else x, bias if bias is not None else x, y,
+        a if a is not None else x, bias if bias is not None else x, out, part, counters,
         t, n, e, k,
         x.stride(0), weight_fp8.stride(0), weight_scale.stride(0),
-        a.stride(0) if a is not None else 0, y.stride(0),
-        GROUP=group, PER_CHANNEL=group == k, HAS_BIAS=bias is not None,
+        a.stride(0) if a is not None else 0, out.stride(0),
+        GROUP=group, PER_CHANNEL=group == k, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        NUM_STAGES=cfg.num_stages, IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
     )  # fmt: skip
-    return y
+    return out
