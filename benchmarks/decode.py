@@ -85,12 +85,17 @@ def kv_bytes(cfg: dict, batch: int, ctx: int) -> int:
 
 
 def base_bytes(model) -> int:
+    """Bytes of base weights one decode step reads (an fp8 projection: its fp8 rows and
+    float32 scales; call after the engine started, which frees the float rows)."""
     total = 0
     for name, p in model.named_parameters():
         if name == "embed_tokens":
             continue  # decode gathers a few rows only
         if name.endswith("weight_aug"):
             mod = model.get_submodule(name.rsplit(".", 1)[0])
+            if not mod.float_base:
+                total += mod.weight_fp8.numel() + mod.weight_scale.numel() * 4
+                continue
             total += mod.out_features * mod.in_features * p.element_size()
         elif name.endswith("bias_aug"):
             continue
@@ -100,16 +105,18 @@ def base_bytes(model) -> int:
 
 
 async def engine_cases(args, bw, adapters: list[Path], model_dir: Path, rows: list[dict]):
-    for n, pipelined in [(n, p) for n in args.adapters for p in args.modes]:
+    cases = [(q, n, p) for q in args.quantization for n in args.adapters for p in args.modes]
+    for quant, n, pipelined in cases:
         model = random_model(args.cfg, max_loras=n, max_lora_rank=16, device=args.device)
-        wbytes = base_bytes(model)
         cfg = EngineConfig(
+            quantization=None if quant == "none" else quant,
             model=str(model_dir), device=args.device, dtype="bfloat16", max_loras=n,
             max_cpu_loras=max(n, 1), max_lora_rank=16, max_num_seqs=max(args.batches),
             max_num_batched_tokens=16384, kv_cache_bytes=args.kv_gb << 30, max_model_len=4096,
             enable_prefix_caching=False, async_scheduling=pipelined,
         )  # fmt: skip
         async with AsyncEngine(cfg, model=model) as engine:
+            wbytes = base_bytes(model)
             names: list[str | None] = [None]
             if n:
                 names = []
@@ -138,7 +145,7 @@ async def engine_cases(args, bw, adapters: list[Path], model_dir: Path, rows: li
                     f"   host before queueing {host * 1e3:.2f} ms; loop between steps {loop * 1e3:.2f} ms"
                 )
                 row = {
-                    "adapters": n, "batch": batch, "pipelined": pipelined, "floor_ms": floor * 1e3, "p50_ms": p50 * 1e3,
+                    "weights": "bf16" if quant == "none" else quant, "adapters": n, "batch": batch, "pipelined": pipelined, "floor_ms": floor * 1e3, "p50_ms": p50 * 1e3,
                     "gpu_ms": gpu * 1e3,
                     "p99_ms": p99 * 1e3, "ratio": p50 / floor, "decode_tok_s": batch / p50,
                     "e2e_tok_s": r["tokens"] / r["wall"],
@@ -268,15 +275,15 @@ def hf_peer(args, adapters: list[Path], rows: list[dict]) -> None:
 
 def fmt_row(r: dict) -> str:
     return (
-        f"| {r['adapters']} | {r['batch']} | {'on' if r['pipelined'] else 'off'} | {r['floor_ms']:.2f} | {r['p50_ms']:.2f} | "
+        f"| {r.get('weights', 'bf16')} | {r['adapters']} | {r['batch']} | {'on' if r['pipelined'] else 'off'} | {r['floor_ms']:.2f} | {r['p50_ms']:.2f} | "
         f"{r['p99_ms']:.2f} | {r['gpu_ms']:.2f} | {r['ratio']:.2f} | {r['decode_tok_s']:.0f} | "
         f"{r['e2e_tok_s']:.0f} |"
     )
 
 
 HEADER = (
-    "| adapters | batch | pipelined | floor ms | p50 ms | p99 ms | graph GPU ms | p50/floor | decode tok/s "
-    "| e2e tok/s |\n|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+    "| weights | adapters | batch | pipelined | floor ms | p50 ms | p99 ms | graph GPU ms | p50/floor "
+    "| decode tok/s | e2e tok/s |\n|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -285,6 +292,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--adapters", type=int, nargs="+", default=[0, 1, 8, 32])
+    ap.add_argument(
+        "--quantization", nargs="+", default=["none"], choices=["none", "fp8"],
+        help="base weights: none (bf16) and/or fp8 (quantized at start-up), each a run",
+    )  # fmt: skip
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
@@ -350,19 +361,36 @@ def report(rows: list[dict], bw: float, commit: str | None = None) -> str:
         HEADER,
     ]
     lines += [fmt_row(r) for r in rows if "floor_ms" in r]
+    bf16 = {
+        (r["adapters"], r["batch"], r["pipelined"]): r["p50_ms"]
+        for r in rows
+        if r.get("weights", "bf16") == "bf16" and "p50_ms" in r
+    }
+    fp8 = [r for r in rows if r.get("weights") == "fp8" and "p50_ms" in r]
+    if fp8 and bf16:
+        lines.append("\nfp8 base against bf16 (p50 step, same adapters / batch / pipelining):\n")
+        lines.append("| adapters | batch | pipelined | fp8 / bf16 | fp8 p50 / fp8 floor |")
+        lines.append("|---:|---:|---|---:|---:|")
+        for r in fp8:
+            ref = bf16.get((r["adapters"], r["batch"], r["pipelined"]))
+            if ref:
+                lines.append(
+                    f"| {r['adapters']} | {r['batch']} | {'on' if r['pipelined'] else 'off'} | "
+                    f"{r['p50_ms'] / ref:.2f} | {r['ratio']:.2f} |"
+                )
     base = {
-        (r["batch"], r["pipelined"]): r["p50_ms"]
+        (r.get("weights", "bf16"), r["batch"], r["pipelined"]): r["p50_ms"]
         for r in rows
         if r.get("adapters") == 0 and "p50_ms" in r
     }
     lines.append("\nLoRA overhead against base-only decode (p50, same pipelining):\n")
-    lines.append("| adapters | batch | pipelined | overhead |")
-    lines.append("|---:|---:|---|---:|")
+    lines.append("| weights | adapters | batch | pipelined | overhead |")
+    lines.append("|---|---:|---:|---|---:|")
     for r in rows:
-        key = (r.get("batch"), r.get("pipelined"))
+        key = (r.get("weights", "bf16"), r.get("batch"), r.get("pipelined"))
         if r.get("adapters") and "p50_ms" in r and key in base:
             lines.append(
-                f"| {r['adapters']} | {r['batch']} | {'on' if r['pipelined'] else 'off'} | "
+                f"| {key[0]} | {r['adapters']} | {r['batch']} | {'on' if r['pipelined'] else 'off'} | "
                 f"{100 * (r['p50_ms'] / base[key] - 1):+.1f} % |"
             )
     for r in rows:

@@ -21,7 +21,8 @@ class EngineConfig:
     served_model_name: str | None = None
     # base weights: None: as the checkpoint stores them (a pre-quantized fp8 checkpoint is read
     # as fp8); "fp8": the projections of a bf16/fp16/fp32 checkpoint are quantized to float8
-    # e4m3 on load (per output channel). Until the fp8 GEMMs exist they run de-quantized.
+    # e4m3 on load (per output channel); a caller's model (``AsyncEngine(config, model=...)``)
+    # is quantized at start-up. On CUDA the projections run the fp8 GEMM, float rows freed.
     quantization: str | None = None
     # LoRA capacity
     max_loras: int = 4  # GPU slots (distinct adapters per step)

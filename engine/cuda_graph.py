@@ -108,7 +108,7 @@ class DecodeGraphs:
     def gemm_weights(self) -> list[torch.Tensor]:
         layer = self.model.layers[0]
         mods = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-        return [m.weight_aug for m in mods] + [self.model.lm_head]
+        return [m.weight_aug for m in mods if m.float_base] + [self.model.lm_head]
 
     def capture_all(self) -> None:
         """Capture every bucket now (startup), not on a bucket's first use mid-serving."""
@@ -317,7 +317,7 @@ class MixedGraphs:
     def capture(self, sb: int, tb: int) -> None:
         layer = self.model.layers[0]
         mods = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-        tune([m.weight_aug for m in mods], tb)
+        tune([m.weight_aug for m in mods if m.float_base], tb)  # fp8 bases: CONFIGS
         tune([self.model.lm_head], sb)
         graph, logits = capture_graph(lambda: self._forward(sb, tb), self.model.device, self.pool)
         if self.pool is None:

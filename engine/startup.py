@@ -22,8 +22,10 @@ from loraplex.engine.cuda_graph import MixedGraphs
 from loraplex.engine.lora.pool import HostPool
 from loraplex.engine.lora.staging import slot_image_numel
 from loraplex.engine.model.config import ModelConfig
+from loraplex.engine.model.kernels.fp8_linear import prepare_fp8_linear
 from loraplex.engine.model.loader import load_model, resolve_dtype
 from loraplex.engine.model.protocol import CausalLM
+from loraplex.engine.model.quant import drop_float_bases, fp8_layers, quantize_model
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.structured.bitmask import warm_bitmask
 from loraplex.engine.tokenizer import Tokenizer, TokenizerError
@@ -67,6 +69,11 @@ def build_core(
             max_lora_rank=config.max_lora_rank,
             quantization=config.quantization,
         )
+    if config.quantization == "fp8":
+        quantize_model(model)  # a caller's float model (a loaded one is fp8 already)
+    if model.device.type == "cuda" and fp8_layers(model):
+        drop_float_bases(model)  # before anything holds lora_a; memory counted for KV below
+        prepare_fp8_linear(model.device)  # split-K counters, before any graph capture
     per_block = ModelRunner.kv_bytes_per_block(model, config.block_size)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks

@@ -20,6 +20,11 @@ of ``weight_aug`` as the bytes of W^T (in, N_total), in place: a GEMM of a few r
 row-major (in, N) matrix runs about twice as fast on CPU BLAS as against W (N, in) (F.linear),
 at no extra memory. ``weight`` is the logical (N_total, in) view in either layout; the A rows
 are untouched.
+
+fp8 bases on CUDA (``model/quant.py``): ``drop_float_base()`` frees the float base rows once
+``weight_fp8`` / ``weight_scale`` hold them; ``weight_aug`` then holds only the A rows
+(E, in) and the projection runs the fp8 GEMM (``kernels/fp8_linear.py``); ``weight`` is then a
+de-quantized temporary (DoRA's norms at load, the reference forward).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.lora.ops import add_lora
 from loraplex.engine.lora.ops.dora import apply_dora
 from loraplex.engine.lora.ops.runs import add_lora_runs
+from loraplex.engine.model.kernels.fp8_linear import fp8_aug_linear, fp8_aug_linear_torch
 
 __all__ = ["LoRALinear"]
 
@@ -63,6 +69,7 @@ class LoRALinear(torch.nn.Module):
         # NOTE: the bias is zero beyond N: shrink columns get none
         self.bias_aug = torch.nn.Parameter(torch.zeros(n + extra, **kw), False) if bias else None
         self.base_transposed = False  # base rows of weight_aug hold W^T's bytes (CPU path)
+        self.float_base = True  # False: the base rows live only in weight_fp8 (fp8 base)
         self.lora_a: torch.Tensor | None = None
         lora_b = torch.zeros(max_loras, n, max_rank, **kw) if max_loras > 0 else None
         self.register_buffer("lora_b", lora_b)
@@ -75,7 +82,13 @@ class LoRALinear(torch.nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The base weight (N_total, in), a strided view when ``base_transposed``."""
+        """The base weight (N_total, in), a strided view when ``base_transposed``; with the
+        float base dropped, the fp8 rows de-quantized (a new tensor)."""
+        if not self.float_base:
+            n, k = self.weight_fp8.shape
+            g = self.weight_scale.shape[1]  # (N, G) scales, as quant.dequantize_fp8
+            w = self.weight_fp8.float().view(n, g, k // g) * self.weight_scale[:, :, None]
+            return w.view(n, k).to(self.weight_aug.dtype)
         base = self.weight_aug[: self.out_features]
         if self.base_transposed:
             return base.view(self.in_features, self.out_features).t()
@@ -84,8 +97,8 @@ class LoRALinear(torch.nn.Module):
     @torch.no_grad()
     def set_base_layout(self, transposed: bool) -> None:
         """Store the base rows of ``weight_aug`` as W (N, in) or as W^T (in, N), in place."""
-        if transposed == self.base_transposed:
-            return
+        if transposed == self.base_transposed or not self.float_base:
+            return  # NOTE: an fp8 base has no float rows to lay out
         w = self.weight.clone()  # (N, in), logical
         region = self.weight_aug.data[: self.out_features]
         if transposed:
@@ -93,6 +106,27 @@ class LoRALinear(torch.nn.Module):
         else:
             region.copy_(w)
         self.base_transposed = transposed
+
+    @property
+    def shrink_rows(self) -> torch.Tensor | None:
+        """The A rows of every slot (S*L*R, in) as one matrix, or None without slots."""
+        rows = self.weight_aug if not self.float_base else self.weight_aug[self.out_features :]
+        return rows if rows.shape[0] else None
+
+    @torch.no_grad()
+    def drop_float_base(self) -> None:
+        """Free the float base rows of ``weight_aug`` (the fp8 rows must be attached): only
+        the A rows stay, in a new (E, in) tensor, with ``lora_a`` a view of it. Call before
+        anything holds ``lora_a`` (slot writers, graphs)."""
+        if not self.float_base:
+            return
+        if getattr(self, "weight_fp8", None) is None or self.base_transposed:
+            raise ValueError("drop_float_base needs fp8 rows and the (N, in) layout")
+        rows = self.weight_aug.data[self.out_features :].clone()
+        self.weight_aug = torch.nn.Parameter(rows, False)
+        if self.lora_a is not None:
+            self.lora_a = rows.view(len(self.slice_names), self.max_loras, self.max_rank, -1)
+        self.float_base = False
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -124,7 +158,10 @@ class LoRALinear(torch.nn.Module):
         self.lora_b[slot, self.slice_offsets[s] : self.slice_offsets[s + 1]].zero_()
 
     def forward(self, x: torch.Tensor, mapping: LoRAMapping | None) -> torch.Tensor:
-        if self.base_transposed:  # x @ W^T on the row-major (in, N) matrix
+        if not self.float_base:  # fp8 base rows only: the fp8 GEMM (its twin off CUDA)
+            gemm = fp8_aug_linear if x.is_cuda else fp8_aug_linear_torch
+            y = gemm(x.contiguous(), self.weight_fp8, self.weight_scale, None, self.bias)
+        elif self.base_transposed:  # x @ W^T on the row-major (in, N) matrix
             wt = self.weight_aug[: self.out_features].view(self.in_features, self.out_features)
             bias = self.bias
             y = torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)  # (T, N_total)

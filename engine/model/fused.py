@@ -2,7 +2,8 @@
 
 Per decoder layer, eight launches and no separate LoRA launch:
 
-    qkv_aug = h @ [Wqkv; A_qkv].T                     BLAS: base qkv + every slot's shrink
+    qkv_aug = h @ [Wqkv; A_qkv].T                     BLAS (fp8 base: kernels/fp8_linear.py):
+                                                       base qkv + every slot's shrink
     q       = qkv_rope(qkv_aug)                        + LoRA delta, RoPE, K/V into the cache
     attn    = paged_attention(q, cache)
     o_aug   = attn @ [Wo; A_o].T
@@ -37,20 +38,30 @@ from loraplex.engine.lora.ops.dora import apply_dora
 from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul, rmsnorm
+from loraplex.engine.model.kernels.fp8_linear import fp8_aug_linear, fp8_aug_linear_torch
 from loraplex.engine.model.paged_attention import paged_attention
 from loraplex.engine.model.protocol import CausalLM
 
 __all__ = ["fused_forward"]
 
 
-def _linear(x: torch.Tensor, lin: LoRALinear, token_slots: torch.Tensor) -> torch.Tensor:
-    """(T, N_total + shrink columns): base output and every slot's shrink, one GEMM."""
+def _linear(
+    x: torch.Tensor, lin: LoRALinear, token_slots: torch.Tensor, triton: bool = True
+) -> torch.Tensor:
+    """(T, N_total + shrink columns): base output and every slot's shrink, one GEMM. An fp8
+    base (float rows dropped): the fp8 GEMM with the A rows in the same launch (the twin off
+    CUDA or with ``triton=False``)."""
+    if not lin.float_base:
+        gemm = fp8_aug_linear if x.is_cuda and triton else fp8_aug_linear_torch
+        return gemm(x, lin.weight_fp8, lin.weight_scale, lin.shrink_rows, lin.bias_aug)
     return linear(x, lin.weight_aug, lin.bias_aug)
 
 
-def _dora_linear(x: torch.Tensor, lin: LoRALinear, token_slots: torch.Tensor) -> torch.Tensor:
+def _dora_linear(
+    x: torch.Tensor, lin: LoRALinear, token_slots: torch.Tensor, triton: bool = True
+) -> torch.Tensor:
     """``_linear``, then the DoRA row scale on the base columns (steps with DoRA rows)."""
-    y = linear(x, lin.weight_aug, lin.bias_aug)
+    y = _linear(x, lin, token_slots, triton)
     if lin.dora_scale is not None:
         apply_dora(y[:, : lin.out_features], lin.dora_scale, lin.bias, token_slots)
     return y
@@ -92,22 +103,22 @@ def fused_forward(
     act = torch.empty(t, cfg.intermediate_size, dtype=h.dtype, device=h.device)
     for i, layer in enumerate(layers):
         k_cache, v_cache = kv_caches[i]
-        qkv = proj(h, layer.qkv_proj, token_slots)
+        qkv = proj(h, layer.qkv_proj, token_slots, triton)
         lora_qkv_rope(
             qkv, layer.qkv_proj.lora_b, mapping, positions, model.rope.cos, model.rope.sin,
             k_cache, v_cache, meta.slot_mapping, q,
         )  # fmt: skip
         attn = attention(q, k_cache, v_cache, meta, layer.scale, cfg.sliding_window)
-        o = proj(attn.view(t, cfg.q_size), layer.o_proj, token_slots)
+        o = proj(attn.view(t, cfg.q_size), layer.o_proj, token_slots, triton)
         if tp is not None:  # base and shrink partials in one all-reduce, then the epilogue
             tp.all_reduce(o)
         lora_add_rmsnorm(
             o, residual, layer.o_proj.lora_b, mapping, layer.post_attention_layernorm.weight,
             eps, h,
         )  # fmt: skip
-        gu = proj(h, layer.gate_up_proj, token_slots)
+        gu = proj(h, layer.gate_up_proj, token_slots, triton)
         lora_silu_mul(gu, layer.gate_up_proj.lora_b, mapping, act)
-        d = proj(act, layer.down_proj, token_slots)
+        d = proj(act, layer.down_proj, token_slots, triton)
         if tp is not None:
             tp.all_reduce(d)
         norm_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.norm.weight

@@ -6,10 +6,11 @@ checkpoint keys to its tensors. Only safetensors is read: no pickle, no code fro
 folder.
 
 fp8 bases (``quant.py``): a pre-quantized fp8 checkpoint is read as published, and
-``quantization="fp8"`` quantizes the projections of a float checkpoint on load. Either way
-the projections run on weights de-quantized to the compute dtype, with the fp8 weights and
-scales kept on each ``LoRALinear`` for the fp8 GEMM path (not built yet: on CUDA the loader
-says so in one warning).
+``quantization="fp8"`` quantizes the projections of a float checkpoint on load. The fp8
+weights and scales are kept on each ``LoRALinear``; on CPU the projections run on weights
+de-quantized to the compute dtype, on CUDA the float base rows are freed once loaded and the
+projections run the fp8 GEMM. NOTE: the model is built with float base rows, so loading
+still peaks at the float size on the device.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from loraplex.engine.model.quant import (
     Fp8Format,
     Fp8Rows,
     dequantize_fp8,
+    drop_float_bases,
     quantize_fp8,
     row_scales,
 )
@@ -170,6 +172,7 @@ class _Fp8Reader:
     quantizes float projections when asked, and collects the fp8 rows (``quant.Fp8Rows``)."""
 
     def __init__(self, model: CausalLM, fmt: Fp8Format | None, *, quantize: bool) -> None:
+        self.model = model
         self.fmt = fmt
         self.quantize = quantize
         self.rows = Fp8Rows(lin for _, lins in model.lora_linears() for lin in lins.values())
@@ -218,13 +221,8 @@ class _Fp8Reader:
         if not layers:
             return
         if device.type == "cuda":
-            log.warning(
-                "fp8_base_dequantized",
-                layers=layers,
-                dtype=str(dtype).removeprefix("torch."),
-                note="the fp8 decode GEMMs are not built yet: the base runs de-quantized at "
-                f"{dtype} speed and memory (fp8 copies kept beside it)",
-            )
+            drop_float_bases(self.model)
+            log.info("fp8_base", layers=layers, source=self.method, gemm="fp8 (W8A16)")
         else:
             log.info("fp8_base_dequantized", layers=layers, source=self.method,
                      dtype=str(dtype).removeprefix("torch."))  # fmt: skip

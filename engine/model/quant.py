@@ -24,10 +24,12 @@ Where fp8 weights come from (``loader.load_model``):
   de-quantized weights see activations and KV in the compute dtype. Any other
   ``quantization_config`` is an ``UnsupportedQuantizationError`` naming the format.
 
-How the weights live in the model (until the fp8 GEMM path exists): every projection runs on
-weights de-quantized to the compute dtype (``weight_aug``, as for a plain checkpoint: the
-forward is unchanged). The fp8 form is kept beside them for the GPU path, as buffers of each
-``LoRALinear`` whose base rows are all fp8 (``fp8_weight(lin)``, ``fp8_layers(model)``):
+How the weights live in the model: the fp8 form is kept as buffers of each ``LoRALinear``
+whose base rows are all fp8 (``fp8_weight(lin)``, ``fp8_layers(model)``). On CPU the
+projections run on weights de-quantized to the compute dtype (``weight_aug``, the slow path
+for tests). On CUDA the float base rows are freed after loading (``drop_float_bases``: the
+base weights take half the memory of bf16) and the projections run the fp8 GEMM
+(``kernels/fp8_linear.py``; the fused forward and ``LoRALinear.forward``):
 
     weight_fp8:   (N_total, in) torch.float8_e4m3fn, rows in the layer's fused order (q, k, v)
     weight_scale: (N_total, G) float32, G divides in; group = in // G:
@@ -62,6 +64,8 @@ __all__ = [
     "parse_quantization_config",
     "fp8_weight",
     "fp8_layers",
+    "quantize_model",
+    "drop_float_bases",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -276,3 +280,30 @@ def fp8_layers(model: Any) -> list[LoRALinear]:
     """The model's projections (a ``CausalLM``'s ``lora_linears``) that hold fp8 weights."""
     layers = (lin for _, lins in model.lora_linears() for lin in lins.values())
     return [lin for lin in dict.fromkeys(layers) if fp8_weight(lin) is not None]
+
+
+@torch.no_grad()
+def quantize_model(model: Any) -> int:
+    """Quantize the float base rows of every projection of a built model in place (per output
+    channel, as on load; for callers that make their own weights). Returns the layer count;
+    layers already holding fp8 rows are left as they are."""
+    count = 0
+    for lin in dict.fromkeys(lin for _, lins in model.lora_linears() for lin in lins.values()):
+        if fp8_weight(lin) is not None:
+            continue
+        q, scale = quantize_fp8(lin.weight)
+        lin.register_buffer("weight_fp8", q.contiguous())
+        lin.register_buffer("weight_scale", scale[:, None].contiguous())
+        with torch.no_grad():  # the float rows now hold exactly what the fp8 rows give
+            lin.weight.copy_(dequantize_fp8(q, lin.weight_scale, lin.weight.dtype))
+        count += 1
+    return count
+
+
+def drop_float_bases(model: Any) -> int:
+    """Free the float base rows of every fp8 projection (``LoRALinear.drop_float_base``):
+    the fp8 GEMM reads the fp8 rows alone. Returns the layer count."""
+    layers = fp8_layers(model)
+    for lin in layers:
+        lin.drop_float_base()
+    return len(layers)

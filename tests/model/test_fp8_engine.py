@@ -116,15 +116,18 @@ def test_serve_flag_reaches_the_engine_config():
         p.parse_args(["--quantization", "gptq"])
 
 
-def test_cuda_load_warns_that_fp8_gemms_are_not_built(setup, monkeypatch):
-    """One warning on CUDA (the base runs de-quantized); an info line on CPU."""
+def test_cuda_load_frees_float_rows_and_says_so(setup, monkeypatch):
+    """On CUDA the loader drops the float base rows (the fp8 GEMM reads the fp8 rows) and
+    logs one info line; on CPU the rows stay (de-quantized slow path)."""
     base = setup[0]
     model = loader.build_model(ModelConfig.from_dir(base))
     reader = loader._Fp8Reader(model, None, quantize=True)
     monkeypatch.setattr(reader.rows, "attach", lambda device: 8)
+    dropped = []
+    monkeypatch.setattr(loader, "drop_float_bases", lambda m: dropped.append(m))
     with capture_logs() as logs:
         reader.finish(torch.device("cuda"), torch.bfloat16)
         reader.finish(torch.device("cpu"), torch.float32)
-    assert [e["log_level"] for e in logs] == ["warning", "info"]
-    assert logs[0]["event"] == "fp8_base_dequantized"
-    assert "fp8 decode GEMMs are not built yet" in logs[0]["note"]
+    assert [e["log_level"] for e in logs] == ["info", "info"]
+    assert logs[0]["event"] == "fp8_base" and logs[0]["gemm"] == "fp8 (W8A16)"
+    assert dropped == [model]

@@ -61,9 +61,23 @@ class Fp8LinearConfig:
     num_stages: int = 4
 
 
-# (N, K, block_m) -> config, from the H200 sweep (benchmarks/fp8_gemm.py, BENCHMARKS.md);
-# N is the base rows (A rows ride along). Llama-3-8B shapes.
-CONFIGS: dict[tuple[int, int, int], Fp8LinearConfig] = {}
+# (N, K, block_m) -> config: the best of the H200 sweep of benchmarks/fp8_gemm.py (2026-12-01,
+# BENCHMARKS.md), summed over the bucket's token counts; N is the base rows (8 slots' A rows
+# of rank 16 rode along). Llama-3-8B: qkv, o, gate_up, down.
+CONFIGS: dict[tuple[int, int, int], Fp8LinearConfig] = {
+    (6144, 4096, 16): Fp8LinearConfig(16, 64, 128, 2, 4, 4),
+    (6144, 4096, 32): Fp8LinearConfig(32, 64, 128, 2, 4, 4),
+    (6144, 4096, 64): Fp8LinearConfig(64, 64, 256, 1, 4, 3),
+    (4096, 4096, 16): Fp8LinearConfig(16, 64, 128, 4, 4, 4),
+    (4096, 4096, 32): Fp8LinearConfig(32, 64, 128, 4, 4, 4),
+    (4096, 4096, 64): Fp8LinearConfig(64, 64, 256, 2, 4, 3),
+    (28672, 4096, 16): Fp8LinearConfig(16, 64, 128, 1, 4, 4),
+    (28672, 4096, 32): Fp8LinearConfig(32, 64, 128, 1, 4, 4),
+    (28672, 4096, 64): Fp8LinearConfig(64, 64, 256, 1, 4, 3),
+    (4096, 14336, 16): Fp8LinearConfig(16, 64, 128, 4, 4, 4),
+    (4096, 14336, 32): Fp8LinearConfig(32, 64, 128, 4, 4, 4),
+    (4096, 14336, 64): Fp8LinearConfig(64, 64, 256, 2, 4, 3),
+}
 
 _COUNTERS = 1 << 16  # tile counters per device for split-K (int32, zero between launches)
 _counters: dict[torch.device, torch.Tensor] = {}
