@@ -105,7 +105,7 @@ def base_bytes(model) -> int:
 
 
 async def engine_cases(args, bw, adapters: list[Path], model_dir: Path, rows: list[dict]):
-    cases = [(q, n, p) for q in args.quantization for n in args.adapters for p in args.modes]
+    cases = [(q, n, p) for n in args.adapters for q in args.quantization for p in args.modes]
     for quant, n, pipelined in cases:
         model = random_model(args.cfg, max_loras=n, max_lora_rank=16, device=args.device)
         cfg = EngineConfig(
