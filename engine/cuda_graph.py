@@ -40,6 +40,15 @@ def capture_graph(
     return graph, out
 
 
+def _logits(model: CausalLM, hidden: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """(N, V) float32 logits of ``hidden`` rows, each with its slot's LM head LoRA delta."""
+    logits = linear(hidden, model.lm_head).float()
+    head = model.lora_vocab().get("lm_head")
+    if head is not None:
+        head.add(logits, hidden, token_slots, triton=True)
+    return logits
+
+
 class DecodeGraphs:
     NVEC = 6  # per-row vectors staged each step: ids, pos, slots, ctx, token_slots, src
 
@@ -103,7 +112,7 @@ class DecodeGraphs:
         hidden = fused_forward(
             self.model, ids, self.pos[:bs], self.kv_caches, meta, self.token_slots[:bs]
         )
-        return linear(hidden, self.model.lm_head).float()  # = model.compute_logits
+        return _logits(self.model, hidden, self.token_slots[:bs])  # = model.compute_logits
 
     def gemm_weights(self) -> list[torch.Tensor]:
         layer = self.model.layers[0]
@@ -307,7 +316,9 @@ class MixedGraphs:
         hidden = fused_forward(
             self.model, ids, self.pos[:tb], self.kv_caches, meta, self.token_slots[:tb], attention
         )  # fmt: skip
-        return linear(hidden.index_select(0, self.last[:sb]), self.model.lm_head).float()
+        last = self.last[:sb]
+        rows = self.token_slots[:tb].index_select(0, last)
+        return _logits(self.model, hidden.index_select(0, last), rows)
 
     def capture_all(self) -> None:
         for key in self.buckets:

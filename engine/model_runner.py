@@ -197,9 +197,13 @@ class ModelRunner:
                 self.model, ids, pos, self.kv_caches, meta, token_slots,
                 triton=self.backend.triton, dora=self.has_dora(items),
             )  # fmt: skip
+            rows = LoRAMapping(token_slots.index_select(0, last), triton=self.backend.triton)
         else:
             hidden = self.model(ids, pos, self.kv_caches, meta, mapping)
-        return self.model.compute_logits(hidden.index_select(0, last))
+            rows = None
+            if mapping is not None:  # the logits rows' slots: their LM head LoRA deltas
+                rows = LoRAMapping(mapping.token_slots.index_select(0, last), triton=mapping.triton)
+        return self.model.compute_logits(hidden.index_select(0, last), rows)
 
     def has_dora(self, items: list[StepItem]) -> bool:
         """Some row's slot holds a DoRA adapter (no cost while none is resident)."""

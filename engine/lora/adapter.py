@@ -29,8 +29,14 @@ from loraplex.engine.lora.preflight import (
     read_safetensors_header,
 )
 from loraplex.engine.lora.targets import PARENT as _PARENT
-from loraplex.engine.lora.targets import base_module_name, check_targets
-from loraplex.engine.model.config import LORA_MODULES, ModelConfig
+from loraplex.engine.lora.targets import base_module_name, check_targets, vocab_module
+from loraplex.engine.model.config import (
+    LORA_MODULES,
+    MODULE_ORDER,
+    VOCAB_LAYER,
+    VOCAB_LORA_MODULES,
+    ModelConfig,
+)
 
 __all__ = [
     "MAX_ADAPTER_WEIGHT",
@@ -98,11 +104,14 @@ class LoRAAdapter:
 
 
 def _resolve_module(name: str, num_layers: int) -> tuple[int, str]:
+    short = vocab_module(name)
+    if short is not None:
+        return VOCAB_LAYER, short
     m = _MODULE_RE.fullmatch(name)
     if m is None or m.group(3) not in LORA_MODULES or _PARENT[m.group(3)] != m.group(2):
         raise AdapterTargetError(
             f"adapter weights target module {name!r}, which is not a LoRA module of the base "
-            f"(supported: {', '.join(LORA_MODULES)})",
+            f"(supported: {', '.join(LORA_MODULES + VOCAB_LORA_MODULES)})",
             field=name,
         )
     layer = int(m.group(1))
@@ -115,15 +124,35 @@ def _resolve_module(name: str, num_layers: int) -> tuple[int, str]:
 
 def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
     """``base_model.model.<module>.lora_A[.<adapter>].weight`` -> (layer, module, "A" or "B");
-    ``<module>.lora_magnitude_vector[.<adapter>][.weight]`` (DoRA) -> "M"."""
+    ``<module>.lora_magnitude_vector[.<adapter>][.weight]`` (DoRA) -> "M";
+    ``model.embed_tokens.lora_embedding_A[.<adapter>]`` -> "A" (``_B``: "B");
+    ``model.embed_tokens`` / ``lm_head`` ``.base_layer.weight`` -> "BASE" (PEFT saves the base
+    table next to a LoRA on it; never read: the served base is the model's)."""
     parts = key.removeprefix("base_model.model.").split(".")
     i = next((j for j, p in enumerate(parts) if p.startswith("lora_")), None)
+    if i is None and parts[-2:] == ["base_layer", "weight"]:
+        layer, short = _resolve_module(".".join(parts[:-2]), num_layers)
+        if layer == VOCAB_LAYER:
+            return layer, short, "BASE"
     if i is None:  # a full weight, e.g. modules_to_save's lm_head.weight
         module = ".".join(parts[:-1] if parts[-1] in ("weight", "bias") else parts)
     else:
         module = ".".join(parts[:i])
     layer, short = _resolve_module(module, num_layers)
+    if i is None and layer == VOCAB_LAYER:
+        raise AdapterTargetError(
+            f"{WEIGHTS_FILE}: tensor {key!r} is a full {short} table (modules_to_save), which "
+            f"{CONFIG_FILE} does not list",
+            field=key,
+        )
     rest = parts[i + 1 :] if i is not None else []
+    if i is not None and short == "embed_tokens":
+        if parts[i] in ("lora_embedding_A", "lora_embedding_B") and len(rest) < 2:
+            return layer, short, parts[i][-1]
+        raise AdapterFormatError(
+            f"{WEIGHTS_FILE}: tensor {key!r} is not a lora_embedding_A / lora_embedding_B",
+            field=key,
+        )
     magnitude = i is not None and parts[i] == "lora_magnitude_vector"
     if magnitude and (len(rest) < 2 or (len(rest) == 2 and rest[-1] == "weight")):
         return layer, short, "M"
@@ -191,6 +220,9 @@ def _index(
     for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
         layer, module, ab = _parse_key(key, mc.num_layers)
         full = base_module_name(layer, module)
+        if ab == "BASE":
+            _check_base_table(key, list(f.get_slice(key).get_shape()), module, mc)
+            continue
         if not config.targets(full):
             raise AdapterTargetError(
                 f"{WEIGHTS_FILE}: tensor {key!r} is for {full!r}, which {CONFIG_FILE} does not target",
@@ -214,6 +246,18 @@ def _index(
     if not found:
         raise AdapterFormatError(f"{WEIGHTS_FILE} holds no LoRA weights", field=WEIGHTS_FILE)
     return found
+
+
+def _check_base_table(key: str, shape: list[int], module: str, mc: ModelConfig) -> None:
+    """PEFT's copy of the base table next to an embedding / LM head LoRA must be the base's
+    shape (a resized vocabulary is not this base's)."""
+    want = [mc.vocab_size, mc.hidden_size]
+    if shape != want:
+        raise AdapterShapeError(
+            f"{WEIGHTS_FILE}: tensor {key!r} has shape {tuple(shape)}; the base's {module} is "
+            f"{tuple(want)} (an adapter for a resized vocabulary does not fit this base)",
+            field=key,
+        )
 
 
 def _check_pair(
@@ -271,15 +315,15 @@ def load_adapter(
     # duplicate keys)
 
     read_safetensors_header(wfile, max_header_bytes=DEFAULT_MAX_HEADER_BYTES)
-    shapes = model_config.lora_module_shapes()
+    shapes = model_config.adapter_module_shapes()
     weights: dict[tuple[int, str], LoRAWeights] = {}
     try:
         with safe_open(str(wfile), framework="pt") as f:
             found = _index(f, config, model_config)
-            order = sorted(found, key=lambda lm: (lm[0], LORA_MODULES.index(lm[1])))
-            for layer, module in order:  # check every header first, then read data
-                r = config.rank_for(base_module_name(layer, module))
-                _check_pair(f, found[(layer, module)], r, shapes[module], max_lora_rank)
+            order = sorted(found, key=lambda lm: (lm[0], MODULE_ORDER[lm[1]]))
+            for key in order:  # check every header first, then read data
+                r = config.rank_for(base_module_name(*key))
+                _check_pair(f, found[key], r, shapes[key], max_lora_rank)
             for layer, module in order:
                 full, pair = base_module_name(layer, module), found[(layer, module)]
                 scale = config.scale_for(full)

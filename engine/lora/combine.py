@@ -16,7 +16,7 @@ import torch
 
 from loraplex.engine.lora.adapter import LoRAAdapter, LoRAWeights, check_weight_values
 from loraplex.engine.lora.errors import AdapterConfigError, AdapterRankError
-from loraplex.engine.model.config import LORA_MODULES
+from loraplex.engine.model.config import MODULE_ORDER
 
 __all__ = ["combine_adapters"]
 
@@ -42,7 +42,7 @@ def combine_adapters(
             )
     keys = sorted(
         {k for a, _ in parts for k in a.weights},
-        key=lambda k: (k[0], LORA_MODULES.index(k[1])),
+        key=lambda k: (k[0], MODULE_ORDER[k[1]]),
     )
     weights: dict[tuple[int, str], LoRAWeights] = {}
     for key in keys:

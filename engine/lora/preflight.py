@@ -27,8 +27,13 @@ from loraplex.engine.lora.errors import (
     AdapterTooLargeError,
 )
 from loraplex.engine.lora.peft_config import PeftLoRAConfig, parse_peft_config_json
-from loraplex.engine.lora.targets import base_module_name, check_targets
-from loraplex.engine.model.config import LORA_MODULES, ModelConfig
+from loraplex.engine.lora.targets import base_module_name, check_targets, vocab_module
+from loraplex.engine.model.config import (
+    LORA_MODULES,
+    VOCAB_LAYER,
+    VOCAB_LORA_MODULES,
+    ModelConfig,
+)
 
 __all__ = [
     "DEFAULT_MAX_HEADER_BYTES",
@@ -50,6 +55,9 @@ _KEY_RE = re.compile(
     r"(?P<module>.+?)\.(?:lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight"
     r"|lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?)"
 )
+# the embedding's LoRA (PEFT: ParameterDicts, no ".weight"), and PEFT's copy of the base table
+_EMBED_RE = re.compile(r"model\.embed_tokens\.lora_embedding_(?P<ab>[AB])(?:\.[^.]+)?")
+_BASE_RE = re.compile(r"(?P<module>model\.embed_tokens|lm_head)\.base_layer\.weight")
 _MODULE_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
 _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
 _PARENT = {
@@ -152,7 +160,15 @@ def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
     """``base_model.model.<module>.lora_A[.<adapter>].weight`` -> (layer, module, "A"/"B");
     ``<module>.lora_magnitude_vector[.<adapter>][.weight]`` (DoRA) -> "M"."""
     name = key.removeprefix("base_model.model.")
+    e = _EMBED_RE.fullmatch(name)
+    if e is not None:
+        return VOCAB_LAYER, "embed_tokens", e.group("ab")
+    b = _BASE_RE.fullmatch(name)
+    if b is not None:
+        return VOCAB_LAYER, vocab_module(b.group("module")) or "", "BASE"
     m = _KEY_RE.fullmatch(name)
+    if m is not None and m.group("module") == "lm_head" and m.group("ab"):
+        return VOCAB_LAYER, "lm_head", m.group("ab")
     if m is not None:
         module = m.group("module")
     else:
@@ -163,7 +179,7 @@ def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
     if mm is None or _PARENT.get(mm.group(3)) != mm.group(2):
         raise AdapterTargetError(
             f"{WEIGHTS_FILE}: tensor {key!r} targets {module!r}, which is not a LoRA module of "
-            f"the base (supported: {', '.join(LORA_MODULES)})",
+            f"the base (supported: {', '.join(LORA_MODULES + VOCAB_LORA_MODULES)})",
             field=key,
         )
     layer, short = int(mm.group(1)), mm.group(3)
@@ -187,6 +203,15 @@ def _check_modules(
     for t in tensors:
         layer, module, ab = _parse_key(t.key, mc.num_layers)
         full = base_module_name(layer, module)
+        if ab == "BASE":  # PEFT's copy of the base table: never read, its shape must fit
+            if t.shape != (mc.vocab_size, mc.hidden_size):
+                raise AdapterShapeError(
+                    f"{WEIGHTS_FILE}: tensor {t.key!r} has shape {t.shape}; the base's {module} "
+                    f"is {(mc.vocab_size, mc.hidden_size)} (an adapter for a resized "
+                    "vocabulary does not fit this base)",
+                    field=t.key,
+                )
+            continue
         if not config.targets(full):
             raise AdapterTargetError(
                 f"{WEIGHTS_FILE}: tensor {t.key!r} is for {full!r}, which {CONFIG_FILE} does not "
@@ -203,7 +228,7 @@ def _check_modules(
         pair[ab] = t
     if not found:
         raise AdapterFormatError(f"{WEIGHTS_FILE} holds no LoRA weights", field=WEIGHTS_FILE)
-    shapes = mc.lora_module_shapes()
+    shapes = mc.adapter_module_shapes()
     out: dict[tuple[int, str], ModuleReport] = {}
     for (layer, module), pair in sorted(found.items()):
         full = base_module_name(layer, module)
@@ -216,10 +241,10 @@ def _check_modules(
             )
         a, b = pair["A"], pair["B"]
         m = pair.get("M")
-        if m is not None and m.shape != (shapes[module][1],):
+        if m is not None and m.shape != (shapes[(layer, module)][1],):
             raise AdapterShapeError(
                 f"{WEIGHTS_FILE}: tensor {m.key!r} has shape {m.shape}, expected "
-                f"({shapes[module][1]},) for {full!r} of the base",
+                f"({shapes[(layer, module)][1]},) for {full!r} of the base",
                 field=m.key,
             )
         for t in (a, b):
@@ -241,7 +266,7 @@ def _check_modules(
                 f"{full!r} rank {r_cfg}",
                 field=a.key,
             )
-        d_in, d_out = shapes[module]
+        d_in, d_out = shapes[(layer, module)]
         for t, want in ((a, (r, d_in)), (b, (d_out, r))):
             if t.shape != want:
                 raise AdapterShapeError(

@@ -20,16 +20,17 @@ import torch
 
 from loraplex.engine.lora.scatter import ScatterPlan, build_plan, scatter_triton
 from loraplex.engine.lora.staging import PackedAdapter, pack_adapter, packed_for
-from loraplex.engine.model.config import LORA_MODULES
+from loraplex.engine.model.config import MODULE_ORDER, VOCAB_LAYER
 
 if TYPE_CHECKING:
     from loraplex.engine.lora.adapter import LoRAAdapter
     from loraplex.engine.lora.layers import LoRALinear
+    from loraplex.engine.lora.vocab import VocabLoRA
     from loraplex.engine.model.protocol import CausalLM
 
 __all__ = ["write_slot", "clear_slot", "write_slot_reference", "measure_slot_write"]
 
-_ORDER = {m: i for i, m in enumerate(LORA_MODULES)}
+_ORDER = MODULE_ORDER
 _STAGING_GRAIN = 1 << 20  # elements: staging grows in steps of this
 
 
@@ -39,7 +40,7 @@ class _Site:
 
     layer: int
     module: str
-    linear: LoRALinear
+    linear: LoRALinear | VocabLoRA
     s: int  # slice index
     lo: int  # rows lo:hi of lora_b[slot]
     hi: int
@@ -47,8 +48,8 @@ class _Site:
 
 @dataclass
 class _ModelCache:
-    sites: list[_Site]  # layer-major, LORA_MODULES order: one linear's slices are consecutive
-    linears: list[LoRALinear]
+    sites: list[_Site]  # layer-major, MODULE_ORDER: one linear's slices are consecutive
+    linears: list[LoRALinear | VocabLoRA]
     signature: tuple[int, ...]  # storage pointers the cached views were made from
     views: dict[int, tuple[list[torch.Tensor], dict[int, torch.Tensor]]] = field(
         default_factory=dict
@@ -61,7 +62,7 @@ class _ModelCache:
 _CACHES: weakref.WeakKeyDictionary[CausalLM, _ModelCache] = weakref.WeakKeyDictionary()
 
 
-def _signature(linears: list[LoRALinear]) -> tuple[int, ...]:
+def _signature(linears: list[LoRALinear | VocabLoRA]) -> tuple[int, ...]:
     out = []
     for lin in linears:
         assert lin.lora_a is not None and lin.lora_b is not None, "the model has no LoRA slots"
@@ -76,7 +77,8 @@ def _cache(model: CausalLM) -> _ModelCache:
     if c is not None and _signature(c.linears) == c.signature:
         return c
     sites, linears = [], []
-    for layer, by_module in model.lora_linears():
+    vocab = model.lora_vocab()
+    for layer, by_module in [(VOCAB_LAYER, vocab), *model.lora_linears()]:
         linears += dict.fromkeys(by_module.values())
         for module in sorted(by_module, key=_ORDER.__getitem__):
             lin = by_module[module]
@@ -263,7 +265,7 @@ def write_slot(
     if not c.sites:
         return
     lin0 = c.sites[0].linear
-    r_max, dtype, device = lin0.max_rank, lin0.weight_aug.dtype, lin0.weight_aug.device
+    r_max, dtype, device = lin0.max_rank, lin0.lora_b.dtype, lin0.lora_b.device
     if isinstance(adapter, PackedAdapter):
         packed = adapter
         if packed.max_rank != r_max:
@@ -329,7 +331,7 @@ def clear_slot(model: CausalLM, slot: int) -> None:
 @torch.no_grad()
 def write_slot_reference(model: CausalLM, slot: int, adapter: LoRAAdapter) -> None:
     """The per-module write (~4 launches per module and layer): the oracle of the tests."""
-    for layer_idx, linears in model.lora_linears():
+    for layer_idx, linears in [(VOCAB_LAYER, model.lora_vocab()), *model.lora_linears()]:
         for module, linear in linears.items():
             w = adapter.weights.get((layer_idx, module))
             if w is None:

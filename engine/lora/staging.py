@@ -1,6 +1,7 @@
 """Pack an adapter into one contiguous (pinned) CPU buffer, laid out for a one-copy slot write.
 
-Per layer, the targeted modules (in ``LORA_MODULES`` order) are laid out as
+Per layer (``VOCAB_LAYER`` = -1 first: the embedding's and the LM head's LoRA), the targeted
+modules (in ``MODULE_ORDER``) are laid out as
 
     [B_m0 (out, R) | B_m1 (out, R) | ... | A_m0 (r, in) | A_m1 (r, in) | ...]
 
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loraplex.engine.lora.adapter import LoRAWeights, WeightsView
-from loraplex.engine.model.config import LORA_MODULES, ModelConfig
+from loraplex.engine.model.config import MODULE_ORDER, ModelConfig
 
 if TYPE_CHECKING:
     from loraplex.engine.lora.adapter import LoRAAdapter
@@ -46,7 +47,7 @@ __all__ = [
 ]
 
 _ALIGN = 64  # elements: block offsets stay 128-256 B aligned (vectorised copies)
-_ORDER = {m: i for i, m in enumerate(LORA_MODULES)}
+_ORDER = MODULE_ORDER
 
 
 @dataclass(frozen=True)
@@ -131,12 +132,11 @@ def _layout(
 def full_layout(
     model_config: ModelConfig, max_rank: int
 ) -> tuple[dict[tuple[int, str], PackEntry], int]:
-    """Layout of the largest packed adapter: every module of every layer at rank R."""
-    per_layer = model_config.lora_module_shapes()
+    """Layout of the largest packed adapter: every module of every layer (the embedding and
+    the LM head included) at rank R."""
     shapes = {
-        (layer, m): (max_rank, d_in, d_out)
-        for layer in range(model_config.num_layers)
-        for m, (d_in, d_out) in per_layer.items()
+        key: (max_rank, d_in, d_out)
+        for key, (d_in, d_out) in model_config.adapter_module_shapes().items()
     }
     return _layout(shapes, max_rank)
 

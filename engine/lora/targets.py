@@ -1,41 +1,58 @@
 """Which base modules a LoRA adapter may target: PEFT-style module names and the target check
-shared by the adapter parser (adapter.py) and the header-only preflight (preflight.py)."""
+shared by the adapter parser (adapter.py) and the header-only preflight (preflight.py).
+
+Per decoder layer the projections of ``LORA_MODULES``; at model level the input embedding
+(``model.embed_tokens``, PEFT's ``lora_embedding_A`` / ``lora_embedding_B``) and the LM head
+(``lm_head``, a plain linear LoRA), keyed ``(VOCAB_LAYER, name)``.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from loraplex.engine.lora.errors import AdapterTargetError
-from loraplex.engine.model.config import LORA_MODULES
+from loraplex.engine.lora.errors import AdapterConfigError, AdapterTargetError
+from loraplex.engine.model.config import LORA_MODULES, VOCAB_LAYER, VOCAB_LORA_MODULES
 
 if TYPE_CHECKING:
     from loraplex.engine.lora.peft_config import PeftLoRAConfig
     from loraplex.engine.model.config import ModelConfig
 
-__all__ = ["PARENT", "base_module_name", "check_targets"]
+__all__ = ["PARENT", "VOCAB_NAMES", "base_module_name", "check_targets", "vocab_module"]
 
 PARENT = {
     m: "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn" for m in LORA_MODULES
 }
-# Base modules that are linear but never LoRA targets here.
-_OTHER_MODULES = ("lm_head", "model.embed_tokens")
+# PEFT's full names of the model-level targets
+VOCAB_NAMES = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
+_SUPPORTED = ", ".join(LORA_MODULES + VOCAB_LORA_MODULES)
 
 
 def base_module_name(layer: int, module: str) -> str:
-    """Full PEFT-style name of a base LoRA module, e.g. ``model.layers.0.self_attn.q_proj``."""
+    """Full PEFT-style name of a base LoRA module, e.g. ``model.layers.0.self_attn.q_proj``
+    (``model.embed_tokens`` / ``lm_head`` for ``VOCAB_LAYER``)."""
+    if layer == VOCAB_LAYER:
+        return VOCAB_NAMES[module]
     return f"model.layers.{layer}.{PARENT[module]}.{module}"
+
+
+def vocab_module(path: str) -> str | None:
+    """``embed_tokens`` / ``lm_head`` for their PEFT module paths, else None."""
+    for short, full in VOCAB_NAMES.items():
+        if path == full:
+            return short
+    return None
 
 
 def check_targets(config: PeftLoRAConfig, mc: ModelConfig) -> None:
     """Raise AdapterTargetError unless every target names a LoRA module / layer of the base."""
     names = [base_module_name(i, m) for i in range(mc.num_layers) for m in LORA_MODULES]
+    names += list(VOCAB_NAMES.values())
     tm = config.target_modules
     if isinstance(tm, str):
-        bad = [n for n in _OTHER_MODULES if config.targets(n)]
-        if bad or not any(config.targets(n) for n in names):
+        if not any(config.targets(n) for n in names):
             raise AdapterTargetError(
-                f"adapter_config.json: target_modules regex {tm!r} "
-                + (f"matches {bad[0]!r}" if bad else "matches no LoRA module of the base"),
+                f"adapter_config.json: target_modules regex {tm!r} matches no LoRA module of "
+                "the base",
                 field="target_modules",
             )
     else:
@@ -43,9 +60,15 @@ def check_targets(config: PeftLoRAConfig, mc: ModelConfig) -> None:
             if not any(n == t or n.endswith("." + t) for n in names):
                 raise AdapterTargetError(
                     f"adapter_config.json: target_modules names {t!r}, which the base has no "
-                    f"LoRA module for (supported: {', '.join(LORA_MODULES)})",
+                    f"LoRA module for (supported: {_SUPPORTED})",
                     field="target_modules",
                 )
+    if config.use_dora and any(config.targets(n) for n in VOCAB_NAMES.values()):
+        raise AdapterConfigError(
+            "adapter_config.json: use_dora on embed_tokens / lm_head is not supported (DoRA "
+            "applies to the decoder projections here)",
+            field="use_dora",
+        )
     for idx in config.layers_to_transform or ():
         if idx >= mc.num_layers:
             raise AdapterTargetError(

@@ -17,10 +17,25 @@ from loraplex.engine.model.errors import ModelConfigError
 from loraplex.engine.model.quant import Fp8Format, parse_quantization_config
 from loraplex.engine.model.registry import architecture_for
 
-__all__ = ["ModelConfig", "LORA_MODULES", "ModelConfigError"]
+__all__ = [
+    "ModelConfig",
+    "LORA_MODULES",
+    "VOCAB_LORA_MODULES",
+    "VOCAB_LAYER",
+    "MODULE_ORDER",
+    "ModelConfigError",
+]
 
 # NOTE: the order is the order of slices in the fused layers: qkv = (q, k, v), gate_up = (gate, up).
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Model-level LoRA targets (one each, outside the decoder layers): the input embedding and the
+# LM head. Adapter weights key them as (VOCAB_LAYER, name); as LoRA "linears" they read
+# (in, out) = (vocab, hidden) for the embedding (PEFT's lora_embedding_A is (r, vocab), the
+# delta is onehot(ids) @ A^T @ B^T) and (hidden, vocab) for the head.
+VOCAB_LORA_MODULES = ("embed_tokens", "lm_head")
+VOCAB_LAYER = -1
+# (layer, module) keys sort as (layer, MODULE_ORDER[module]): slot images, packing, composition
+MODULE_ORDER = {m: i for i, m in enumerate(LORA_MODULES + VOCAB_LORA_MODULES)}
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,18 @@ class ModelConfig:
             "up_proj": (h, i),
             "down_proj": (i, h),
         }
+
+    def vocab_lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of the model-level LoRA targets (``VOCAB_LORA_MODULES``)."""
+        v, h = self.vocab_size, self.hidden_size
+        return {"embed_tokens": (v, h), "lm_head": (h, v)}
+
+    def adapter_module_shapes(self) -> dict[tuple[int, str], tuple[int, int]]:
+        """(layer, module) -> (in, out) of every LoRA target of the model, vocab ones included."""
+        per_layer = self.lora_module_shapes()
+        out = {(i, m): s for i in range(self.num_layers) for m, s in per_layer.items()}
+        out.update({(VOCAB_LAYER, m): s for m, s in self.vocab_lora_shapes().items()})
+        return out
 
     @staticmethod
     def from_dict(cfg: dict[str, Any]) -> ModelConfig:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from loraplex.engine.lora.layers import LoRALinear
 from loraplex.engine.lora.mapping import LoRAMapping
+from loraplex.engine.lora.vocab import VocabLoRA
 from loraplex.engine.model.attention import (
     AttentionMetadata,
     paged_attention_batched,
@@ -141,6 +142,13 @@ class LlamaForCausalLM(torch.nn.Module):
             self.lm_head = torch.nn.Parameter(
                 torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), False
             )
+        # model-level LoRA slots (lora/vocab.py): the embedding's and the LM head's
+        self.embed_lora: VocabLoRA | None = None
+        self.lm_head_lora: VocabLoRA | None = None
+        if max_loras > 0:
+            v, h = cfg.vocab_size, cfg.hidden_size
+            self.embed_lora = VocabLoRA("embed_tokens", v, h, **lora_kw)
+            self.lm_head_lora = VocabLoRA("lm_head", h, v, **lora_kw)
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device
         )
@@ -165,6 +173,12 @@ class LlamaForCausalLM(torch.nn.Module):
     def lora_linears(self) -> Iterator[tuple[int, dict[str, LoRALinear]]]:
         for i, layer in enumerate(self.layers):
             yield i, layer.lora_linears()
+
+    def lora_vocab(self) -> dict[str, VocabLoRA]:
+        """The model-level LoRA slots by module (``embed_tokens``, ``lm_head``); empty without
+        LoRA slots."""
+        mods = (self.embed_lora, self.lm_head_lora)
+        return {m.name: m for m in mods if m is not None}
 
     @torch.no_grad()
     def set_base_layout(self, transposed: bool) -> None:
@@ -201,14 +215,21 @@ class LlamaForCausalLM(torch.nn.Module):
             x = self.tp.embed(input_ids, self.embed_tokens)
         else:
             x = F.embedding(input_ids, self.embed_tokens)
+        if mapping is not None and mapping.has_lora and self.embed_lora is not None:
+            self.embed_lora.add(x, input_ids, mapping.token_slots, triton=mapping.triton)
         rope = self.rope.table(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, kv, meta, mapping, rope)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> (N, vocab) float32 (a tensor-parallel shard gathers every rank's)."""
+    def compute_logits(
+        self, hidden: torch.Tensor, mapping: LoRAMapping | None = None
+    ) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) float32 (a tensor-parallel shard gathers every rank's).
+        ``mapping``: the slots of these N rows (their LM head LoRA deltas), or None (base)."""
         logits = F.linear(hidden, self.lm_head).float()
+        if mapping is not None and self.lm_head_lora is not None:
+            self.lm_head_lora.add(logits, hidden, mapping.token_slots, triton=mapping.triton)
         return self.tp.gather_logits(logits) if self.tp is not None else logits
 
 

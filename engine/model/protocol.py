@@ -9,7 +9,8 @@ Who reads what:
 
 - model runner: ``cfg``, ``dtype``, ``device``, ``max_loras``, ``set_base_layout``, the
   reference forward (``__call__``) and ``compute_logits``;
-- slot writes and the host tier (``lora/slots.py``, ``lora/staging.py``): ``lora_linears``;
+- slot writes and the host tier (``lora/slots.py``, ``lora/staging.py``): ``lora_linears`` and
+  ``lora_vocab`` (the embedding's and the LM head's LoRA slots);
 - the fused GPU forward (``fused.py``), CUDA graphs and warm-up: ``layers`` and ``lm_head``,
   and the Llama layer attributes that ``fused.py`` lists (a family with another layer
   structure runs the reference forward: kernel backends ``torch`` / ``sgmv``).
@@ -25,6 +26,7 @@ import torch
 if TYPE_CHECKING:
     from loraplex.engine.lora.layers import LoRALinear
     from loraplex.engine.lora.mapping import LoRAMapping
+    from loraplex.engine.lora.vocab import VocabLoRA
     from loraplex.engine.model.attention import AttentionMetadata
     from loraplex.engine.model.config import ModelConfig
 
@@ -61,8 +63,14 @@ class CausalLM(Protocol):
         reading and writing the paged KV cache (one (k, v) pair per layer)."""
         ...
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> (N, vocab) float32."""
+    def compute_logits(
+        self, hidden: torch.Tensor, mapping: LoRAMapping | None = None
+    ) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) float32; ``mapping``: the N rows' slots (LM head LoRA)."""
+        ...
+
+    def lora_vocab(self) -> dict[str, VocabLoRA]:
+        """Model-level LoRA slots by module (``embed_tokens``, ``lm_head``; lora/vocab.py)."""
         ...
 
     def lora_linears(self) -> Iterator[tuple[int, dict[str, LoRALinear]]]:

@@ -181,6 +181,10 @@ def shard_adapter(adapter: Any, cfg: ModelConfig, shard: TPShard) -> Any:
         return adapter
     if getattr(adapter, "dora", None):
         raise TensorParallelError(f"adapter {adapter.name!r}: DoRA is not split over ranks yet")
+    if any(layer < 0 for layer, _ in adapter.weights):
+        raise TensorParallelError(
+            f"adapter {adapter.name!r}: embed_tokens / lm_head LoRA is not split over ranks yet"
+        )
     weights = {}
     for (layer, module), w in adapter.weights.items():
         a, b = shard_lora(module, w.a, w.b, cfg, shard)

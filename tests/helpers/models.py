@@ -149,8 +149,10 @@ def make_peft_adapter(
         for name, p in sorted(model.named_parameters()):
             if ".lora_A." in name:  # (r, in): x @ A.T has unit-ish scale
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-            elif ".lora_B." in name:
+            elif ".lora_B." in name or ".lora_embedding_B." in name:
                 p.copy_(LORA_B_STD * torch.randn(p.shape, generator=g))
+            elif ".lora_embedding_A." in name:  # (r, vocab): rows gathered by token id
+                p.copy_(torch.randn(p.shape, generator=g))
     out = Path(out_dir)
     model.save_pretrained(out, safe_serialization=True)
     return out

@@ -343,10 +343,10 @@ def test_rank_above_limit(plain, mc):
     ("targets", "named"),
     [
         (["q_proj", "foo_proj"], "foo_proj"),
-        (["q_proj", "lm_head"], "lm_head"),
-        (["embed_tokens"], "embed_tokens"),
+        (["q_proj", "norm"], "norm"),
+        (["embed_tokens", "rotary_emb"], "rotary_emb"),
         (r"model\.layers\.\d+\.foo", "foo"),
-        (r".*(q_proj|lm_head)", "lm_head"),
+        (r"model\.norm", "matches no LoRA module"),
     ],
 )
 def test_config_targets_module_base_lacks(targets, named, plain, tmp_path, mc):

@@ -224,6 +224,6 @@ def test_unknown_or_untargeted_modules(tmp_path: Path, key: str, error: type, ma
 def test_config_targets_checked(tmp_path: Path) -> None:
     d = write_adapter(tmp_path / "a", targets=("q_proj",))
     cfg = json.loads((d / "adapter_config.json").read_text())
-    cfg["target_modules"] = ["q_proj", "lm_head"]
+    cfg["target_modules"] = ["q_proj", "norm"]
     (d / "adapter_config.json").write_text(json.dumps(cfg))
-    _fails(d, AdapterTargetError, "names 'lm_head'")
+    _fails(d, AdapterTargetError, "names 'norm'")
