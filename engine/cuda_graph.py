@@ -44,7 +44,7 @@ def _logits(model: CausalLM, hidden: torch.Tensor, token_slots: torch.Tensor) ->
     """(N, V) float32 logits of ``hidden`` rows, each with its slot's LM head LoRA delta."""
     logits = linear(hidden, model.lm_head).float()
     head = model.lora_vocab().get("lm_head")
-    if head is not None:
+    if head is not None and getattr(model, "tp", None) is None:
         head.add(logits, hidden, token_slots, triton=True)
     return logits
 

@@ -184,11 +184,9 @@ def capacity_report(core: EngineCore) -> dict[str, Any]:
     """What the engine holds: KV tokens, GPU slots, CPU tier, adapters the host memory fits."""
     cfg = core.config
     mcfg = core.model.cfg
-    shapes = mcfg.lora_module_shapes()
+    shapes = mcfg.adapter_module_shapes()  # the embedding's and the LM head's included
     elem = torch.empty((), dtype=core.model.dtype).element_size()
-    full_rank_bytes = (
-        mcfg.num_layers * sum(i + o for i, o in shapes.values()) * cfg.max_lora_rank * elem
-    )
+    full_rank_bytes = sum(i + o for i, o in shapes.values()) * cfg.max_lora_rank * elem
     num_blocks = core.blocks.num_blocks
     return {
         "model": core.model_name,

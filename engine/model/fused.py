@@ -100,7 +100,8 @@ def fused_forward(
         residual = tp.embed(input_ids, model.embed_tokens)
     else:
         residual = F.embedding(input_ids, model.embed_tokens)  # updated in place by add_rmsnorm
-    embed_lora = model.lora_vocab().get("embed_tokens")
+    # NOTE: a tensor-parallel shard takes no vocab LoRA (tp.shard_adapter refuses it)
+    embed_lora = model.lora_vocab().get("embed_tokens") if tp is None else None
     if embed_lora is not None:  # base rows: a launch, no work (ops/triton_vocab.py)
         embed_lora.add(residual, input_ids, token_slots, triton=triton)
     h = torch.empty_like(residual)

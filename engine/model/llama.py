@@ -215,8 +215,10 @@ class LlamaForCausalLM(torch.nn.Module):
             x = self.tp.embed(input_ids, self.embed_tokens)
         else:
             x = F.embedding(input_ids, self.embed_tokens)
-        if mapping is not None and mapping.has_lora and self.embed_lora is not None:
-            self.embed_lora.add(x, input_ids, mapping.token_slots, triton=mapping.triton)
+        # NOTE: a tensor-parallel shard takes no vocab LoRA (tp.shard_adapter refuses it)
+        emb = self.embed_lora if self.tp is None else None
+        if mapping is not None and mapping.has_lora and emb is not None:
+            emb.add(x, input_ids, mapping.token_slots, triton=mapping.triton)
         rope = self.rope.table(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, kv, meta, mapping, rope)
@@ -228,7 +230,7 @@ class LlamaForCausalLM(torch.nn.Module):
         """(N, hidden) -> (N, vocab) float32 (a tensor-parallel shard gathers every rank's).
         ``mapping``: the slots of these N rows (their LM head LoRA deltas), or None (base)."""
         logits = F.linear(hidden, self.lm_head).float()
-        if mapping is not None and self.lm_head_lora is not None:
+        if mapping is not None and self.lm_head_lora is not None and self.tp is None:
             self.lm_head_lora.add(logits, hidden, mapping.token_slots, triton=mapping.triton)
         return self.tp.gather_logits(logits) if self.tp is not None else logits
 

@@ -170,3 +170,24 @@ def test_vocab_refusals(setup, tmp_path):
     for check in checks(untargeted):
         with pytest.raises(AdapterTargetError, match="lm_head"):
             check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_vocab_lora_mixed_batch_on_gpu(setup, dtype):
+    """The fused path on CUDA in half precision, decode steps as CUDA graphs (the embedding
+    and LM head deltas inside them): against PEFT in float32 on the same GPU."""
+    kind, model_dir, adapters = setup
+    prompts = _prompts(6)
+    names = [n for n, _ in ROWS]
+    run = dict(dtype=torch.float32, device="cuda")
+    refs, tokens = hf_mixed_batch(model_dir, adapters, prompts, names, **run)
+    our_steps = ours(model_dir, adapters, prompts, names, tokens, dtype=dtype, device="cuda")
+    for step in range(DECODE_STEPS + 1):
+        for row in range(len(ROWS)):
+            ref = refs[step][row]
+            err = ((our_steps[step][row] - ref).norm() / ref.norm()).item()
+            assert err < 3e-2, f"{kind} {dtype} step {step} row {row} ({names[row]}): {err:.2e}"
+            top2 = ref.topk(2).values
+            if (top2[0] - top2[1]).item() > 1.0:
+                assert int(our_steps[step][row].argmax()) == tokens[step][row]
