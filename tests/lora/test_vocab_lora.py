@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from loraplex.engine.lora.adapter import load_adapter
+from loraplex.engine.lora.combine import combine_adapters
 from loraplex.engine.lora.errors import AdapterConfigError, AdapterShapeError, AdapterTargetError
 from loraplex.engine.lora.ops.vocab import lora_vocab_expand, lora_vocab_expand_torch
 from loraplex.engine.lora.preflight import preflight
@@ -89,6 +90,35 @@ def test_vocab_deltas_are_not_nothing(setup):
     for row, name in enumerate(names[1:], start=1):
         diff = ((our_steps[0][row] - our_steps[0][0]).norm() / our_steps[0][0].norm()).item()
         assert diff > 1e-2, f"{kind}: {name} row equals the base row ({diff:.1e})"
+
+
+def test_composition_with_vocab_modules_matches_peft_cat(setup):
+    """``cat`` of an embedding + head adapter with an embedding one (the embedding's A stacked
+    by rows, B scaled and stacked by columns) equals PEFT's ``add_weighted_adapter``."""
+    kind, model_dir, adapters = setup
+    use = {k: adapters[k] for k in ("vocab", "embed")}
+    weights = [0.7, 0.4]
+    prompts = _prompts(7)[:3]
+    names = ["combo", "base", "vocab"]
+
+    def prepare(m):
+        m.add_weighted_adapter(list(use), weights, "combo", combination_type="cat")
+
+    hf_steps, hf_tokens = hf_mixed_batch(model_dir, use, prompts, names, prepare=prepare)
+
+    def loaded(model):
+        parts = [
+            (load_adapter(use[n], model.cfg, max_lora_rank=16, name=n), w)
+            for n, w in zip(use, weights, strict=True)
+        ]
+        vocab = load_adapter(use["vocab"], model.cfg, max_lora_rank=16, name="vocab")
+        return {"combo": combine_adapters(parts, name="combo", max_lora_rank=16), "vocab": vocab}
+
+    our_steps = ours(model_dir, {}, prompts, names, hf_tokens, loaded=loaded)
+    for step, (a, b) in enumerate(zip(our_steps, hf_steps, strict=True)):
+        for row in range(len(names)):
+            err = ((a[row] - b[row]).norm() / b[row].norm()).item()
+            assert err < RTOL, f"{kind} step {step} row {row} ({names[row]}): {err:.2e}"
 
 
 def test_expand_kernel_matches_its_twin():
