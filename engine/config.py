@@ -76,6 +76,9 @@ class EngineConfig:
     # GIL); None: 2 on CUDA, 0 (threads of this process) on CPU
     loader_processes: int | None = None
     gil_switch_interval_s: float | None = 0.0005  # None: leave sys.getswitchinterval() alone
+    # ranks of tensor parallelism (model/tp.py, parallel/): this process is rank 0 and starts
+    # N - 1 worker processes (one per GPU, NCCL; on CPU gloo); 1: one process, no collectives
+    tensor_parallel_size: int = 1
     seed: int = 0
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -101,6 +104,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_loras < 0 or self.max_cpu_loras < 0:
             raise ValueError("max_loras and max_cpu_loras must be >= 0")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
         if self.loader_processes is not None and self.loader_processes < 0:
             raise ValueError("loader_processes must be >= 0")
         if self.adapter_cache_bytes is not None and self.adapter_cache_bytes < 0:

@@ -34,6 +34,7 @@ from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVe
 from loraplex.engine.lora.pool import HostPool
 from loraplex.engine.lora.staging import packed_for
 from loraplex.engine.model.protocol import CausalLM
+from loraplex.engine.model.tp import full_config
 from loraplex.engine.model_runner import ModelRunner, StepItem
 from loraplex.engine.observe import request_summary
 from loraplex.engine.output import append_token, final_output
@@ -115,7 +116,7 @@ class EngineCore:
         self.model = model  # read for its config, dtype and device; run by the executor
         self.tokenizer = tokenizer
         self.device = model.device
-        cfg = model.cfg
+        cfg = self.model_config = full_config(model)  # (model.cfg: a TP rank's shard)
         self.model_name = config.served_model_name or (
             "demo" if config.extra.get("demo") else (config.model or "model")
         )
@@ -344,7 +345,7 @@ class EngineCore:
         """Worker thread: a DoRA adapter's row scales against this model (lora/dora.py)."""
         t0 = time.perf_counter()
         assert v.local_dir is not None  # (on failure the manager releases v's region)
-        compute_dora(self.model, adapter, load_magnitudes(v.local_dir, self.model.cfg))
+        compute_dora(self.model, adapter, load_magnitudes(v.local_dir, self.model_config))
         v.timings["dora"] = time.perf_counter() - t0
 
     async def _fetched(self, v: AdapterVersion) -> None:
@@ -478,7 +479,7 @@ class EngineCore:
             ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
-            vocab = self.model.cfg.vocab_size
+            vocab = self.model_config.vocab_size
             if any(t < 0 or t >= vocab for t in ids):
                 raise InvalidRequestError(
                     f"prompt token ids must lie in [0, {vocab})", field="prompt"

@@ -8,6 +8,7 @@ __all__ = [
     "AdapterCompositionError",
     "EngineClosedError",
     "RequestAbortedError",
+    "TensorParallelWorkerError",
 ]
 
 
@@ -34,3 +35,8 @@ class EngineClosedError(EngineError):
 
 class RequestAbortedError(EngineError):
     """The request was aborted before it produced its first output."""
+
+
+class TensorParallelWorkerError(EngineError, RuntimeError):
+    """A tensor-parallel worker process failed to start, died or left its group: the engine
+    cannot run steps any more (every request in flight and every later step fails with it)."""

@@ -95,7 +95,8 @@ class StepExecutor:
         self.blocks = blocks
         self.adapters = adapters
         self.sampler = Sampler(seed=config.seed)
-        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda" and runner.tp_size == 1  # TP: writes in the runner
+        self.side_stream = torch.cuda.Stream(self.device) if cuda else None
         self.slot_writer: SlotWriter | None = None
         if self.side_stream is not None and pool is not None and config.max_loras:
             warm_slot_writes(model, pool, self.side_stream)
@@ -106,9 +107,10 @@ class StepExecutor:
         self.step_log: collections.deque[StepRecord] = collections.deque(maxlen=100_000)
 
     def close(self) -> None:
-        """Blocking: stop the slot writer's thread."""
+        """Blocking: stop the slot writer's thread and what the runner started."""
         if self.slot_writer is not None:
             self.slot_writer.close()
+        self.runner.close()
 
     def set_slot_rank(self, slot: int, rank: int, *, dora: bool = False) -> None:
         """Loop: the adapter written into ``slot`` has rank ``rank`` (its write landed);
@@ -289,7 +291,7 @@ class StepExecutor:
         for v, slot, adapter in jobs:
             v.timings["h2d_start"] = time.perf_counter()
             if self.side_stream is None:
-                write_slot(self.model, slot, adapter)
+                self.runner.write_slot(slot, adapter)
                 continue
             after = self.last_step_event if slot in busy else None
             if self.slot_writer is not None:  # its own thread, paced chunks (slot_writer.py)

@@ -9,11 +9,13 @@ LoRA kernels in Triton or as torch twins.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from loraplex.engine.cuda_graph import DecodeGraphs
 from loraplex.engine.lora.mapping import LoRAMapping
+from loraplex.engine.lora.slots import write_slot
 from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.backend import KernelBackend, resolve_kernel_backend
 from loraplex.engine.model.fused import fused_forward
@@ -37,6 +39,8 @@ class StepItem:
 
 
 class ModelRunner:
+    tp_size = 1  # ranks of tensor parallelism (parallel/runner.py: rank 0's runner of N)
+
     def __init__(
         self,
         model: CausalLM,
@@ -84,6 +88,14 @@ class ModelRunner:
                 max_blocks_per_seq=-(-max_model_len // block_size),
                 max_batch=max_graph_batch,
             )
+
+    def write_slot(self, slot: int, adapter: Any) -> None:
+        """Write ``adapter`` into ``slot`` now, on the current stream (the synchronous path;
+        CUDA engines of one rank write on a side stream, executor.py)."""
+        write_slot(self.model, slot, adapter)
+
+    def close(self) -> None:
+        """Release what the runner started (nothing here; worker processes under TP)."""
 
     @staticmethod
     def kv_bytes_per_block(model: CausalLM, block_size: int) -> int:

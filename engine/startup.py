@@ -26,7 +26,9 @@ from loraplex.engine.model.kernels.fp8_linear import prepare_fp8_linear
 from loraplex.engine.model.loader import load_model, resolve_dtype
 from loraplex.engine.model.protocol import CausalLM
 from loraplex.engine.model.quant import drop_float_bases, fp8_layers, quantize_model
+from loraplex.engine.model.tp import TensorParallelError, full_config
 from loraplex.engine.model_runner import ModelRunner
+from loraplex.engine.parallel import ParallelRunner, WorkerGroup
 from loraplex.engine.structured.bitmask import warm_bitmask
 from loraplex.engine.tokenizer import Tokenizer, TokenizerError
 from loraplex.engine.warmup import COMPILES, warm_eager_steps
@@ -47,16 +49,42 @@ def build_core(
     ``model``: an already built model (benchmarks, apps that make their own weights);
     then ``config.model`` may name a folder with only config.json / tokenizer files. Its LoRA
     slots must match the config (``check_model_slots``).
+
+    ``config.tensor_parallel_size`` N > 1: this process is rank 0; it starts the N - 1 workers
+    (``parallel.WorkerGroup``), which load their shards while it loads its own, and runs steps
+    through a ``ParallelRunner``. A failed start-up stops the workers.
     """
     if model is not None:
         check_model_slots(model, config)
+        if config.tensor_parallel_size > 1:
+            raise TensorParallelError(
+                "a caller-supplied model is not split over ranks: name its folder in "
+                "config.model instead"
+            )
     if config.model is None and model is None:
         from loraplex.engine.demo import demo_model_dir
 
         config = replace(config, model=str(demo_model_dir()), extra={**config.extra, "demo": True})
+    group = None
+    if config.tensor_parallel_size > 1:  # rank 0 of N (parallel/): this process
+        assert config.model is not None
+        mcfg = ModelConfig.from_dir(config.model)
+        dtype = resolve_dtype(config.dtype, mcfg, config.resolved_device)
+        group = WorkerGroup(config, config.model, mcfg, dtype)
+    try:
+        return _build(config, wake, model, group)
+    except BaseException:
+        if group is not None:
+            group.close()
+        raise
+
+
+def _build(
+    config: EngineConfig, wake: Callable[[], None], model: CausalLM | None, group: Any
+) -> EngineCore:
     device = config.resolved_device
     if device == "cpu":
-        set_cpu_threads(config.cpu_threads)
+        set_cpu_threads(group.threads if group is not None else config.cpu_threads)
     path = Path(config.model) if config.model is not None else None
     if model is None:
         assert path is not None
@@ -68,12 +96,15 @@ def build_core(
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
             quantization=config.quantization,
+            tensor_parallel=group.start() if group is not None else None,
         )
     if config.quantization == "fp8":
         quantize_model(model)  # a caller's float model (a loaded one is fp8 already)
     if model.device.type == "cuda" and fp8_layers(model):
         drop_float_bases(model)  # before anything holds lora_a; memory counted for KV below
         prepare_fp8_linear(model.device)  # split-K counters, before any graph capture
+    # each worker's free GPU memory once its shard is loaded (None on CPU)
+    frees = [m[1] for m in group.wait_all("loaded")] if group is not None else []
     per_block = ModelRunner.kv_bytes_per_block(model, config.block_size)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
@@ -81,6 +112,7 @@ def build_core(
         num_blocks = config.kv_cache_bytes // per_block
     elif model.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(model.device)
+        free = min([free, *frees])  # TP: the rank with the least sizes every rank's cache
         num_blocks = int(max(free - GPU_HEADROOM, 0) * config.kv_cache_fraction) // per_block
     else:
         num_blocks = CPU_KV_BYTES // per_block
@@ -90,8 +122,7 @@ def build_core(
         config.max_model_len or model.cfg.max_position_embeddings,
         model.cfg.max_position_embeddings,
     )
-    runner = ModelRunner(
-        model,
+    kw = dict(
         num_blocks=num_blocks,
         block_size=config.block_size,
         max_model_len=max_len,
@@ -99,6 +130,7 @@ def build_core(
         max_graph_batch=config.max_num_seqs,
         kernel_backend=config.kernel_backend,
     )
+    runner = ModelRunner(model, **kw) if group is None else ParallelRunner(group, model, **kw)
     COMPILES.install()
     COMPILES.starting()
     if runner.graphs is not None:
@@ -124,7 +156,7 @@ def build_core(
     if runner.fused and model.device.type == "cuda":
         # other mixed prefill + decode steps run eagerly: compile their kernel variants now
         warm_eager_steps(runner, config.max_num_batched_tokens, config.max_num_seqs, max_len)
-    warm_bitmask(model.cfg.vocab_size, config.max_num_seqs, model.device)  # (CUDA only)
+    warm_bitmask(full_config(model).vocab_size, config.max_num_seqs, model.device)  # (CUDA only)
     tokenizer = None  # token-id prompts only
     if path is not None:
         with contextlib.suppress(TokenizerError):
@@ -171,7 +203,7 @@ def host_pool(config: EngineConfig, model: CausalLM, *, shared: bool) -> HostPoo
     if not config.max_loras or not (cuda or shared):
         return None
     elem = torch.empty((), dtype=model.dtype).element_size()
-    region = slot_image_numel(model.cfg, config.max_lora_rank) * elem
+    region = slot_image_numel(full_config(model), config.max_lora_rank) * elem
     count = max(config.max_cpu_loras, config.max_loras) + max(1, config.max_concurrent_loads)
     t0 = time.perf_counter()
     pool = HostPool(region, count, register_cuda=cuda)
@@ -183,7 +215,7 @@ def host_pool(config: EngineConfig, model: CausalLM, *, shared: bool) -> HostPoo
 def capacity_report(core: EngineCore) -> dict[str, Any]:
     """What the engine holds: KV tokens, GPU slots, CPU tier, adapters the host memory fits."""
     cfg = core.config
-    mcfg = core.model.cfg
+    mcfg = core.model_config
     shapes = mcfg.adapter_module_shapes()  # the embedding's and the LM head's included
     elem = torch.empty((), dtype=core.model.dtype).element_size()
     full_rank_bytes = sum(i + o for i, o in shapes.values()) * cfg.max_lora_rank * elem

@@ -37,7 +37,12 @@ def compute_dora(
     model: CausalLM, adapter: LoRAAdapter, magnitudes: dict[tuple[int, str], torch.Tensor]
 ) -> None:
     """Set ``adapter.dora`` to g per module (float32, CPU) and fold g into its B in place
-    (the packed image's B blocks are the same storage). Blocking (a worker thread)."""
+    (the packed image's B blocks are the same storage). Blocking (a worker thread).
+    A tensor-parallel shard is refused (g needs each row's whole norm: not split yet)."""
+    if getattr(model, "tp", None) is not None:
+        from loraplex.engine.model.tp import TensorParallelError
+
+        raise TensorParallelError(f"adapter {adapter.name!r}: DoRA is not split over ranks yet")
     linears = dict(model.lora_linears())
     device = model.device
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None

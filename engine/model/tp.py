@@ -48,6 +48,7 @@ __all__ = [
     "shard_adapter",
     "vocab_range",
     "TensorParallelError",
+    "full_config",
 ]
 
 
@@ -190,6 +191,14 @@ def shard_adapter(adapter: Any, cfg: ModelConfig, shard: TPShard) -> Any:
         a, b = shard_lora(module, w.a, w.b, cfg, shard)
         weights[(layer, module)] = LoRAWeights(a.contiguous(), b.contiguous())
     return dataclasses.replace(adapter, weights=weights)
+
+
+def full_config(model: Any) -> ModelConfig:
+    """The whole model's config: ``model.cfg`` is its shard's on a tensor-parallel rank. What
+    sees adapters, prompts and slot images (adapter checks, vocabulary, packing layout, the
+    host pool) reads this; what sizes the rank's own tensors (KV cache, layers) ``model.cfg``."""
+    tp = getattr(model, "tp", None)
+    return tp.cfg if tp is not None else model.cfg
 
 
 class TensorParallel:
