@@ -73,6 +73,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "0 = threads of the server process on CPU)",
     )  # fmt: skip
     p.add_argument("--max-concurrent-loads", type=int, metavar="N", help="cold loads at once")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, metavar="N",
+        help="split the model over N GPUs of this host (N - 1 worker processes, NCCL; on CPU: "
+        "processes over gloo); default 1",
+    )  # fmt: skip
     p.add_argument("--adapter-cache-dir", metavar="DIR", help="where fetched adapters are staged")
     p.add_argument(
         "--adapter-cache-bytes", type=int, metavar="BYTES",
@@ -124,7 +129,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     for name in (
         "max_loras", "max_cpu_loras", "max_lora_rank", "max_num_seqs", "max_model_len",
         "mixed_graph_tokens", "loader_processes", "max_concurrent_loads", "adapter_cache_dir",
-        "adapter_cache_bytes",
+        "adapter_cache_bytes", "tensor_parallel_size",
     ):  # fmt: skip
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)

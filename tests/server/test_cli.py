@@ -37,7 +37,7 @@ def test_help_lists_commands_and_serve_flags():
         "--log-level", "--log-json", "--max-request-body-bytes", "--max-json-depth",
         "--max-prompt-chars", "--max-prompts-times-n", "--max-stop-strings",
         "--max-stop-string-chars", "--header-timeout", "--body-timeout", "--keep-alive-timeout",
-        "--shutdown-timeout",
+        "--shutdown-timeout", "--tensor-parallel-size",
     ):  # fmt: skip
         assert flag in serve.stdout, flag
     if shutil.which("loraplex"):  # the installed console script
@@ -116,6 +116,11 @@ def test_flags_map_onto_engine_config(tmp_path):
     assert (loads.adapter_cache_dir, loads.adapter_cache_bytes) == (str(tmp_path), 1000)
     assert loads.mixed_graph_tokens == 0
     assert demo.loader_processes is None and demo.mixed_graph_tokens == 256
+    assert demo.tensor_parallel_size == 1
+    tp = config_from_args(build_parser().parse_args(["serve", "--tensor-parallel-size", "2"]))
+    assert tp.tensor_parallel_size == 2
+    ray = build_parser().parse_args(["serve-ray", "--tensor-parallel-size", "2"])
+    assert config_from_args(ray).tensor_parallel_size == 2  # serve-ray passes serve flags on
 
 
 def test_limit_flags_map_onto_server_limits():

@@ -1,0 +1,115 @@
+"""Tensor parallelism in the engine (engine/parallel/): ``AsyncEngine`` with
+``tensor_parallel_size=2`` on CPU (gloo over 127.0.0.1, one worker process) against one
+process: the same greedy tokens with mixed adapters, cold loads and evictions; a killed worker
+fails the engine with a typed error instead of hanging; shutdown leaves no process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+import structlog.testing
+
+from loraplex.engine import AsyncEngine, SamplingParams
+from loraplex.engine.errors import TensorParallelWorkerError
+from loraplex.engine.model.tp import TensorParallelError
+from tests.engine.lifecycle_helpers import assert_idle, collect, config
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+# (prompt, adapter) per request; each phase runs its requests at once. Two GPU slots and two
+# CPU-tier places for three adapters: phase 2's "sql" is cold-loaded while "chat" decodes and
+# evicts "poem" (slot and CPU tier); phase 3 loads "poem" again from its files.
+PHASES = [
+    [([5, 9, 13, 2, 7], None), ([5, 9, 13, 2, 7], "poem"), ([11, 3, 8, 40], "chat")],
+    [([20, 21, 22], "sql"), ([7, 7, 1, 90, 4, 4], "chat")],
+    [([5, 9, 13, 2, 7], "poem"), ([60, 3], "sql"), ([33], None)],
+]
+
+
+def _config(model_dir, size: int):
+    return config(model_dir, max_loras=2, max_cpu_loras=2, tensor_parallel_size=size)
+
+
+async def _serve(model_dir, adapters, size: int) -> tuple[list, AsyncEngine, dict]:
+    """Every phase's tokens, the closed engine, and its stats before closing."""
+    async with AsyncEngine(_config(model_dir, size)) as engine:
+        for name in ("poem", "chat", "sql"):
+            await engine.add_adapter(name, f"file://{adapters[name]}")
+        tokens = []
+        for phase in PHASES:
+            outs = await asyncio.gather(
+                *(collect(engine, prompt, GREEDY, adapter) for prompt, adapter in phase)
+            )
+            tokens.append([t for t, _, _ in outs])
+        assert_idle(engine)
+        stats = engine.stats()
+        stats["max_rows"] = max(r.rows for r in engine.testing.step_log)
+        stats["workers"] = getattr(engine.testing.executor.runner, "group", None)
+    return tokens, engine, stats
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def test_tp2_engine_gives_the_tokens_of_one_process(tiny, monkeypatch):
+    """Base rows and two adapters of different rank (8: every module; 16 rsLoRA: k / o / down)
+    in one batch, a third (rank 4) cold-loaded while serving, evictions and a reload."""
+    model_dir, adapters = tiny
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # the workers keep the environment's NCCL_*
+    want, _, _ = await _serve(model_dir, adapters, 1)
+    got, _, stats = await _serve(model_dir, adapters, 2)
+    assert got == want
+    assert stats["max_rows"] >= 3  # base + two adapters decoded in one step
+    assert stats["adapters"]["gpu_evictions"] >= 2 and stats["adapters"]["cpu_evictions"] >= 1
+    group = stats["workers"]
+    assert group is not None and group.size == 2
+    assert group.worker_env == [{**group.worker_env[0], "NCCL_NVLS_ENABLE": "0"}]
+    assert all(p.poll() is not None and _gone(p.pid) for p in group.procs)  # none left over
+
+
+async def test_killed_worker_fails_the_engine_loudly(tiny):
+    model_dir, adapters = tiny
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    engine = AsyncEngine(_config(model_dir, 2))
+    await engine.start()
+    try:
+        await engine.add_adapter("poem", f"file://{adapters['poem']}")
+        group = engine.testing.executor.runner.group
+        (worker,) = group.procs
+
+        async def stream() -> int:
+            n = 0
+            async for out in engine.generate([5, 9, 13], long, adapter="poem"):
+                n += len(out.token_ids)
+                if n == 1:
+                    os.kill(worker.pid, signal.SIGKILL)
+            return n
+
+        with structlog.testing.capture_logs() as logs:  # (and no tracebacks rendered)
+            with pytest.raises(TensorParallelWorkerError, match="rank 1"):
+                await asyncio.wait_for(stream(), timeout=60)
+            with pytest.raises(TensorParallelWorkerError):  # later requests fail the same way
+                await asyncio.wait_for(collect(engine, [4, 4], GREEDY), timeout=60)
+        failed = [e for e in logs if e["event"] == "tensor_parallel_failed"]
+        assert len(failed) == 1 and f"pid {worker.pid}" in failed[0]["error"]
+    finally:
+        await asyncio.wait_for(engine.close(), timeout=60)
+    assert all(p.poll() is not None and _gone(p.pid) for p in group.procs)
+
+
+async def test_models_that_do_not_split_fail_before_workers_start(tiny):
+    model_dir, _ = tiny  # 4 attention heads, 2 KV heads
+    with pytest.raises(TensorParallelError, match="heads"):
+        await AsyncEngine(_config(model_dir, 3)).start()
+    with pytest.raises(TensorParallelError, match="fp8"):
+        cfg = config(model_dir, tensor_parallel_size=2, quantization="fp8")
+        await AsyncEngine(cfg).start()
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        _config(model_dir, 0)
