@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import traceback
 from datetime import timedelta
@@ -104,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--conn-fd", type=int, required=True)
     args = ap.parse_args(argv)
     conn = Connection(args.conn_fd)
+    # NOTE: Ctrl-C reaches the whole process group; rank 0 drains and then stops its workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         _serve(conn, conn.recv())
     except BaseException:  # noqa: BLE001 - rank 0 gets the reason, then the worker exits
