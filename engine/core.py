@@ -311,7 +311,7 @@ class EngineCore:
         info = {"name": v.name, "uri": v.uri}
         try:
             if v.parts:
-                v.adapter = await self._stage_combination(v)
+                adapter = await self._stage_combination(v)
             else:
                 await self._fetched(v)
                 adapter = await self.loader.stage(
@@ -319,7 +319,9 @@ class EngineCore:
                 )
                 if adapter.config.use_dora:  # the row scales need the base weights: here
                     await asyncio.to_thread(self._compute_dora, v, adapter)
-                v.adapter = adapter
+            if self.executor.runner.tp_size > 1:  # every rank's shard, cut off the step thread
+                await asyncio.to_thread(self.executor.runner.prepare_adapter, adapter)
+            v.adapter = adapter
         except Exception as e:
             self.emit(
                 "adapter_load",

@@ -217,10 +217,13 @@ class WorkerGroup:
         if self.error is not None:
             raise self.error
 
-    def send(self, rank: int, msg: Any, data: Any = None) -> None:
-        """Send ``msg`` (and raw bytes ``data``) to worker ``rank``; a closed pipe fails the group."""
+    def send(self, rank: int, msg: Any = None, data: Any = None) -> None:
+        """Send ``msg`` (pickled here) and / or ``data`` (bytes: raw, or a message pickled by
+        the caller, which ``Connection.recv`` unpickles) to worker ``rank``; a closed pipe
+        fails the group."""
         try:
-            self.conns[rank - 1].send(msg)
+            if msg is not None:
+                self.conns[rank - 1].send(msg)
             if data is not None:
                 self.conns[rank - 1].send_bytes(data)
         except (OSError, ValueError) as e:
@@ -228,9 +231,9 @@ class WorkerGroup:
             self.check()
             raise self._fail(TensorParallelWorkerError(f"worker rank {rank}: {e}")) from e
 
-    def send_all(self, msg: Any) -> None:
+    def send_all(self, msg: Any = None, data: Any = None) -> None:
         for rank in range(1, self.size):
-            self.send(rank, msg)
+            self.send(rank, msg, data)
 
     def failure(self, cause: BaseException) -> TensorParallelWorkerError:
         """The error of a step that raised on rank 0: the ranks are out of step from here on,

@@ -7,8 +7,9 @@ heads), then serves messages in order until ``stop`` or until the connection clo
 
     ("runner", kwargs)                        build the runner; reply ("ready",)
     ("write", slot, entries, max_rank, dtype) + raw bytes: this rank's packed slot image
-    ("step", items, slot_ranks, dora_slots, n) run the step; n >= 0: the feed (rank 0's last
-                                              sampled ids, n of them) arrives by broadcast
+    ("step", rows, slot_ranks, dora_slots, n) run the step (rows: ``StepItem`` fields as
+                                              tuples); n >= 0: the feed (rank 0's last sampled
+                                              ids, n of them) arrives by broadcast
     ("stop",)
 
 Replies: ("up", NCCL_* environment) before the rendezvous, ("loaded", free GPU bytes or None)
@@ -40,7 +41,7 @@ def _serve(conn: Connection, init: Any) -> None:
     from loraplex.engine.model.config import ModelConfig
     from loraplex.engine.model.loader import load_model
     from loraplex.engine.model.tp import TensorParallel, TPShard
-    from loraplex.engine.model_runner import ModelRunner
+    from loraplex.engine.model_runner import ModelRunner, StepItem
 
     torch.set_num_threads(init.cpu_threads)
     device = torch.device(init.device)
@@ -72,7 +73,8 @@ def _serve(conn: Connection, init: Any) -> None:
                 return  # rank 0 is gone
             kind = msg[0]
             if kind == "step":
-                _, items, ranks, dora, n = msg
+                _, rows, ranks, dora, n = msg
+                items = [StepItem(*row) for row in rows]
                 assert runner is not None
                 runner.slot_ranks[:] = ranks
                 runner.dora_slots = set(dora)

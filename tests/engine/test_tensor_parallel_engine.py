@@ -87,9 +87,9 @@ async def test_killed_worker_fails_the_engine_loudly(tiny):
         async def stream() -> int:
             n = 0
             async for out in engine.generate([5, 9, 13], long, adapter="poem"):
-                n += len(out.token_ids)
-                if n == 1:
+                if n == 0:  # mid-serve: the request runs, more steps are coming
                     os.kill(worker.pid, signal.SIGKILL)
+                n += len(out.token_ids)
             return n
 
         with structlog.testing.capture_logs() as logs:  # (and no tracebacks rendered)
