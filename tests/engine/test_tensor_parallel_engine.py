@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import structlog.testing
@@ -113,3 +116,47 @@ async def test_models_that_do_not_split_fail_before_workers_start(tiny):
         await AsyncEngine(cfg).start()
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         _config(model_dir, 0)
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie left for its (new) parent to reap."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.split()[:2] == ["State:", "Z"] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+SCRIPT = """
+import asyncio, sys, time
+from loraplex.engine import AsyncEngine, EngineConfig
+async def main():
+    engine = AsyncEngine(EngineConfig(model=sys.argv[1], device="cpu", dtype="float32",
+                                      max_loras=0, tensor_parallel_size=2))
+    await engine.start()
+    print("WORKER", engine.testing.executor.runner.group.procs[0].pid, flush=True)
+    time.sleep(600)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_workers_exit_when_the_engine_process_dies(tiny):
+    """The engine process killed outright (no close, no atexit): its worker sees its
+    connection close and exits."""
+    model_dir, _ = tiny
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, str(model_dir)], stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, env=env, text=True,
+    )  # fmt: skip
+    try:
+        line = next(x for x in proc.stdout if x.startswith("WORKER "))  # (logs go to stdout)
+        worker = int(line.split()[1])
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while not _exited(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _exited(worker)
