@@ -160,3 +160,20 @@ def test_workers_exit_when_the_engine_process_dies(tiny):
     while not _exited(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _exited(worker)
+
+
+def test_shards_see_the_full_config_and_refuse_dora():
+    """On a rank, ``model.cfg`` is its shard's; adapter checks and slot images read
+    ``full_config``. DoRA's row norms span the whole row: refused when the load computes them."""
+    from types import SimpleNamespace
+
+    from loraplex.engine.lora.dora import compute_dora
+    from loraplex.engine.model.tp import TensorParallel, TPShard, full_config, shard_config
+    from tests.model.test_tensor_parallel import CFG
+
+    tp = TensorParallel(CFG, TPShard(1, 2))
+    shard = SimpleNamespace(cfg=shard_config(CFG, tp.shard), tp=tp)
+    assert shard.cfg.vocab_size == 125 and full_config(shard) is CFG
+    assert full_config(SimpleNamespace(cfg=CFG, tp=None)) is CFG
+    with pytest.raises(TensorParallelError, match="DoRA"):
+        compute_dora(shard, SimpleNamespace(name="d"), {})
