@@ -47,15 +47,17 @@ def _vocab_expand_kernel(
     t_mask = tok < T
     slots = tl.load(slots_ptr + tok, mask=t_mask, other=-1).to(tl.int32)
     if tl.reduce(slots, 0, tl.standard._elementwise_max) >= 0:
-        tok = tok.to(tl.int64)
+        # NOTE: a new name, not ``tok`` re-typed: compiled Triton refuses a variable whose type
+        # changes inside an if (the interpreter accepts it)
+        rows = tok.to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         c_mask = cols < N
         acc = tl.full((BLOCK_T, BLOCK_N), 0.0, tl.float32)
         acc = lora_delta(
-            acc, h_ptr, b_ptr, tok, slots, cols, c_mask, 0, 0, L, R,
+            acc, h_ptr, b_ptr, rows, slots, cols, c_mask, 0, 0, L, R,
             stride_ht, stride_hn, stride_bl, stride_bn, stride_br, BLOCK_R, True,
         )  # fmt: skip
-        ptrs = y_ptr + tok[:, None] * stride_yt + cols[None, :] * stride_yn
+        ptrs = y_ptr + rows[:, None] * stride_yt + cols[None, :] * stride_yn
         mask = t_mask[:, None] & c_mask[None, :]
         y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
