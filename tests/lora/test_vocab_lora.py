@@ -23,7 +23,15 @@ from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.config import VOCAB_LAYER, ModelConfig
 from loraplex.engine.model.loader import load_model
 from tests.helpers.models import copy_adapter, make_peft_adapter, make_tiny_model
-from tests.model.test_oracle_peft import DECODE_STEPS, MODEL_KINDS, RTOL, hf_mixed_batch, ours
+from tests.model.test_oracle_peft import (
+    DECODE_STEPS,
+    MODEL_KINDS,
+    RTOL,
+    half_ok,
+    hf_mixed_batch,
+    ours,
+    rel_err,
+)
 
 pytest.importorskip("peft")
 
@@ -212,12 +220,20 @@ def test_vocab_lora_mixed_batch_on_gpu(setup, dtype):
     names = [n for n, _ in ROWS]
     run = dict(dtype=torch.float32, device="cuda")
     refs, tokens = hf_mixed_batch(model_dir, adapters, prompts, names, **run)
+    # PEFT itself in the same half precision on the same tokens: the noise floor (the bf16
+    # base rows of these models are ~4e-2 off in PEFT too)
+    half, _ = hf_mixed_batch(
+        model_dir, adapters, prompts, names, dtype=dtype, device="cuda", force=tokens
+    )
     our_steps = ours(model_dir, adapters, prompts, names, tokens, dtype=dtype, device="cuda")
     for step in range(DECODE_STEPS + 1):
         for row in range(len(ROWS)):
             ref = refs[step][row]
-            err = ((our_steps[step][row] - ref).norm() / ref.norm()).item()
-            assert err < 3e-2, f"{kind} {dtype} step {step} row {row} ({names[row]}): {err:.2e}"
+            err, floor = rel_err(our_steps[step][row], ref), rel_err(half[step][row], ref)
+            assert half_ok(err, floor), (
+                f"{kind} {dtype} step {step} row {row} ({names[row]}): {err:.2e} "
+                f"(PEFT in {dtype}: {floor:.2e})"
+            )
             top2 = ref.topk(2).values
             if (top2[0] - top2[1]).item() > 1.0:
                 assert int(our_steps[step][row].argmax()) == tokens[step][row]
