@@ -41,7 +41,7 @@ from benchmarks.synthetic import LLAMA3_8B, random_model, write_model_config
 from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams, StructuredOutput
 from loraplex.engine.structured import bitmask
 from loraplex.engine.structured.grammars import GrammarCache
-from tests.structured.forms import ARRAY, CHOICES, ENUM, NESTED, REGEX
+from tests.structured.forms import ARRAY, CHOICES, ENUM, LONG, NESTED, REGEX
 
 TINY = {
     **LLAMA3_8B,
@@ -55,7 +55,6 @@ TINY = {
     "eos_token_id": 4095,
     "torch_dtype": "float32",
 }
-LONG = {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 1000}
 # form -> (constraint, a valid output written with the engine's separators)
 FORMS = {
     "nested": (

@@ -17,6 +17,7 @@ the torch twin ``apply_bitmask_torch`` runs.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,14 @@ import torch
 if TYPE_CHECKING:
     from loraplex.engine.structured.grammars import Guide
 
-__all__ = ["apply_bitmask", "apply_bitmask_torch", "fill_masks", "mask_words", "warm_bitmask"]
+__all__ = [
+    "apply_bitmask",
+    "apply_bitmask_torch",
+    "fill_masks",
+    "fill_threads",
+    "mask_words",
+    "warm_bitmask",
+]
 
 
 def mask_words(vocab: int) -> int:
@@ -33,10 +41,17 @@ def mask_words(vocab: int) -> int:
 
 
 @functools.cache
+def fill_threads() -> int:
+    """Threads that fill a step's masks: 80 % of the CPUs this process may run on (at most
+    32), llguidance's own default, leaving cores to the event loop and the step thread."""
+    return min(32, max(1, len(os.sched_getaffinity(0)) * 4 // 5))
+
+
+@functools.cache
 def _executor() -> Any:
     import llguidance
 
-    return llguidance.LLExecutor()
+    return llguidance.LLExecutor(fill_threads())
 
 
 def fill_masks(
@@ -47,7 +62,12 @@ def fill_masks(
     EOS, so its request ends."""
     words = mask_words(vocab)
     mask = torch.empty((len(guides), words), dtype=torch.int32, pin_memory=pin)
-    ok = [(g.matcher, i) for i, g in enumerate(guides) if not g.failed]
+    # NOTE: rows whose matchers share a lexer run one after another (its mutex: grammars.py,
+    # "Lanes"); adjacent in the list, they tend to land on one thread instead of blocking two
+    ok = sorted(
+        ((g.matcher, i) for i, g in enumerate(guides) if not g.failed),
+        key=lambda e: guides[e[1]].lexer,
+    )
     if ok:
         # NOTE: writes row i at data_ptr + i * words * 4 (mask is contiguous, just allocated)
         _executor().unsafe_compute_mask_ptr(ok, mask.data_ptr(), words * 4, len(guides))

@@ -2,16 +2,25 @@
 
 ``GrammarCache`` belongs to one engine and so to one tokenizer: a compiled matcher is cached
 by its constraint (``StructuredOutput.key``), i.e. by (schema, tokenizer). A request gets a
-``Guide`` holding a copy of the cached matcher (a copy costs ~1 µs; compiling the test schemas
-~1 ms on a 49k-token vocabulary, building the tokenizer's token trie ~0.5 s once). Compiles run
-in the cache's own threads (llguidance drops the GIL while it builds a parser); concurrent
-requests for one constraint share one compile. A constraint that does not compile fails its
-request with ``InvalidRequestError`` naming the request field (the server's 400).
+``Guide`` holding a copy of a cached matcher (a copy costs ~30 µs; compiling the test schemas
+~1 ms, building the tokenizer's token trie ~0.5 s once). Compiles run in the cache's own
+threads (llguidance drops the GIL while it builds a parser); concurrent requests for one
+constraint share one compile. A constraint that does not compile fails its request with
+``InvalidRequestError`` naming the request field (the server's 400).
+
+Lanes: llguidance's copies of one matcher share its lexer behind one mutex, which every mask
+computation holds for its whole token-trie walk, so the masks of copies of one matcher are
+computed one after another however many threads fill them. A constraint therefore keeps up to
+``lanes`` independently compiled matchers (one per mask-fill thread, ``bitmask.fill_threads``);
+requests take them in turn. The first lane is compiled while the first request waits; the
+others in the background, once requests for the constraint keep coming (a request never waits
+for a second lane: it takes a ready one).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import time
@@ -21,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from loraplex.engine.errors import InvalidRequestError
+from loraplex.engine.structured.bitmask import fill_threads
 from loraplex.engine.structured.spec import StructuredOutput
 
 if TYPE_CHECKING:
@@ -40,11 +50,14 @@ class Guide:
     the next step samples (``bitmask.fill_masks``).
     """
 
-    __slots__ = ("matcher", "spec")
+    __slots__ = ("lexer", "matcher", "spec")
 
-    def __init__(self, matcher: llguidance.LLMatcher, spec: StructuredOutput) -> None:
+    def __init__(
+        self, matcher: llguidance.LLMatcher, spec: StructuredOutput, lexer: int = 0
+    ) -> None:
         self.matcher = matcher
         self.spec = spec
+        self.lexer = lexer  # which compiled matcher's lexer it shares (fill order)
 
     def accept(self, token: int) -> None:
         m = self.matcher
@@ -78,7 +91,8 @@ def grammar_text(spec: StructuredOutput) -> str:
 
 
 class GrammarCache:
-    """Compiled matchers of one tokenizer, least recently used dropped past ``capacity``.
+    """Compiled matchers of one tokenizer, the least recently used constraint dropped past
+    ``capacity`` constraints (each with up to ``lanes`` matchers, see the module docstring).
 
     ``tokenizer_json``: returns the tokenizer's ``tokenizer.json`` text (called once, in a
     compile thread, on the first structured request: engines that never see one pay nothing).
@@ -92,18 +106,24 @@ class GrammarCache:
         *,
         capacity: int = 128,
         threads: int = 2,
+        lanes: int | None = None,
     ) -> None:
         self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size  # of the logits (may exceed the tokenizer's)
         self.eos_ids = sorted(eos_ids)
         self.capacity = capacity
+        self.lanes = max(1, fill_threads() if lanes is None else lanes)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="loraplex-grammar")
         self._lock = threading.Lock()
         self._tok: llguidance.LLTokenizer | None = None
-        # key -> compiled matcher, or the _CompileError of a constraint that does not compile
+        # key -> _Lanes of compiled matchers, or the _CompileError of a constraint that does
+        # not compile
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._pending: dict[tuple[str, str], asyncio.Future] = {}
-        self.compile_s: list[float] = []  # seconds per compile (benchmarks, stats)
+        self._growing: set[tuple[str, str]] = set()
+        self._ids = itertools.count(1)
+        self.compile_s: list[float] = []  # seconds per first compile (benchmarks, stats)
+        self.lane_s: list[float] = []  # seconds per further lane, compiled in the background
         self.hits = 0
 
     def close(self) -> None:
@@ -123,11 +143,11 @@ class GrammarCache:
             return self._tok
 
     def compile(self, spec: StructuredOutput) -> llguidance.LLMatcher:
-        """Blocking: a fresh matcher for ``spec``; raises ``_CompileError`` (``guide``: an
-        ``InvalidRequestError`` naming the request field) when it does not compile."""
+        """Blocking: a fresh matcher for ``spec`` (its own lexer); raises ``_CompileError``
+        (``guide``: an ``InvalidRequestError`` naming the request field) when it does not
+        compile."""
         import llguidance
 
-        t0 = time.perf_counter()
         tok = self.tokenizer
         grammar = grammar_text(spec)
         matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
@@ -136,7 +156,6 @@ class GrammarCache:
         # NOTE: the first mask builds lexer states lazily (up to ~15 ms on a fresh tokenizer);
         # here, not in the step thread: copies of this matcher share them
         matcher.compute_bitmask()
-        self.compile_s.append(time.perf_counter() - t0)
         return matcher
 
     def _lookup(self, key: tuple[str, str]) -> Any:
@@ -167,7 +186,11 @@ class GrammarCache:
             self.hits += 1
         if isinstance(hit, _CompileError):
             raise InvalidRequestError(_message(spec, str(hit)), field=spec.field)
-        return Guide(hit.deep_copy(), spec)
+        lanes: _Lanes = hit
+        if lanes.taken >= len(lanes.matchers) and len(lanes.matchers) < self.lanes:
+            self._grow(key, spec, lanes)
+        ident, matcher = lanes.take()
+        return Guide(matcher.deep_copy(), spec, ident)
 
     def _settle(self, key: tuple[str, str], fut: asyncio.Future) -> None:
         self._pending.pop(key, None)
@@ -175,10 +198,48 @@ class GrammarCache:
             self._store(key, fut.result())
 
     def _try(self, spec: StructuredOutput) -> Any:
+        t0 = time.perf_counter()
         try:
-            return self.compile(spec)
+            matcher = self.compile(spec)
         except _CompileError as e:
             return e  # cached: the same constraint fails again without compiling
+        self.compile_s.append(time.perf_counter() - t0)
+        return _Lanes((next(self._ids), matcher))
+
+    def _grow(self, key: tuple[str, str], spec: StructuredOutput, lanes: _Lanes) -> None:
+        """Loop: compile one more lane of ``key`` in the background (one at a time)."""
+        if key in self._growing:
+            return
+        self._growing.add(key)
+
+        def lane() -> llguidance.LLMatcher:
+            t0 = time.perf_counter()
+            matcher = self.compile(spec)
+            self.lane_s.append(time.perf_counter() - t0)
+            return matcher
+
+        def done(f: asyncio.Future) -> None:
+            self._growing.discard(key)
+            if not f.cancelled() and f.exception() is None:
+                lanes.matchers.append((next(self._ids), f.result()))
+
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, lane)
+        fut.add_done_callback(done)
+
+
+class _Lanes:
+    """Independently compiled matchers of one constraint, (id, matcher), taken in turn."""
+
+    __slots__ = ("matchers", "taken")
+
+    def __init__(self, first: tuple[int, Any]) -> None:
+        self.matchers = [first]
+        self.taken = 0  # requests served so far
+
+    def take(self) -> tuple[int, Any]:
+        lane = self.matchers[self.taken % len(self.matchers)]
+        self.taken += 1
+        return lane
 
 
 class _CompileError(Exception):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import openai
 import pytest
 
 from loraplex.engine import AsyncEngine, EngineConfig
@@ -19,6 +19,9 @@ ADAPTER_SPECS = {
     "poem": dict(r=8, alpha=16, target_modules=ALL_MODULES),
     "math": dict(r=6, alpha=24, target_modules=("gate_proj", "up_proj", "q_proj")),
 }
+if TYPE_CHECKING:
+    import openai
+
 BASE = "tiny-base"
 
 
@@ -36,6 +39,8 @@ class Server:
     engine: AsyncEngine
 
     def client(self) -> openai.AsyncOpenAI:
+        import openai  # only where a test talks to the server (not on every machine)
+
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0)
 
 

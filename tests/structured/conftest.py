@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-import openai
+from typing import TYPE_CHECKING
+
 import pytest_asyncio
 
 from loraplex.engine import AsyncEngine, EngineConfig
 from loraplex.engine.demo import register_demo_adapters
 from loraplex.engine.server import create_app, start_server
 from tests.server.conftest import Server
+
+if TYPE_CHECKING:  # openai is imported by the server tests only: the bitmask tests run
+    import openai  # where it is not installed
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

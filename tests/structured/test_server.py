@@ -9,10 +9,11 @@ import json
 
 import aiohttp
 import jsonschema
-import openai
 import pytest
 
 from tests.structured.forms import CHOICES, ENUM, NESTED, REGEX, check
+
+openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MESSAGES = [{"role": "user", "content": "Describe a product."}]
