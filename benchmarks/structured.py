@@ -5,6 +5,7 @@ compile / mask times (issue 20).
     python -m benchmarks.structured --append BENCHMARKS.md
     python -m benchmarks.structured --smoke                        # tiny model on CPU
     python -m benchmarks.structured --compile-only --tokenizer DIR [--xgrammar]   # CPU
+    python -m benchmarks.structured --cpu-masks                    # mask fill, CPU
 
 Decode: random bf16 weights of the Llama-3-8B shape and a synthetic byte-level BPE tokenizer
 of its vocabulary size (128 256 tokens, built here from random merges of JSON-ish characters:
@@ -187,6 +188,7 @@ async def decode(args, model_dir: Path, rows: list[dict]) -> None:
                 "fill_p99_ms": pct(r["fills"], 0.99) * 1e3 if r["fills"] else 0.0,
                 "tok_s": r["tokens"] / r["wall"],
                 "n_steps": len(r["steps"]),
+                "fill_threads": bitmask.fill_threads(),  # = lanes per constraint
             }
             rows.append(row)
             print(row, flush=True)
@@ -300,10 +302,31 @@ def decode_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def compile_tables(args, model_dir: Path, vocab: int, eos, rows: list[dict]) -> list[str]:
+    tok_dir = args.tokenizer or model_dir
+    if args.tokenizer is not None:
+        vocab = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
+        eos = json.loads((tok_dir / "config.json").read_text())["eos_token_id"]
+    eos_ids = eos if isinstance(eos, list) else [eos]
+    which = "synthetic 128k BPE" if args.tokenizer is None else str(args.tokenizer.name)
+    tables = []
+    if rows:
+        tables.append(decode_table(rows))
+    tables.append(compile_table(
+        f"llguidance, {which} tokenizer", llguidance_times(tok_dir, vocab, eos_ids, args.repeats)
+    ))  # fmt: skip
+    if args.xgrammar:
+        xr = xgrammar_times(tok_dir, vocab, args.repeats)
+        if xr is not None:
+            tables.append(compile_table(f"xgrammar, {which} tokenizer", xr))
+    return tables
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU")
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--cpu-masks", action="store_true", help="mask fill times only (CPU)")
     ap.add_argument("--tokenizer", type=Path, help="a folder with tokenizer.json (compile part)")
     ap.add_argument("--xgrammar", action="store_true", help="time xgrammar too, if installed")
     ap.add_argument("--batch", type=int, default=64)
@@ -314,7 +337,7 @@ def main() -> None:
     ap.add_argument("--append", help="append the tables to this file")
     args = ap.parse_args()
     args.cfg = TINY if args.smoke else LLAMA3_8B
-    args.device = "cpu" if args.smoke or args.compile_only else "cuda"
+    args.device = "cpu" if args.smoke or args.compile_only or args.cpu_masks else "cuda"
     args.dtype = torch.float32 if args.smoke else torch.bfloat16
     if args.smoke:
         args.batch, args.ctx, args.steps, args.repeats, args.kv_gb = 8, 16, 12, 3, 1
@@ -323,24 +346,14 @@ def main() -> None:
         vocab, eos = args.cfg["vocab_size"], args.cfg["eos_token_id"]
         write_synthetic_tokenizer(model_dir, vocab, args.cfg["bos_token_id"], eos)
         rows: list[dict] = []
-        if not args.compile_only:
-            asyncio.run(decode(args, model_dir, rows))
-        tok_dir = args.tokenizer or model_dir
-        if args.tokenizer is not None:
-            vocab = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
-            eos = json.loads((tok_dir / "config.json").read_text())["eos_token_id"]
-        eos_ids = eos if isinstance(eos, list) else [eos]
-        which = "synthetic 128k BPE" if args.tokenizer is None else str(args.tokenizer.name)
-        tables = []
-        if rows:
-            tables.append(decode_table(rows))
-        tables.append(compile_table(
-            f"llguidance, {which} tokenizer", llguidance_times(tok_dir, vocab, eos_ids, args.repeats)
-        ))  # fmt: skip
-        if args.xgrammar:
-            xr = xgrammar_times(tok_dir, vocab, args.repeats)
-            if xr is not None:
-                tables.append(compile_table(f"xgrammar, {which} tokenizer", xr))
+        if args.cpu_masks:
+            from benchmarks.structured_masks import mask_table, mask_times
+
+            tables = [mask_table(mask_times(model_dir, vocab, [eos], args.batch // 2, args.steps))]
+        else:
+            if not args.compile_only:
+                asyncio.run(decode(args, model_dir, rows))
+            tables = compile_tables(args, model_dir, vocab, eos, rows)
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"{os.cpu_count()}-core CPU"
     text = "\n\n".join(tables)
     print(text)

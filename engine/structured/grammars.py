@@ -12,9 +12,9 @@ Lanes: llguidance's copies of one matcher share its lexer behind one mutex, whic
 computation holds for its whole token-trie walk, so the masks of copies of one matcher are
 computed one after another however many threads fill them. A constraint therefore keeps up to
 ``lanes`` independently compiled matchers (one per mask-fill thread, ``bitmask.fill_threads``);
-requests take them in turn. The first lane is compiled while the first request waits; the
-others in the background, once requests for the constraint keep coming (a request never waits
-for a second lane: it takes a ready one).
+a request takes the lane with the fewest live requests. The first lane is compiled while the
+first request waits; another in the background whenever every lane has a live request (a
+request never waits for it: it takes a ready lane).
 """
 
 from __future__ import annotations
@@ -50,14 +50,19 @@ class Guide:
     the next step samples (``bitmask.fill_masks``).
     """
 
-    __slots__ = ("lexer", "matcher", "spec")
+    __slots__ = ("lexer", "matcher", "seat", "spec")
 
     def __init__(
-        self, matcher: llguidance.LLMatcher, spec: StructuredOutput, lexer: int = 0
+        self,
+        matcher: llguidance.LLMatcher,
+        spec: StructuredOutput,
+        lexer: int = 0,
+        seat: object = None,
     ) -> None:
         self.matcher = matcher
         self.spec = spec
         self.lexer = lexer  # which compiled matcher's lexer it shares (fill order)
+        self.seat = seat  # its place on that lane (GrammarCache), freed with the guide
 
     def accept(self, token: int) -> None:
         m = self.matcher
@@ -187,10 +192,10 @@ class GrammarCache:
         if isinstance(hit, _CompileError):
             raise InvalidRequestError(_message(spec, str(hit)), field=spec.field)
         lanes: _Lanes = hit
-        if lanes.taken >= len(lanes.matchers) and len(lanes.matchers) < self.lanes:
-            self._grow(key, spec, lanes)
-        ident, matcher = lanes.take()
-        return Guide(matcher.deep_copy(), spec, ident)
+        if min(lanes.live) > 0 and len(lanes.matchers) < self.lanes:
+            self._grow(key, spec, lanes)  # every lane has a live request
+        ident, matcher, seat = lanes.take()
+        return Guide(matcher.deep_copy(), spec, ident, seat)
 
     def _settle(self, key: tuple[str, str], fut: asyncio.Future) -> None:
         self._pending.pop(key, None)
@@ -221,25 +226,46 @@ class GrammarCache:
         def done(f: asyncio.Future) -> None:
             self._growing.discard(key)
             if not f.cancelled() and f.exception() is None:
-                lanes.matchers.append((next(self._ids), f.result()))
+                lanes.add((next(self._ids), f.result()))
 
         fut = asyncio.get_running_loop().run_in_executor(self._pool, lane)
         fut.add_done_callback(done)
 
 
 class _Lanes:
-    """Independently compiled matchers of one constraint, (id, matcher), taken in turn."""
+    """Independently compiled matchers of one constraint, (id, matcher); a request takes the
+    lane with the fewest live requests (its ``_Seat`` frees the place when the request's
+    ``Guide`` goes)."""
 
-    __slots__ = ("matchers", "taken")
+    __slots__ = ("live", "matchers")
 
     def __init__(self, first: tuple[int, Any]) -> None:
         self.matchers = [first]
-        self.taken = 0  # requests served so far
+        self.live = [0]  # live guides per lane
 
-    def take(self) -> tuple[int, Any]:
-        lane = self.matchers[self.taken % len(self.matchers)]
-        self.taken += 1
-        return lane
+    def add(self, lane: tuple[int, Any]) -> None:
+        self.matchers.append(lane)
+        self.live.append(0)
+
+    def take(self) -> tuple[int, Any, _Seat]:
+        j = self.live.index(min(self.live))
+        self.live[j] += 1
+        ident, matcher = self.matchers[j]
+        return ident, matcher, _Seat(self, j)
+
+
+class _Seat:
+    """A request's place on a lane, given back when its guide is dropped. (The count only
+    balances the lanes: a lost update between threads costs balance, never correctness.)"""
+
+    __slots__ = ("j", "lanes")
+
+    def __init__(self, lanes: _Lanes, j: int) -> None:
+        self.lanes = lanes
+        self.j = j
+
+    def __del__(self) -> None:
+        self.lanes.live[self.j] -= 1
 
 
 class _CompileError(Exception):

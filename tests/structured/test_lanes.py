@@ -42,14 +42,15 @@ def tokenizer(request, tmp_path_factory) -> Tokenizer:
 
 
 async def _guides(cache: GrammarCache, spec: StructuredOutput, n: int) -> list:
-    """``n`` guides for ``spec`` once every lane is compiled (lanes grow in the background)."""
-    await cache.guide(spec)
+    """``n`` live guides for ``spec``, over every lane (lanes grow in the background while
+    every lane has a live guide)."""
+    guides = [await cache.guide(spec)]
     for _ in range(400):
-        lanes = cache._cache[spec.key]
-        if len(lanes.matchers) == cache.lanes:
+        if len(cache._cache[spec.key].matchers) == cache.lanes:
             break
-        await cache.guide(spec)  # asks for the next lane
+        guides.append(await cache.guide(spec))
         await asyncio.sleep(0.01)
+    del guides
     return [await cache.guide(spec) for _ in range(n)]
 
 
@@ -94,22 +95,28 @@ async def test_lane_masks_equal_one_matchers_copies(tokenizer, form):
         cache.close()
 
 
-async def test_a_lane_grows_in_the_background_while_requests_take_ready_ones():
+async def test_lanes_grow_in_the_background_and_requests_take_the_least_used():
     tok = Tokenizer.from_dir(demo_model_dir())
     cache = GrammarCache(tok.backend.to_str, tok.vocab_size, sorted(tok.eos_token_ids), lanes=2)
     spec = StructuredOutput.regex("[0-9]{4}")
     try:
         first = await cache.guide(spec)
-        second = await cache.guide(spec)  # starts the second lane's compile, does not wait
+        second = await cache.guide(spec)  # every lane busy: the second lane compiles, unwaited
         assert second.lexer == first.lexer
         assert len(cache.compile_s) == 1
+        lanes = cache._cache[spec.key]
         for _ in range(400):
-            if len(cache._cache[spec.key].matchers) == 2:
+            if len(lanes.matchers) == 2:
                 break
             await asyncio.sleep(0.01)
-        ids = {(await cache.guide(spec)).lexer for _ in range(4)}
-        assert len(ids) == 2 and first.lexer in ids
-        assert len(cache.compile_s) == 1 and len(cache.lane_s) == 1
-        assert len(cache._cache[spec.key].matchers) == 2  # never more than ``lanes``
+        third = await cache.guide(spec)  # the new lane: nobody on it
+        assert third.lexer != first.lexer and lanes.live == [2, 1]
+        del third  # its seat is given back with the guide
+        assert lanes.live == [2, 0]
+        assert (await cache.guide(spec)).lexer != first.lexer
+        del first, second
+        assert lanes.live == [0, 0]
+        await cache.guide(spec)
+        assert len(lanes.matchers) == 2 and len(cache.lane_s) == 1  # never more than ``lanes``
     finally:
         cache.close()
