@@ -12,9 +12,10 @@ Lanes: llguidance's copies of one matcher share its lexer behind one mutex, whic
 computation holds for its whole token-trie walk, so the masks of copies of one matcher are
 computed one after another however many threads fill them. A constraint therefore keeps up to
 ``lanes`` independently compiled matchers (one per mask-fill thread, ``bitmask.fill_threads``);
-a request takes the lane with the fewest live requests. The first lane is compiled while the
-first request waits; another in the background whenever every lane has a live request (a
-request never waits for it: it takes a ready lane).
+a request takes the lane with the fewest live requests. A request that finds every lane busy
+waits for one more to compile (~1 ms; up to ``lanes``, in the compile threads) or for one
+being compiled, so a burst of requests for a new constraint spreads over the lanes from its
+first token instead of sharing one lexer for its whole life.
 """
 
 from __future__ import annotations
@@ -125,10 +126,9 @@ class GrammarCache:
         # not compile
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._pending: dict[tuple[str, str], asyncio.Future] = {}
-        self._growing: set[tuple[str, str]] = set()
         self._ids = itertools.count(1)
         self.compile_s: list[float] = []  # seconds per first compile (benchmarks, stats)
-        self.lane_s: list[float] = []  # seconds per further lane, compiled in the background
+        self.lane_s: list[float] = []  # seconds per further lane
         self.hits = 0
 
     def close(self) -> None:
@@ -192,8 +192,13 @@ class GrammarCache:
         if isinstance(hit, _CompileError):
             raise InvalidRequestError(_message(spec, str(hit)), field=spec.field)
         lanes: _Lanes = hit
-        if min(lanes.live) > 0 and len(lanes.matchers) < self.lanes:
-            self._grow(key, spec, lanes)  # every lane has a live request
+        while min(lanes.live) > 0:  # every lane busy: wait for one more (up to ``lanes``)
+            if len(lanes.matchers) + len(lanes.compiling) < self.lanes and not lanes.stuck:
+                self._grow(spec, lanes)
+            if not lanes.compiling:
+                break
+            # NOTE: wait() leaves the compiles alone when this request goes away
+            await asyncio.wait(lanes.compiling, return_when=asyncio.FIRST_COMPLETED)
         ident, matcher, seat = lanes.take()
         return Guide(matcher.deep_copy(), spec, ident, seat)
 
@@ -211,11 +216,8 @@ class GrammarCache:
         self.compile_s.append(time.perf_counter() - t0)
         return _Lanes((next(self._ids), matcher))
 
-    def _grow(self, key: tuple[str, str], spec: StructuredOutput, lanes: _Lanes) -> None:
-        """Loop: compile one more lane of ``key`` in the background (one at a time)."""
-        if key in self._growing:
-            return
-        self._growing.add(key)
+    def _grow(self, spec: StructuredOutput, lanes: _Lanes) -> None:
+        """Loop: compile one more lane of ``spec`` in a compile thread (~1 ms)."""
 
         def lane() -> llguidance.LLMatcher:
             t0 = time.perf_counter()
@@ -223,12 +225,15 @@ class GrammarCache:
             self.lane_s.append(time.perf_counter() - t0)
             return matcher
 
-        def done(f: asyncio.Future) -> None:
-            self._growing.discard(key)
+        def done(f: asyncio.Future) -> None:  # (before the waiters wake: added first)
+            lanes.compiling.discard(f)
             if not f.cancelled() and f.exception() is None:
                 lanes.add((next(self._ids), f.result()))
+            else:
+                lanes.stuck = True  # (not expected: the first lane compiled) no more lanes
 
         fut = asyncio.get_running_loop().run_in_executor(self._pool, lane)
+        lanes.compiling.add(fut)
         fut.add_done_callback(done)
 
 
@@ -237,11 +242,13 @@ class _Lanes:
     lane with the fewest live requests (its ``_Seat`` frees the place when the request's
     ``Guide`` goes)."""
 
-    __slots__ = ("live", "matchers")
+    __slots__ = ("compiling", "live", "matchers", "stuck")
 
     def __init__(self, first: tuple[int, Any]) -> None:
         self.matchers = [first]
         self.live = [0]  # live guides per lane
+        self.compiling: set[asyncio.Future] = set()  # lanes being compiled
+        self.stuck = False  # a lane failed to compile: no more
 
     def add(self, lane: tuple[int, Any]) -> None:
         self.matchers.append(lane)

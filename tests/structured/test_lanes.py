@@ -42,15 +42,7 @@ def tokenizer(request, tmp_path_factory) -> Tokenizer:
 
 
 async def _guides(cache: GrammarCache, spec: StructuredOutput, n: int) -> list:
-    """``n`` live guides for ``spec``, over every lane (lanes grow in the background while
-    every lane has a live guide)."""
-    guides = [await cache.guide(spec)]
-    for _ in range(400):
-        if len(cache._cache[spec.key].matchers) == cache.lanes:
-            break
-        guides.append(await cache.guide(spec))
-        await asyncio.sleep(0.01)
-    del guides
+    """``n`` live guides for ``spec``, spread over the lanes."""
     return [await cache.guide(spec) for _ in range(n)]
 
 
@@ -95,28 +87,36 @@ async def test_lane_masks_equal_one_matchers_copies(tokenizer, form):
         cache.close()
 
 
-async def test_lanes_grow_in_the_background_and_requests_take_the_least_used():
+async def test_a_request_that_finds_every_lane_busy_gets_a_new_one_up_to_lanes():
     tok = Tokenizer.from_dir(demo_model_dir())
     cache = GrammarCache(tok.backend.to_str, tok.vocab_size, sorted(tok.eos_token_ids), lanes=2)
     spec = StructuredOutput.regex("[0-9]{4}")
     try:
         first = await cache.guide(spec)
-        second = await cache.guide(spec)  # every lane busy: the second lane compiles, unwaited
-        assert second.lexer == first.lexer
-        assert len(cache.compile_s) == 1
+        second = await cache.guide(spec)  # lane 1 busy: a second lane, compiled for it
+        assert second.lexer != first.lexer
+        assert len(cache.compile_s) == 1 and len(cache.lane_s) == 1
         lanes = cache._cache[spec.key]
-        for _ in range(400):
-            if len(lanes.matchers) == 2:
-                break
-            await asyncio.sleep(0.01)
-        third = await cache.guide(spec)  # the new lane: nobody on it
-        assert third.lexer != first.lexer and lanes.live == [2, 1]
-        del third  # its seat is given back with the guide
+        third = await cache.guide(spec)  # both busy, no third lane: the least used
+        assert lanes.live == [2, 1] and third.lexer == first.lexer
+        del second  # its seat is given back with the guide
         assert lanes.live == [2, 0]
         assert (await cache.guide(spec)).lexer != first.lexer
-        del first, second
+        del first, third
         assert lanes.live == [0, 0]
-        await cache.guide(spec)
         assert len(lanes.matchers) == 2 and len(cache.lane_s) == 1  # never more than ``lanes``
+    finally:
+        cache.close()
+
+
+async def test_a_burst_spreads_over_the_lanes():
+    tok = Tokenizer.from_dir(demo_model_dir())
+    cache = GrammarCache(tok.backend.to_str, tok.vocab_size, sorted(tok.eos_token_ids), lanes=4)
+    try:
+        guides = await asyncio.gather(
+            *(cache.guide(StructuredOutput.regex("[a-z]{4}")) for _ in range(12))
+        )
+        counts = sorted(sum(g.lexer == x for g in guides) for x in {g.lexer for g in guides})
+        assert counts == [3, 3, 3, 3], counts
     finally:
         cache.close()
