@@ -14,14 +14,14 @@ from loraplex.engine.server import create_app, start_server
 from tests.helpers.models import ALL_MODULES, make_peft_adapter, make_tiny_model
 from tests.helpers.tokenizers import make_tokenizer
 
+if TYPE_CHECKING:
+    import openai
+
 ADAPTER_SPECS = {
     "sql": dict(r=4, alpha=8, target_modules=("q_proj", "v_proj")),
     "poem": dict(r=8, alpha=16, target_modules=ALL_MODULES),
     "math": dict(r=6, alpha=24, target_modules=("gate_proj", "up_proj", "q_proj")),
 }
-if TYPE_CHECKING:
-    import openai
-
 BASE = "tiny-base"
 
 

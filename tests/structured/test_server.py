@@ -8,12 +8,12 @@ import asyncio
 import json
 
 import aiohttp
-import jsonschema
 import pytest
 
 from tests.structured.forms import CHOICES, ENUM, NESTED, REGEX, check
 
 openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MESSAGES = [{"role": "user", "content": "Describe a product."}]
