@@ -17,12 +17,12 @@ the torch twin ``apply_bitmask_torch`` runs.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from loraplex.engine.structured.threads import fill_threads
 
 if TYPE_CHECKING:
     from loraplex.engine.structured.grammars import Guide
@@ -39,26 +39,6 @@ __all__ = [
 
 def mask_words(vocab: int) -> int:
     return (vocab + 31) // 32
-
-
-def _cpus() -> int:
-    """CPUs this process may use: its affinity, bounded by a cgroup v2 CPU quota."""
-    cpus = len(os.sched_getaffinity(0))
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-    except (OSError, ValueError):
-        return cpus
-    if quota != "max":
-        cpus = min(cpus, max(1, -(-int(quota) // int(period))))
-    return cpus
-
-
-@functools.cache
-def fill_threads() -> int:
-    """Threads that fill a step's masks: 80 % of the CPUs this process may use (at most 32),
-    llguidance's own default, leaving cores to the event loop and the step thread. Also the
-    number of lanes per constraint (grammars.py)."""
-    return min(32, max(1, _cpus() * 4 // 5))
 
 
 @functools.cache

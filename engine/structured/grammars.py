@@ -11,7 +11,7 @@ constraint share one compile. A constraint that does not compile fails its reque
 Lanes: llguidance's copies of one matcher share its lexer behind one mutex, which every mask
 computation holds for its whole token-trie walk, so the masks of copies of one matcher are
 computed one after another however many threads fill them. A constraint therefore keeps up to
-``lanes`` independently compiled matchers (one per mask-fill thread, ``bitmask.fill_threads``);
+``lanes`` independently compiled matchers (one per mask-fill thread, ``threads.fill_threads``);
 a request takes the lane with the fewest live requests. A request that finds every lane busy
 waits for one more to compile (~1 ms; up to ``lanes``, in the compile threads) or for one
 being compiled, so a burst of requests for a new constraint spreads over the lanes from its
@@ -31,8 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from loraplex.engine.errors import InvalidRequestError
-from loraplex.engine.structured.bitmask import fill_threads
 from loraplex.engine.structured.spec import StructuredOutput
+from loraplex.engine.structured.threads import fill_threads
 
 if TYPE_CHECKING:
     import llguidance
