@@ -120,14 +120,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 prof = GilProfile(Path(args.profile) / f"gil-{name.replace(' ', '-')}.txt")
                 if prof.start():
                     await asyncio.sleep(0.5)  # py-spy attaches
-            cpu0 = thread_cpu()
+            # NOTE: off the event loop: a /proc scan of ~100 threads takes 3-10 ms, and on the
+            # loop it stalled the streams right at each window's start (the window's max gap)
+            cpu0 = await asyncio.to_thread(thread_cpu)
             w = Window(name, time.perf_counter())
             if coro is not None:
                 w.info = await coro
             if seconds:
                 await asyncio.sleep(seconds)
             w.t1 = time.perf_counter()
-            w.info["thread_cpu"] = cpu_by_thread(cpu0, thread_cpu(), w.t1 - w.t0)
+            cpu1 = await asyncio.to_thread(thread_cpu)
+            w.info["thread_cpu"] = cpu_by_thread(cpu0, cpu1, w.t1 - w.t0)
             if prof is not None and (err := prof.stop()):
                 print(f"  py-spy: {err}", flush=True)
             windows.append(w)
