@@ -10,11 +10,9 @@ stays free. Only the loop task steps the engine; everything goes through ``Engin
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import itertools
 import sys
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,7 +24,6 @@ from loraplex.engine.core import AdapterChoice, EngineCore, EngineInternals, Pla
 from loraplex.engine.errors import EngineClosedError, InvalidRequestError
 from loraplex.engine.executor import InFlightStep
 from loraplex.engine.intake import Intake
-from loraplex.engine.late_plan import LatePlan
 from loraplex.engine.request import Request, RequestOutput
 from loraplex.engine.sampler import SamplerOutput
 from loraplex.engine.sampling_params import SamplingParams
@@ -52,7 +49,6 @@ class AsyncEngine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._intake = Intake()
-        self._late = LatePlan(config.late_plan_margin_s)
         self._closed = False
 
     # -- lifetime -------------------------------------------------------------------------------
@@ -253,9 +249,7 @@ class AsyncEngine:
         plans = [plan]
         try:
             step = await loop.run_in_executor(self._executor, core.launch, plan, items)
-            self._late.first(time.perf_counter())
             while not self._closed:
-                await self._hold_for_loads(core)
                 nxt = core.chain(step)
                 if nxt is None:
                     break
@@ -263,14 +257,11 @@ class AsyncEngine:
                 nstep, result = await loop.run_in_executor(
                     self._executor, self._launch_collect, core, nxt, step
                 )
-                self._late.next(time.perf_counter())
                 plans.pop(0)
                 core.apply(step, result, behind=nstep)
                 self._forget_finished()
                 step = nstep
-                # NOTE: no yield here: consumers take their outputs while the next step runs
-                # (the await above); every extra pass through the loop's ready queue between
-                # two tokens arriving and the next launch is time the GPU may sit idle
+                await asyncio.sleep(0)  # let consumers take their outputs
             result = await loop.run_in_executor(self._executor, core.collect, step)
         except Exception as e:  # noqa: BLE001 - one bad step must not stop the engine
             log.exception("step_failed")
@@ -281,18 +272,6 @@ class AsyncEngine:
         core.apply(step, result)
         self._forget_finished()
         await asyncio.sleep(0)
-
-    async def _hold_for_loads(self, core: EngineCore) -> None:
-        """While a waiting request's adapter loads: hold the next plan until the load lands
-        (any wake) or the last moment the step can be queued in time (late_plan.py)."""
-        wait = self._late.hold_s(time.perf_counter())
-        if wait < 5e-4 or not core.loads_landing():
-            return
-        self._wake.clear()  # (the plan below sees whatever set it)
-        core.counters["late_plan_holds"] += 1
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(wait):
-                await self._wake.wait()
 
     @staticmethod
     def _launch_collect(

@@ -67,11 +67,6 @@ class EngineConfig:
     # waits on the write on the device) while the step's joined writes total at most this many
     # bytes and no earlier write is still landing; 0: requests wait for their write to land
     slot_write_join_bytes: int = 128 << 20
-    # pipelined decode while a waiting request's adapter is loading: plan the next step as late
-    # as it can still be queued before the running one ends (this much ahead of its end), or
-    # as soon as the load lands, so that request rides in it (engine/late_plan.py); None: plan
-    # at once
-    late_plan_margin_s: float | None = 0.003
     # helper processes that fetch, verify, preflight and pack adapters (off this process's
     # GIL); None: 2 on CUDA, 0 (threads of this process) on CPU
     loader_processes: int | None = None

@@ -143,10 +143,7 @@ class EngineCore:
         )
         self._sync_slot_writes = self.executor.side_stream is None  # they land at the step's end
         self.in_flight: set[Request] = set()  # requests of launched, not yet applied steps
-        self.counters = {
-            "requests": 0, "finished": 0, "aborted": 0, "errors": 0, "steps": 0,
-            "late_plan_holds": 0,  # chained plans held for a landing load (late_plan.py)
-        }  # fmt: skip
+        self.counters = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0, "steps": 0}
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self._load_gate: asyncio.Semaphore | None = None
         self.loop_lag: LoopLag | None = None  # started by ``start`` on the engine's loop
@@ -391,10 +388,6 @@ class EngineCore:
         for v in self.adapters.resident:
             if not v.slot_ready and v.slot_event is not None and v.slot_event.query():
                 self._slot_landed(v)
-
-    def loads_landing(self) -> bool:
-        """Waiting requests wait on adapter loads in flight (``Scheduler.loads_landing``)."""
-        return self.scheduler.loads_landing()
 
     def pending_slot_writes(self) -> bool:
         """A slot was handed out and its write has not landed (or not been issued) yet."""

@@ -221,20 +221,6 @@ class Scheduler:
             self._admit(out, None, budget, len(self.running), join=True)
         return out
 
-    def loads_landing(self) -> bool:
-        """A waiting request's adapter is loading, and none waits on a loaded adapter that
-        has no slot yet (that one can be planned now)."""
-        landing = False
-        for r in self.waiting:
-            v = r.adapter
-            if v is None:
-                continue
-            if v.state is AdapterState.LOADING:
-                landing = True
-            elif v.state is AdapterState.CPU and v.slot is None:
-                return False
-        return landing
-
     def _collect_slot_writes(self, out: SchedulerOutput, head: Request | None) -> None:
         """Assign slots to loaded adapters that waiting requests need (writes run in the step)."""
         order = ([head] if head else []) + [r for r in self.waiting if r is not head]

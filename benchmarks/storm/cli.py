@@ -39,10 +39,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--commit", default=None, help="the commit to report (default: git HEAD)")
     ap.add_argument("--plot", default=None, help="write the step timeline as a PNG here")
     ap.add_argument(
-        "--late-plan-margin-ms", type=float, default=3.0,
-        help="EngineConfig.late_plan_margin_s in ms; negative: plan chained steps at once",
-    )  # fmt: skip
-    ap.add_argument(
         "--profile", default=None,
         help="folder: a py-spy --gil profile of each storm window (py-spy must be installed)",
     )  # fmt: skip

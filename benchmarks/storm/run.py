@@ -60,7 +60,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         local_roots=(str(work / "adapters"),),
         adapter_cache_dir=str(work / "staging"),
         max_concurrent_loads=args.max_concurrent_loads,
-        late_plan_margin_s=args.late_plan_margin_ms / 1e3 if args.late_plan_margin_ms >= 0 else None,
         **({"loader_processes": args.loader_processes} if args.loader_processes is not None
            else {}),
     )  # fmt: skip
