@@ -131,18 +131,41 @@ class WorkerGroup:
             msg = self.wait(rank, "up")
             self.worker_env.append(msg[1])
         with _loopback_env(self.cuda):
-            dist.init_process_group(
-                self.backend,
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=0,
-                world_size=self.size,
-                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-                **({"device_id": torch.device(self.devices[0])} if self.cuda else {}),
-            )
+            self._join(port)
         self._pg = True
         log.info("tensor_parallel_started", size=self.size, backend=self.backend,
                  pids=[p.pid for p in self.procs])  # fmt: skip
         return TensorParallel(self.cfg, TPShard(0, self.size))
+
+    def _join(self, port: int) -> None:
+        """Rank 0 joins the group. The rendezvous runs in a thread so that a worker dying
+        before it joins fails the start at once (its reader names it) instead of after the
+        rendezvous timeout; the abandoned rendezvous ends by that timeout, in its thread."""
+        done = threading.Event()
+        raised: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                dist.init_process_group(
+                    self.backend,
+                    init_method=f"tcp://127.0.0.1:{port}",
+                    rank=0,
+                    world_size=self.size,
+                    timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                    **({"device_id": torch.device(self.devices[0])} if self.cuda else {}),
+                )
+            except BaseException as e:  # noqa: BLE001 - handed to the starting thread
+                raised.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=join, name="loraplex-tp-rendezvous", daemon=True).start()
+        while not done.wait(0.05):
+            if self.failed.is_set():
+                self.check()
+        if raised:
+            self.check()  # a dead worker is the cause of a failed rendezvous
+            raise TensorParallelWorkerError(f"tensor-parallel rendezvous failed: {raised[0]!r}")
 
     def _spawn(self, rank: int, port: int) -> None:
         ours, theirs = socket.socketpair()

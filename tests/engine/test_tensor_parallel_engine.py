@@ -107,6 +107,32 @@ async def test_killed_worker_fails_the_engine_loudly(tiny):
     assert all(p.poll() is not None and _gone(p.pid) for p in group.procs)
 
 
+async def test_worker_dead_before_the_rendezvous_fails_the_start_at_once(tiny, monkeypatch):
+    """A worker that dies after reporting "up" never joins the group: the start fails with a
+    typed error naming it, well before the rendezvous' own 120 s timeout."""
+    from loraplex.engine.parallel.group import COLLECTIVE_TIMEOUT_S, WorkerGroup
+
+    model_dir, _ = tiny
+    wait, killed = WorkerGroup.wait, []
+
+    def wait_then_kill(self, rank, kind, *a, **kw):
+        msg = wait(self, rank, kind, *a, **kw)
+        if kind == "up":
+            proc = self.procs[rank - 1]
+            os.kill(proc.pid, signal.SIGKILL)
+            killed.append(proc)
+        return msg
+
+    monkeypatch.setattr(WorkerGroup, "wait", wait_then_kill)
+    engine = AsyncEngine(_config(model_dir, 2))
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelWorkerError, match="rank 1"):
+        await asyncio.wait_for(engine.start(), timeout=COLLECTIVE_TIMEOUT_S / 2)
+    assert time.monotonic() - t0 < COLLECTIVE_TIMEOUT_S / 2
+    await asyncio.wait_for(engine.close(), timeout=60)
+    assert killed and all(p.poll() is not None and _gone(p.pid) for p in killed)
+
+
 async def test_models_that_do_not_split_fail_before_workers_start(tiny):
     model_dir, _ = tiny  # 4 attention heads, 2 KV heads
     with pytest.raises(TensorParallelError, match="heads"):
