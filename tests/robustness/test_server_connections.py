@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 
 import aiohttp
 import pytest
@@ -132,8 +133,22 @@ async def _stream_events(url: str, body: dict, started: asyncio.Event) -> list[d
     return events
 
 
+def _pace_steps(engine, seconds: float) -> None:
+    """Each step takes at least ``seconds`` (step thread): the long request's 1000 tokens then
+    outlast the shutdown timeout on any machine, however fast the demo model decodes there."""
+    executor = engine.testing.executor
+    launch = executor.launch
+
+    def paced(*args, **kwargs):
+        time.sleep(seconds)
+        return launch(*args, **kwargs)
+
+    executor.launch = paced
+
+
 async def test_shutdown_lets_short_requests_finish_and_aborts_the_rest():
     async for server in serve_demo():
+        _pace_steps(server.engine, 0.01)  # >= 10 s for 1000 tokens against a 5 s timeout
         short_started, long_started = asyncio.Event(), asyncio.Event()
         long = asyncio.create_task(_stream_events(server.url, LONG, long_started))
         await long_started.wait()
