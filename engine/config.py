@@ -29,6 +29,10 @@ class EngineConfig:
     max_cpu_loras: int = 8  # pinned host tier
     max_lora_rank: int = 16
     max_adapter_bytes: int = 2 << 30
+    # full-table slots for adapters whose modules_to_save replaces embed_tokens / lm_head
+    # (lora/full.py): LoRA slots 0..N-1 also hold one (vocab, hidden) table per module; 0:
+    # such adapters are refused (AdapterConfigError naming modules_to_save)
+    max_full_module_loras: int = 0
     # scheduling
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -101,6 +105,17 @@ class EngineConfig:
             raise ValueError("max_loras and max_cpu_loras must be >= 0")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        if not 0 <= self.max_full_module_loras <= self.max_loras:
+            raise ValueError(
+                "max_full_module_loras must be between 0 and max_loras (full-table slots are "
+                f"LoRA slots 0..N-1), got {self.max_full_module_loras} with max_loras "
+                f"{self.max_loras}"
+            )
+        if self.max_full_module_loras and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "max_full_module_loras is not supported with tensor_parallel_size > 1 (full "
+                "embed_tokens / lm_head tables are not split over ranks)"
+            )
         if self.loader_processes is not None and self.loader_processes < 0:
             raise ValueError("loader_processes must be >= 0")
         if self.adapter_cache_bytes is not None and self.adapter_cache_bytes < 0:

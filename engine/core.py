@@ -129,6 +129,7 @@ class EngineCore:
             max_loras=config.max_loras,
             max_cpu_loras=config.max_cpu_loras,
             loader=self._load_adapter,
+            max_full=config.max_full_module_loras,
             on_change=wake,
             on_drop=self.loader.discard,
             on_unload=self.loader.release,
@@ -277,6 +278,11 @@ class EngineCore:
                 )
             if v.dora:
                 raise bad(f"adapter {name!r} is a DoRA adapter: DoRA adapters cannot be composed")
+            if v.full:
+                raise bad(
+                    f"adapter {name!r} replaces full embed_tokens / lm_head tables "
+                    "(modules_to_save): such adapters cannot be composed"
+                )
             versions.append((v, weight))
         rank = sum(v.lora_rank for v, _ in versions)
         if rank > self.config.max_lora_rank:

@@ -41,8 +41,12 @@ def capture_graph(
 
 
 def _logits(model: CausalLM, hidden: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
-    """(N, V) float32 logits of ``hidden`` rows, each with its slot's LM head LoRA delta."""
+    """(N, V) float32 logits of ``hidden`` rows, each with its slot's LM head LoRA delta (and
+    a full-table slot's own head: ``model.full_modules``, present only when configured)."""
     logits = linear(hidden, model.lm_head).float()
+    full = getattr(model, "full_modules", None)  # modules_to_save tables (lora/full.py)
+    if full is not None:
+        full.head_logits(logits, hidden, token_slots, triton=True)
     head = model.lora_vocab().get("lm_head")
     if head is not None and getattr(model, "tp", None) is None:
         head.add(logits, hidden, token_slots, triton=True)

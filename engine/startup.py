@@ -19,6 +19,7 @@ import torch
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.cuda_graph import MixedGraphs
+from loraplex.engine.lora.full import attach_full_modules, full_slot_bytes
 from loraplex.engine.lora.pool import HostPool
 from loraplex.engine.lora.staging import slot_image_numel
 from loraplex.engine.model.config import ModelConfig
@@ -98,6 +99,9 @@ def _build(
             quantization=config.quantization,
             tensor_parallel=group.start() if group is not None else None,
         )
+    if config.max_full_module_loras and getattr(model, "full_modules", None) is None:
+        # before the KV cache is sized from the free memory (lora/full.py)
+        attach_full_modules(model, config.max_full_module_loras)
     if config.quantization == "fp8":
         quantize_model(model)  # a caller's float model (a loaded one is fp8 already)
     if model.device.type == "cuda" and fp8_layers(model):
@@ -177,6 +181,12 @@ def check_model_slots(model: CausalLM, config: EngineConfig) -> None:
             f"the model has {model.max_loras} LoRA slots but the config asks for "
             f"max_loras={config.max_loras}: build the model with max_loras={config.max_loras}"
         )
+    full = getattr(model, "full_modules", None)
+    if full is not None and full.num != config.max_full_module_loras:
+        raise ValueError(
+            f"the model has {full.num} full-table slots but the config asks for "
+            f"max_full_module_loras={config.max_full_module_loras}"
+        )
     if model.max_loras and model.max_lora_rank != config.max_lora_rank:
         raise ValueError(
             f"the model's LoRA slots have rank {model.max_lora_rank} but the config asks for "
@@ -229,6 +239,10 @@ def capacity_report(core: EngineCore) -> dict[str, Any]:
         "gpu_slots": cfg.max_loras,
         "max_lora_rank": cfg.max_lora_rank,
         "slot_bytes": full_rank_bytes,
+        # modules_to_save: slots 0..N-1 also hold a full embed_tokens and lm_head table each
+        "full_module_slots": cfg.max_full_module_loras,
+        "full_module_bytes": cfg.max_full_module_loras
+        * full_slot_bytes(mcfg.vocab_size, mcfg.hidden_size, core.model.dtype),
         "cpu_tier_adapters": cfg.max_cpu_loras,
         "cpu_tier_bytes_at_max_rank": full_rank_bytes * cfg.max_cpu_loras,
         "adapters_fitting_host_memory": _host_bytes() // max(full_rank_bytes, 1),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,6 +26,9 @@ from loraplex.engine.lora.peft_config import PeftLoRAConfig, parse_peft_config_j
 from loraplex.engine.lora.preflight import (
     DEFAULT_MAX_HEADER_BYTES,
     check_dora_pair,
+    check_full_modules_allowed,
+    check_full_table,
+    check_full_tables_present,
     read_safetensors_header,
 )
 from loraplex.engine.lora.targets import PARENT as _PARENT
@@ -48,6 +51,7 @@ __all__ = [
     "check_targets",
     "check_weight_values",
     "load_magnitudes",
+    "load_full_tables",
     "CONFIG_FILE",
 ]
 
@@ -88,6 +92,9 @@ class LoRAAdapter:
     # DoRA: (layer, module) -> the row scale m / ||W + s B A|| (out,) float32, folded into B
     # too (dora.py); None for plain LoRA and until computed against the base
     dora: dict[tuple[int, str], torch.Tensor] | None = None
+    # modules_to_save: "embed_tokens" / "lm_head" -> the full (vocab, hidden) table that
+    # replaces the base's for this adapter's rows (lora/full.py); empty for most adapters
+    full: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -98,9 +105,10 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
+        full = sum(t.nbytes for t in self.full.values())
         if isinstance(self.weights, WeightsView):
-            return self.weights.nbytes
-        return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values())
+            return self.weights.nbytes + full
+        return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values()) + full
 
 
 def _resolve_module(name: str, num_layers: int) -> tuple[int, str]:
@@ -127,7 +135,8 @@ def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
     ``<module>.lora_magnitude_vector[.<adapter>][.weight]`` (DoRA) -> "M";
     ``model.embed_tokens.lora_embedding_A[.<adapter>]`` -> "A" (``_B``: "B");
     ``model.embed_tokens`` / ``lm_head`` ``.base_layer.weight`` -> "BASE" (PEFT saves the base
-    table next to a LoRA on it; never read: the served base is the model's)."""
+    table next to a LoRA on it; never read: the served base is the model's);
+    ``model.embed_tokens.weight`` / ``lm_head.weight`` -> "FULL" (a modules_to_save table)."""
     parts = key.removeprefix("base_model.model.").split(".")
     i = next((j for j, p in enumerate(parts) if p.startswith("lora_")), None)
     if i is None and parts[-2:] == ["base_layer", "weight"]:
@@ -139,10 +148,11 @@ def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
     else:
         module = ".".join(parts[:i])
     layer, short = _resolve_module(module, num_layers)
+    if i is None and layer == VOCAB_LAYER and parts[-1] == "weight":
+        return layer, short, "FULL"  # modules_to_save's table (checked against the config)
     if i is None and layer == VOCAB_LAYER:
-        raise AdapterTargetError(
-            f"{WEIGHTS_FILE}: tensor {key!r} is a full {short} table (modules_to_save), which "
-            f"{CONFIG_FILE} does not list",
+        raise AdapterFormatError(
+            f"{WEIGHTS_FILE}: tensor {key!r} is not a full {short} table or a LoRA weight",
             field=key,
         )
     rest = parts[i + 1 :] if i is not None else []
@@ -213,15 +223,22 @@ def _weights_file(folder: Path) -> Path:
 
 
 def _index(
-    f: safe_open, config: PeftLoRAConfig, mc: ModelConfig
+    f: safe_open, config: PeftLoRAConfig, mc: ModelConfig, tables: dict[str, str] | None = None
 ) -> dict[tuple[int, str], dict[str, str]]:
-    """Map (layer, module) -> {"A": key, "B": key} from the header; no tensor data is read."""
+    """Map (layer, module) -> {"A": key, "B": key} from the header; no tensor data is read.
+    ``tables`` gets the modules_to_save tables' keys by module (checked: listed, base shape)."""
     found: dict[tuple[int, str], dict[str, str]] = {}
+    seen: dict[str, str] = {}
     for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
         layer, module, ab = _parse_key(key, mc.num_layers)
         full = base_module_name(layer, module)
         if ab == "BASE":
             _check_base_table(key, list(f.get_slice(key).get_shape()), module, mc)
+            continue
+        if ab == "FULL":
+            sl = f.get_slice(key)
+            check_full_table(key, module, list(sl.get_shape()), sl.get_dtype(), config, mc)
+            seen[module] = key
             continue
         if not config.targets(full):
             raise AdapterTargetError(
@@ -245,6 +262,9 @@ def _index(
             )
     if not found:
         raise AdapterFormatError(f"{WEIGHTS_FILE} holds no LoRA weights", field=WEIGHTS_FILE)
+    check_full_tables_present(seen, config)
+    if tables is not None:
+        tables.update(seen)
     return found
 
 
@@ -302,14 +322,21 @@ def load_adapter(
     max_lora_rank: int,
     name: str | None = None,
     dtype: torch.dtype = torch.float32,
+    full_modules: bool = False,
+    read_full: bool = True,
 ) -> LoRAAdapter:
-    """Read, check and load an adapter folder; tensors come back on CPU in ``dtype``."""
+    """Read, check and load an adapter folder; tensors come back on CPU in ``dtype``.
+
+    ``full_modules``: the engine serves modules_to_save tables (else such an adapter is an
+    AdapterConfigError); ``read_full``: read them into ``adapter.full`` (else only their
+    headers are checked, see ``load_full_tables``)."""
     folder = Path(path)
     if not folder.is_dir():
         raise AdapterNotFoundError(f"adapter folder {str(path)!r} does not exist")
     wfile = _weights_file(folder)
     config = _read_config(folder)
     check_targets(config, model_config)
+    check_full_modules_allowed(config, full_modules)
     # NOTE: the strict header check of preflight (duplicate keys, gaps, overlaps), so that this
     # parser accepts no file the preflight would refuse (safetensors keeps the last of two
     # duplicate keys)
@@ -317,9 +344,11 @@ def load_adapter(
     read_safetensors_header(wfile, max_header_bytes=DEFAULT_MAX_HEADER_BYTES)
     shapes = model_config.adapter_module_shapes()
     weights: dict[tuple[int, str], LoRAWeights] = {}
+    tables: dict[str, str] = {}
+    full_tables: dict[str, torch.Tensor] = {}
     try:
         with safe_open(str(wfile), framework="pt") as f:
-            found = _index(f, config, model_config)
+            found = _index(f, config, model_config, tables)
             order = sorted(found, key=lambda lm: (lm[0], MODULE_ORDER[lm[1]]))
             for key in order:  # check every header first, then read data
                 r = config.rank_for(base_module_name(*key))
@@ -335,9 +364,42 @@ def load_adapter(
                 weights[(layer, module)] = LoRAWeights(
                     a=a.to(dtype).contiguous(), b=b.to(dtype).contiguous()
                 )
+            if read_full:
+                full_tables = _read_tables(f, tables, dtype)
     except (SafetensorError, OSError) as e:
         raise AdapterFormatError(f"{wfile} cannot be read: {e}", field=WEIGHTS_FILE) from None
-    return LoRAAdapter(name=name or folder.name, path=str(folder), config=config, weights=weights)
+    return LoRAAdapter(
+        name=name or folder.name, path=str(folder), config=config, weights=weights, full=full_tables
+    )
+
+
+def _read_tables(
+    f: safe_open, tables: dict[str, str], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    out = {}
+    for module, key in sorted(tables.items()):
+        t = f.get_tensor(key)
+        check_weight_values(t, key)
+        out[module] = t.to(dtype).contiguous()
+    return out
+
+
+def load_full_tables(
+    path: str | Path, model_config: ModelConfig, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The modules_to_save tables of an adapter folder that passed ``load_adapter`` (headers
+    checked again), in ``dtype``; empty if it has none."""
+    folder = Path(path)
+    config = _read_config(folder)
+    if not config.modules_to_save:
+        return {}
+    tables: dict[str, str] = {}
+    try:
+        with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as f:
+            _index(f, config, model_config, tables)
+            return _read_tables(f, tables, dtype)
+    except (SafetensorError, OSError) as e:
+        raise AdapterFormatError(f"{folder} cannot be read: {e}", field=WEIGHTS_FILE) from None
 
 
 def load_magnitudes(
@@ -359,9 +421,12 @@ def load_magnitudes(
 
 
 def check_adapter_values(
-    path: str | Path, model_config: ModelConfig, *, max_lora_rank: int
+    path: str | Path, model_config: ModelConfig, *, max_lora_rank: int, full_modules: bool = False
 ) -> None:
     """Parse every tensor once and check its values (``check_weight_values``), keeping
     nothing: a registration refuses garbage weights before any request can ask for them."""
-    load_adapter(path, model_config, max_lora_rank=max_lora_rank, dtype=torch.float32)
+    load_adapter(
+        path, model_config, max_lora_rank=max_lora_rank, dtype=torch.float32,
+        full_modules=full_modules,
+    )  # fmt: skip
     load_magnitudes(path, model_config)

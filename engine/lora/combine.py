@@ -40,6 +40,12 @@ def combine_adapters(
                 f"adapter {a.name!r} is a DoRA adapter: DoRA adapters cannot be composed",
                 field="adapters",
             )
+        if a.full or a.config.modules_to_save:
+            raise AdapterConfigError(
+                f"adapter {a.name!r} replaces full embed_tokens / lm_head tables "
+                "(modules_to_save): such adapters cannot be composed",
+                field="adapters",
+            )
     keys = sorted(
         {k for a, _ in parts for k in a.weights},
         key=lambda k: (k[0], MODULE_ORDER[k[1]]),

@@ -2,7 +2,8 @@
 
     resolve (plugin, cheap) -> fetch (async I/O into a staging dir) -> verify (sha256 digest)
     -> preflight (config + safetensors header) -> stage (parse and pack into one host-pool
-    region: pinned, shared memory)
+    region: pinned, shared memory; modules_to_save tables, lora/full.py, are not in the region:
+    plain CPU tensors of the adapter, read in this process)
 
 Where the work runs: with ``loader_processes`` > 0 (the default on CUDA) fetch, verify,
 preflight and stage run in helper processes (``loader_process.py``), so the engine's GIL stays
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.lora.adapter import LoRAAdapter, load_adapter
+from loraplex.engine.lora.adapter import LoRAAdapter, load_adapter, load_full_tables
 from loraplex.engine.lora.combine import combine_adapters
 from loraplex.engine.lora.errors import AdapterNotFoundError
 from loraplex.engine.lora.loader_process import LoaderInit, LoaderProcesses
@@ -165,12 +166,13 @@ class AdapterLoader:
                     "resolver_policy": self.policy,
                     "max_bytes": self.config.max_adapter_bytes,
                     "max_lora_rank": self.config.max_lora_rank,
+                    "full_modules": self.config.max_full_module_loras > 0,
                     "env": {k: x for k, x in os.environ.items() if k.startswith(_ENV_PREFIXES)},
                 },
             )
             v.local_dir, v.digest = Path(r["local_dir"]), r["digest"]
             v.pinned_uri, v.nbytes = r["pinned_uri"], r["nbytes"]
-            v.lora_rank, v.dora = r["rank"], r["dora"]
+            v.lora_rank, v.dora, v.full = r["rank"], r["dora"], r["full"]
             t.update(r["timings"])
             return
         t0 = time.perf_counter()
@@ -182,7 +184,7 @@ class AdapterLoader:
             resolver, uri, dest, name=v.name, shown_uri=v.uri, sha256=sha256,
             expect_digest=v.digest, model_config=self.model_config,
             max_lora_rank=self.config.max_lora_rank, max_bytes=self.config.max_adapter_bytes,
-            progress=self._progress(v),
+            progress=self._progress(v), full_modules=self.config.max_full_module_loras > 0,
         )  # fmt: skip
         v.local_dir, v.digest, v.pinned_uri, v.nbytes = (
             result.local_dir,
@@ -190,7 +192,7 @@ class AdapterLoader:
             result.pinned_uri,
             result.nbytes,
         )
-        v.lora_rank, v.dora = report.rank, report.config.use_dora
+        v.lora_rank, v.dora, v.full = report.rank, report.config.use_dora, bool(report.full)
         t.update(resolve=t1 - t0, **stages)
 
     def _fetch_in_helpers(self) -> bool:
@@ -240,11 +242,16 @@ class AdapterLoader:
                     "name": v.name,
                     "dtype": str(dtype).removeprefix("torch."),
                     "max_lora_rank": self.config.max_lora_rank,
+                    "full_modules": self.config.max_full_module_loras > 0,
                     "region": (region.offset, region.nbytes),
                 },
                 on_end=end,
             )
             adapter = await asyncio.to_thread(self._adopt, v, r, region, dtype)
+            if adapter.config.modules_to_save:  # not in the region: read here (lora/full.py)
+                adapter.full = await asyncio.to_thread(
+                    load_full_tables, r["path"], self.model_config, dtype
+                )
         except BaseException:
             if ended == [True]:  # the helper finished; the failure is ours
                 self.pool.release(region)
@@ -281,8 +288,9 @@ class AdapterLoader:
         if not v.parts:
             assert v.local_dir is not None
             return load_adapter(
-                v.local_dir, self.model_config, max_lora_rank=R, name=v.name, dtype=dtype
-            )
+                v.local_dir, self.model_config, max_lora_rank=R, name=v.name, dtype=dtype,
+                full_modules=self.config.max_full_module_loras > 0,
+            )  # fmt: skip
         parts = [
             (load_adapter(c.local_dir, self.model_config, max_lora_rank=R, name=c.name), w)  # type: ignore[arg-type]
             for c, w in v.parts

@@ -122,6 +122,7 @@ class _Helper:
             resolver, p["uri"], dest, name=p["name"], shown_uri=p["uri"], sha256=p["sha256"],
             expect_digest=p["expect_digest"], model_config=self.init.model_config,
             max_lora_rank=p["max_lora_rank"], max_bytes=p["max_bytes"],
+            full_modules=p["full_modules"],
         )  # fmt: skip
         t = {"resolve": t1 - t0, **stages}
         return {
@@ -131,6 +132,7 @@ class _Helper:
             "nbytes": result.nbytes,
             "rank": report.rank,
             "dora": report.config.use_dora,
+            "full": bool(report.full),
             "timings": t,
         }
 
@@ -151,6 +153,8 @@ class _Helper:
             max_lora_rank=p["max_lora_rank"],
             name=p["name"],
             dtype=dtype,
+            full_modules=p["full_modules"],
+            read_full=False,  # the engine reads the full tables (not in the region)
         )
         offset, nbytes = p["region"]
         out = self.pool[offset : offset + nbytes].view(dtype)

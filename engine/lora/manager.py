@@ -4,7 +4,9 @@ Identity is (name, digest). Re-adding a name with new content makes a new versio
 already holding the old version finish on it. Tiers:
 
     CPU tier  (max_cpu_loras, LRU)  parsed tensors, pinned when serving on CUDA
-    GPU slots (max_loras, LRU)      slot buffers inside every LoRA layer
+    GPU slots (max_loras, LRU)      slot buffers inside every LoRA layer; slots
+                                    0..max_full-1 also hold full tables (lora/full.py), the
+                                    only ones an adapter with modules_to_save tables takes
 
 A version in a GPU slot stays in the CPU tier. A slot is reassigned only when no running
 request references it (``slot_refs == 0``).
@@ -88,6 +90,7 @@ class AdapterVersion:
     region_event: Any = None  # torch.cuda.Event after the last slot write out of the region
     lora_rank: int = 0  # largest module rank, from the preflight (0: not fetched yet)
     dora: bool = False  # a DoRA adapter (preflight)
+    full: bool = False  # carries modules_to_save tables (preflight): a full-table slot only
     # a combination: (component version, weight) in request order (empty: a plain adapter)
     parts: tuple[tuple[AdapterVersion, float], ...] = ()
 
@@ -98,6 +101,11 @@ class AdapterVersion:
     @property
     def rank(self) -> int:
         return self.adapter.rank if self.adapter is not None else 0
+
+
+def _has_full(v: AdapterVersion) -> bool:
+    """``v``'s adapter replaces full embed_tokens / lm_head tables (modules_to_save)."""
+    return v.full or (v.adapter is not None and bool(v.adapter.full))
 
 
 def combination_name(parts: list[tuple[str, float]]) -> str:
@@ -134,12 +142,16 @@ class AdapterManager:
         max_loras: int,
         max_cpu_loras: int,
         loader: Loader,
+        max_full: int = 0,
         on_change: Callable[[], None] = lambda: None,
         on_drop: Callable[[AdapterVersion], None] = lambda v: None,
         on_unload: Callable[[AdapterVersion], None] = lambda v: None,
     ) -> None:
         self.max_loras = max_loras
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
+        # slots 0..max_full-1 also hold full tables (lora/full.py): the only ones an adapter
+        # with modules_to_save tables may take; other adapters take them last
+        self.max_full = max_full
         self._loader = loader
         self._on_change = on_change
         self._on_drop = on_drop
@@ -391,15 +403,20 @@ class AdapterManager:
         assert v.state is AdapterState.CPU
         if v.slot is not None:
             return v.slot
-        free = [i for i, o in enumerate(self._slots) if o is None]
+        full = _has_full(v)
+        usable = range(self.max_full) if full else range(self.max_loras)
+        free = [i for i in usable if self._slots[i] is None]
         if free:
-            slot = free[0]
+            # NOTE: an adapter without full tables takes a full-table slot last
+            slot = free[0] if full else max(free, key=lambda i: (i >= self.max_full, -i))
         else:
-            idle = list(self._idle_owners(force))
+            idle = [o for o in self._idle_owners(force) if o.slot in usable]
             if not idle:
-                if all(o is not None and self._pinned(o) for o in self._slots):
+                owners = [self._slots[i] for i in usable]
+                if all(o is not None and self._pinned(o) for o in owners):
+                    what = f"{self.max_full} full-table" if full else f"{self.max_loras}"
                     raise SlotFullError(
-                        f"all {self.max_loras} GPU slots are pinned; adapter {v.name!r} cannot be served"
+                        f"all {what} GPU slots are pinned; adapter {v.name!r} cannot be served"
                     )
                 return None
             old = min(idle, key=lambda o: o.last_used)
@@ -413,9 +430,13 @@ class AdapterManager:
         v.last_used = time.monotonic()
         return slot
 
-    def can_assign_slot(self, *, force: bool = False) -> bool:
-        """Whether ``assign_slot`` would find a slot now (no side effects)."""
-        return None in self._slots or next(self._idle_owners(force), None) is not None
+    def can_assign_slot(self, v: AdapterVersion | None = None, *, force: bool = False) -> bool:
+        """Whether ``assign_slot`` would find a slot now (no side effects); ``v``: for this
+        version (an adapter with full tables takes only a full-table slot)."""
+        usable = range(self.max_full) if v is not None and _has_full(v) else range(self.max_loras)
+        if any(self._slots[i] is None for i in usable):
+            return True
+        return any(o.slot in usable for o in self._idle_owners(force))
 
     def _idle_owners(self, force: bool) -> Iterator[AdapterVersion]:
         """Slot owners that may lose their slot now: no running request reads it, its write

@@ -61,7 +61,6 @@ _REJECT_IF_SET = (
     "use_qalora",
     "lora_bias",
     "fan_in_fan_out",
-    "modules_to_save",
     "target_parameters",
     "trainable_token_indices",
     "layer_replication",
@@ -86,6 +85,9 @@ class PeftLoRAConfig:
     base_model_name_or_path: str | None = None
     exclude_modules: tuple[str, ...] | str | None = None
     use_dora: bool = False  # DoRA: every targeted module has a lora_magnitude_vector
+    # full tables the adapter replaces (PEFT modules_to_save), as short names: "embed_tokens",
+    # "lm_head" (served only with max_full_module_loras > 0, lora/full.py)
+    modules_to_save: tuple[str, ...] = ()
 
     def rank_for(self, module_name: str) -> int:
         """Rank of ``module_name``: the first matching ``rank_pattern`` key, else ``r``."""
@@ -326,6 +328,29 @@ def _patterns(name: str, value: Any, conv: Any) -> dict[str, Any]:
     return out
 
 
+# modules_to_save entries served as full tables (PEFT matches an entry by suffix of the module
+# name: these are the entries that match exactly the embedding or exactly the LM head)
+_FULL_MODULES = {"embed_tokens": "embed_tokens", "model.embed_tokens": "embed_tokens",
+                 "lm_head": "lm_head"}  # fmt: skip
+
+
+def _modules_to_save(raw: dict[str, Any]) -> tuple[str, ...]:
+    ms = raw.get("modules_to_save")
+    if not ms:
+        return ()
+    names = _str_list("modules_to_save", ms)
+    out = []
+    for n in names:
+        short = _FULL_MODULES.get(n)
+        if short is None:
+            raise _fail(
+                "modules_to_save",
+                f"names {_show(n)}: only embed_tokens and lm_head are served as full tables",
+            )
+        out.append(short)
+    return tuple(sorted(set(out)))
+
+
 def _targets(raw: dict[str, Any]) -> tuple[str, ...] | str:
     tm = raw.get("target_modules")
     if isinstance(tm, str):
@@ -427,4 +452,5 @@ def parse_peft_config(raw: dict[str, Any]) -> PeftLoRAConfig:
         base_model_name_or_path=base if isinstance(base, str) else None,
         exclude_modules=_excludes(raw),
         use_dora=bool(use_dora),
+        modules_to_save=_modules_to_save(raw),
     )

@@ -44,6 +44,9 @@ __all__ = [
     "preflight",
     "read_safetensors_header",
     "check_dora_pair",
+    "check_full_modules_allowed",
+    "check_full_table",
+    "check_full_tables_present",
 ]
 
 CONFIG_FILE = "adapter_config.json"
@@ -58,6 +61,8 @@ _KEY_RE = re.compile(
 # the embedding's LoRA (PEFT: ParameterDicts, no ".weight"), and PEFT's copy of the base table
 _EMBED_RE = re.compile(r"model\.embed_tokens\.lora_embedding_(?P<ab>[AB])(?:\.[^.]+)?")
 _BASE_RE = re.compile(r"(?P<module>model\.embed_tokens|lm_head)\.base_layer\.weight")
+# a modules_to_save table (PEFT drops its ``modules_to_save.<adapter>`` part when saving)
+_FULL_RE = re.compile(r"(?P<module>model\.embed_tokens|lm_head)\.weight")
 _MODULE_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
 _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
 _PARENT = {
@@ -99,6 +104,7 @@ class PreflightReport:
     file_bytes: int  # adapter_config.json + adapter_model.safetensors
     header_bytes: int
     dtypes: frozenset[str]
+    full: tuple[str, ...] = ()  # modules_to_save tables ("embed_tokens", "lm_head")
 
 
 def preflight(
@@ -108,8 +114,10 @@ def preflight(
     max_lora_rank: int,
     max_bytes: int | None,
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    full_modules: bool = False,
 ) -> PreflightReport:
-    """Validate an adapter folder against the base model; raise a typed LoRAError if unfit."""
+    """Validate an adapter folder against the base model; raise a typed LoRAError if unfit.
+    ``full_modules``: the engine serves modules_to_save tables (``max_full_module_loras``)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise AdapterNotFoundError(f"adapter folder {str(folder)!r} does not exist")
@@ -125,8 +133,10 @@ def preflight(
         )
     config = _read_config(cpath, csize)
     check_targets(config, model_config)
+    check_full_modules_allowed(config, full_modules)
     header = read_safetensors_header(wpath, max_header_bytes=max_header_bytes)
-    modules = _check_modules(header.tensors, config, model_config, max_lora_rank)
+    full: dict[str, str] = {}
+    modules = _check_modules(header.tensors, config, model_config, max_lora_rank, full)
     return PreflightReport(
         config=config,
         modules=modules,
@@ -135,6 +145,7 @@ def preflight(
         file_bytes=csize + wsize,
         header_bytes=header.header_bytes,
         dtypes=frozenset(t.dtype for t in header.tensors),
+        full=tuple(sorted(full)),
     )
 
 
@@ -166,6 +177,9 @@ def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
     b = _BASE_RE.fullmatch(name)
     if b is not None:
         return VOCAB_LAYER, vocab_module(b.group("module")) or "", "BASE"
+    t = _FULL_RE.fullmatch(name)
+    if t is not None:
+        return VOCAB_LAYER, vocab_module(t.group("module")) or "", "FULL"
     m = _KEY_RE.fullmatch(name)
     if m is not None and m.group("module") == "lm_head" and m.group("ab"):
         return VOCAB_LAYER, "lm_head", m.group("ab")
@@ -197,12 +211,21 @@ def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
 
 
 def _check_modules(
-    tensors: list[TensorEntry], config: PeftLoRAConfig, mc: ModelConfig, max_rank: int
+    tensors: list[TensorEntry],
+    config: PeftLoRAConfig,
+    mc: ModelConfig,
+    max_rank: int,
+    tables: dict[str, str],
 ) -> dict[tuple[int, str], ModuleReport]:
+    """The LoRA modules' reports; ``tables`` gets the modules_to_save tables' keys."""
     found: dict[tuple[int, str], dict[str, TensorEntry]] = {}
     for t in tensors:
         layer, module, ab = _parse_key(t.key, mc.num_layers)
         full = base_module_name(layer, module)
+        if ab == "FULL":
+            check_full_table(t.key, module, list(t.shape), t.dtype, config, mc)
+            tables[module] = t.key
+            continue
         if ab == "BASE":  # PEFT's copy of the base table: never read, its shape must fit
             if t.shape != (mc.vocab_size, mc.hidden_size):
                 raise AdapterShapeError(
@@ -228,6 +251,7 @@ def _check_modules(
         pair[ab] = t
     if not found:
         raise AdapterFormatError(f"{WEIGHTS_FILE} holds no LoRA weights", field=WEIGHTS_FILE)
+    check_full_tables_present(tables, config)
     shapes = mc.adapter_module_shapes()
     out: dict[tuple[int, str], ModuleReport] = {}
     for (layer, module), pair in sorted(found.items()):
@@ -279,6 +303,68 @@ def _check_modules(
 
 
 _KIND = {"A": "lora_A", "B": "lora_B", "M": "lora_magnitude_vector"}
+
+
+def check_full_table(
+    key: str, module: str, shape: list[int], dtype: str, config: PeftLoRAConfig, mc: ModelConfig
+) -> None:
+    """A modules_to_save table: listed in the config, a supported dtype, the base's
+    (vocab, hidden) shape. A table with more rows (tokens the adapter added, resized
+    embeddings) is refused: the served vocabulary is the base's."""
+    if module not in config.modules_to_save:
+        raise AdapterTargetError(
+            f"{WEIGHTS_FILE}: tensor {key!r} is a full {module} table (modules_to_save), which "
+            f"{CONFIG_FILE} does not list",
+            field=key,
+        )
+    if dtype not in _ITEMSIZE:
+        raise AdapterShapeError(
+            f"{WEIGHTS_FILE}: tensor {key!r} has dtype {dtype}; only {', '.join(_ITEMSIZE)} are "
+            "supported",
+            field=key,
+        )
+    want = [mc.vocab_size, mc.hidden_size]
+    if shape != want:
+        rows = shape[0] if len(shape) == 2 else None
+        why = (
+            f"{rows} vocabulary rows; the base has {mc.vocab_size} (an adapter that adds or "
+            "drops tokens does not fit this base)"
+            if rows is not None and rows != mc.vocab_size
+            else f"shape {tuple(shape)}; the base's {module} is {tuple(want)}"
+        )
+        raise AdapterShapeError(f"{WEIGHTS_FILE}: tensor {key!r} (modules_to_save) has {why}",
+                                field=key)  # fmt: skip
+
+
+def check_full_tables_present(seen: dict[str, object], config: PeftLoRAConfig) -> None:
+    """Every module modules_to_save lists has its table in the file."""
+    for module in config.modules_to_save:
+        if module not in seen:
+            raise AdapterFormatError(
+                f"{WEIGHTS_FILE}: {CONFIG_FILE} lists {module} in modules_to_save but the file "
+                f"has no {base_module_name(VOCAB_LAYER, module)}.weight",
+                field="modules_to_save",
+            )
+
+
+def check_full_modules_allowed(config: PeftLoRAConfig, full_modules: bool) -> None:
+    """modules_to_save is served only with full-table slots (``max_full_module_loras`` > 0),
+    and never next to a LoRA on the same module."""
+    if not config.modules_to_save:
+        return
+    if not full_modules:
+        raise AdapterConfigError(
+            f"{CONFIG_FILE}: modules_to_save is not supported (got "
+            f"{list(config.modules_to_save)}; the engine has no full-table slots: "
+            "max_full_module_loras is 0)",
+            field="modules_to_save",
+        )
+    both = [m for m in config.modules_to_save if config.targets(base_module_name(VOCAB_LAYER, m))]
+    if both:
+        raise AdapterConfigError(
+            f"{CONFIG_FILE}: {', '.join(both)} is both a LoRA target and in modules_to_save",
+            field="modules_to_save",
+        )
 
 
 def check_dora_pair(pair: dict[str, Any], config: PeftLoRAConfig, full: str, key: Any) -> None:

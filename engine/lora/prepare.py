@@ -31,10 +31,11 @@ async def fetch_and_check(
     max_lora_rank: int,
     max_bytes: int,
     progress: Any = None,
+    full_modules: bool = False,
 ) -> tuple[Any, str, dict[str, float], PreflightReport]:
     """Fetch ``uri`` into ``dest`` (removed again on any failure) and check it; returns the
     resolver's FetchResult, the digest, the seconds of fetch / verify / preflight and the
-    preflight's report (rank, config)."""
+    preflight's report (rank, config). ``full_modules``: modules_to_save tables are served."""
     t1 = time.perf_counter()
     try:
         result = await resolver.fetch(uri, dest, progress, max_bytes=max_bytes)
@@ -55,11 +56,12 @@ async def fetch_and_check(
         t3 = time.perf_counter()
         report = await asyncio.to_thread(
             preflight, result.local_dir, model_config, max_lora_rank=max_lora_rank,
-            max_bytes=max_bytes,
+            max_bytes=max_bytes, full_modules=full_modules,
         )  # fmt: skip
         await asyncio.to_thread(
-            check_adapter_values, result.local_dir, model_config, max_lora_rank=max_lora_rank
-        )
+            check_adapter_values, result.local_dir, model_config, max_lora_rank=max_lora_rank,
+            full_modules=full_modules,
+        )  # fmt: skip
         t4 = time.perf_counter()
     except BaseException:
         await asyncio.to_thread(shutil.rmtree, dest, True)

@@ -1,4 +1,5 @@
-"""Write an adapter's tensors into (or clear) one GPU slot of every LoRA layer of a model.
+"""Write an adapter's tensors into (or clear) one GPU slot of every LoRA layer of a model
+(and of its full-table slots, lora/full.py, if it has them).
 
 A write is one host -> device copy of the adapter's packed buffer (staging.py) into a device
 staging tensor, then one batched scatter (``torch._foreach_copy_``) into the slot's regions and
@@ -283,6 +284,7 @@ def write_slot(
             h2d_done.record()
         scatter_triton(src if src is not None else plan.base, plan, slot)
         _write_dora(c, slot, adapter)
+        _write_full(model, slot, adapter)
         return
     if scatter != "torch":
         raise ValueError(f"scatter must be 'auto', 'triton' or 'torch', not {scatter!r}")
@@ -295,6 +297,22 @@ def write_slot(
     if zero:
         _zero(zero)
     _write_dora(c, slot, adapter)
+    _write_full(model, slot, adapter)
+
+
+def _write_full(model: CausalLM, slot: int, adapter: object) -> None:
+    """``slot``'s full tables (modules_to_save, lora/full.py): the adapter's, none elsewhere.
+    Nothing happens on a model without full-table slots (an adapter with tables is refused)."""
+    tables = getattr(adapter, "full", None) or {}
+    fm = getattr(model, "full_modules", None)
+    if fm is None or slot >= fm.num:
+        if tables:
+            raise ValueError(
+                f"slot {slot} has no full-table storage for the adapter's {', '.join(tables)} "
+                f"({0 if fm is None else fm.num} full-table slots)"
+            )
+        return
+    fm.write(slot, tables)
 
 
 def _write_dora(c: _ModelCache, slot: int, adapter: object) -> None:
@@ -326,6 +344,7 @@ def clear_slot(model: CausalLM, slot: int) -> None:
     if a_views:
         _zero(a_views + list(b_views.values()))
     _write_dora(c, slot, None)
+    _write_full(model, slot, None)
 
 
 @torch.no_grad()
@@ -339,6 +358,7 @@ def write_slot_reference(model: CausalLM, slot: int, adapter: LoRAAdapter) -> No
             else:
                 linear.set_lora(slot, module, w.a, w.b)
     _write_dora(_cache(model), slot, adapter)
+    _write_full(model, slot, adapter)
 
 
 def measure_slot_write(

@@ -19,8 +19,9 @@ be captured in a CUDA graph. ``triton=False`` runs the epilogues as their torch 
 CPU; paged attention stays Triton). Numerics follow the reference path (llama.py) and HF: the
 kernels' torch twins pin them.
 
-The embedding LoRA (``lora_vocab()``, lora/vocab.py) is added to the embedded rows; the LM head's
-is the caller's (``compute_logits`` / the graphs), on the logits rows.
+The embedding LoRA (``lora_vocab()``, lora/vocab.py) is added to the embedded rows, and rows of
+a slot with a full embedding table (``full_modules``, lora/full.py) take theirs; the LM head's
+LoRA and full tables are the caller's (``compute_logits`` / the graphs), on the logits rows.
 
 The model must have the Llama layer structure; this forward reads ``embed_tokens``, ``norm``,
 ``rope`` (``cos``, ``sin``) and per layer ``qkv_proj``, ``o_proj``, ``gate_up_proj``,
@@ -104,6 +105,9 @@ def fused_forward(
     embed_lora = model.lora_vocab().get("embed_tokens") if tp is None else None
     if embed_lora is not None:  # base rows: a launch, no work (ops/triton_vocab.py)
         embed_lora.add(residual, input_ids, token_slots, triton=triton)
+    full = getattr(model, "full_modules", None)  # modules_to_save tables (lora/full.py)
+    if full is not None:
+        full.embed_rows(residual, input_ids, token_slots)
     h = torch.empty_like(residual)
     rmsnorm(residual, first.input_layernorm.weight, eps, h, triton=triton)
     q = torch.empty(t, cfg.num_heads, cfg.head_dim, dtype=h.dtype, device=h.device)

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from loraplex.engine.lora.full import FullModules
 from loraplex.engine.lora.layers import LoRALinear
 from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.lora.vocab import VocabLoRA
@@ -155,6 +156,8 @@ class LlamaForCausalLM(torch.nn.Module):
         # a shard of a tensor-parallel model: ``cfg`` is the shard's (tp.shard_config), the
         # embedding and LM head hold its vocabulary rows
         self.tp: TensorParallel | None = None
+        # full-table slots (modules_to_save, lora/full.py: attach_full_modules); None: none
+        self.full_modules: FullModules | None = None
 
     def set_tensor_parallel(self, tp: TensorParallel) -> None:
         """Make this model (built from ``tp.shard_config``) run as its rank of ``tp``."""
@@ -219,6 +222,8 @@ class LlamaForCausalLM(torch.nn.Module):
         emb = self.embed_lora if self.tp is None else None
         if mapping is not None and mapping.has_lora and emb is not None:
             emb.add(x, input_ids, mapping.token_slots, triton=mapping.triton)
+        if mapping is not None and mapping.has_lora and self.full_modules is not None:
+            self.full_modules.embed_rows(x, input_ids, mapping.token_slots)
         rope = self.rope.table(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, kv, meta, mapping, rope)
@@ -230,6 +235,10 @@ class LlamaForCausalLM(torch.nn.Module):
         """(N, hidden) -> (N, vocab) float32 (a tensor-parallel shard gathers every rank's).
         ``mapping``: the slots of these N rows (their LM head LoRA deltas), or None (base)."""
         logits = F.linear(hidden, self.lm_head).float()
+        if mapping is not None and self.full_modules is not None:  # (never on a TP shard)
+            self.full_modules.head_logits(
+                logits, hidden, mapping.token_slots, triton=mapping.triton
+            )
         if mapping is not None and self.lm_head_lora is not None and self.tp is None:
             self.lm_head_lora.add(logits, hidden, mapping.token_slots, triton=mapping.triton)
         return self.tp.gather_logits(logits) if self.tp is not None else logits

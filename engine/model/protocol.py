@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
+    from loraplex.engine.lora.full import FullModules
     from loraplex.engine.lora.layers import LoRALinear
     from loraplex.engine.lora.mapping import LoRAMapping
     from loraplex.engine.lora.vocab import VocabLoRA
@@ -40,6 +41,7 @@ class CausalLM(Protocol):
     device: torch.device
     layers: torch.nn.ModuleList  # decoder layers, each with its LoRALinear projections
     lm_head: torch.Tensor  # (vocab, hidden)
+    full_modules: FullModules | None  # modules_to_save tables (lora/full.py); None: none
 
     @property
     def max_loras(self) -> int:

@@ -54,6 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=int, help="GPU adapter slots")
     p.add_argument("--max-cpu-loras", type=int, help="adapters held in the host tier")
     p.add_argument("--max-lora-rank", type=int, help="largest adapter rank served")
+    p.add_argument(
+        "--max-full-module-loras", type=int, metavar="N",
+        help="GPU slots (among the --max-loras) that also hold full embed_tokens / lm_head "
+        "tables of adapters with modules_to_save (default 0: such adapters are refused)",
+    )  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, help="running requests per step")
     p.add_argument("--max-model-len", type=int, help="context length (prompt + output)")
     p.add_argument(
@@ -127,8 +132,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "async_scheduling": not args.no_async_scheduling,
     }
     for name in (
-        "max_loras", "max_cpu_loras", "max_lora_rank", "max_num_seqs", "max_model_len",
-        "mixed_graph_tokens", "loader_processes", "max_concurrent_loads", "adapter_cache_dir",
+        "max_loras", "max_cpu_loras", "max_lora_rank", "max_full_module_loras", "max_num_seqs",
+        "max_model_len", "mixed_graph_tokens", "loader_processes", "max_concurrent_loads", "adapter_cache_dir",
         "adapter_cache_bytes", "tensor_parallel_size",
     ):  # fmt: skip
         if getattr(args, name) is not None:

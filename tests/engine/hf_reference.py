@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -26,9 +27,21 @@ class HFReference:
         """Tokens and, per position, the gap between the top-2 logits."""
         name = adapter or "__base__"
         route = {"adapter_names": [name]}
-        if adapter is not None and self.model.peft_config[adapter].use_dora:
+        # NOTE: PEFT's adapter_names routing skips a modules_to_save table unless the active
+        # adapter has it: with such adapters loaded, activate each one (base: adapters off)
+        full = any(getattr(c, "modules_to_save", None) for c in self.model.peft_config.values())
+        off = contextlib.nullcontext()
+        if adapter is not None and (self.model.peft_config[adapter].use_dora or full):
             self.model.set_adapter(adapter)  # PEFT takes no adapter_names with DoRA
             route = {}
+        elif adapter is None and full:
+            off, route = self.model.disable_adapter(), {}
+        with off:
+            return self._greedy(prompt, route, max_tokens)
+
+    def _greedy(
+        self, prompt: list[int], route: dict, max_tokens: int
+    ) -> tuple[list[int], list[float]]:
         ids = torch.tensor([prompt])
         past = None
         tokens, gaps = [], []

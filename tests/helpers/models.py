@@ -153,6 +153,8 @@ def make_peft_adapter(
                 p.copy_(LORA_B_STD * torch.randn(p.shape, generator=g))
             elif ".lora_embedding_A." in name:  # (r, vocab): rows gathered by token id
                 p.copy_(torch.randn(p.shape, generator=g))
+            elif ".modules_to_save." in name:  # a full table (not the base's copy)
+                p.copy_(EMBED_STD * torch.randn(p.shape, generator=g))
     out = Path(out_dir)
     model.save_pretrained(out, safe_serialization=True)
     return out

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from loraplex.engine.lora.adapter import load_adapter
+from loraplex.engine.lora.full import attach_full_modules
 from loraplex.engine.lora.slots import write_slot
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.loader import load_model
@@ -154,11 +155,13 @@ def hf_mixed_batch(
 
 def ours(
     model_dir, adapters, prompts, names, hf_tokens, dtype=torch.float32, device="cpu",
-    loaded=None, **runner_kw,
+    loaded=None, max_full=0, **runner_kw,
 ):  # fmt: skip
     """``adapters``: name -> folder, or (``loaded``) name -> a LoRAAdapter in ``dtype`` (or
-    ``loaded(model)`` -> such a dict)."""
+    ``loaded(model)`` -> such a dict). ``max_full``: full-table slots (lora/full.py), slots
+    0..max_full-1 (the last adapters: slots are taken in reverse order)."""
     model = load_model(model_dir, dtype=dtype, device=device, max_loras=4, max_lora_rank=16)
+    attach_full_modules(model, max_full)
     if callable(loaded):
         loaded = loaded(model)
     runner = ModelRunner(model, num_blocks=64, block_size=4, **runner_kw)
@@ -166,8 +169,9 @@ def ours(
     # NOTE: slots in reverse order so slot index != adapter order
     for slot, name in enumerate(reversed(list(loaded or adapters))):
         adapter = (loaded or {}).get(name) or load_adapter(
-            adapters[name], model.cfg, max_lora_rank=16, name=name, dtype=dtype
-        )
+            adapters[name], model.cfg, max_lora_rank=16, name=name, dtype=dtype,
+            full_modules=max_full > 0,
+        )  # fmt: skip
         write_slot(model, slot, adapter)
         runner.slot_ranks[slot] = adapter.rank
         if adapter.dora is not None:
