@@ -105,7 +105,7 @@ class AdapterVersion:
 
 def _has_full(v: AdapterVersion) -> bool:
     """``v``'s adapter replaces full embed_tokens / lm_head tables (modules_to_save)."""
-    return v.full or (v.adapter is not None and bool(v.adapter.full))
+    return v.full or bool(getattr(v.adapter, "full", None))
 
 
 def combination_name(parts: list[tuple[str, float]]) -> str:
@@ -403,7 +403,7 @@ class AdapterManager:
         assert v.state is AdapterState.CPU
         if v.slot is not None:
             return v.slot
-        full = _has_full(v)
+        full = self.max_full > 0 and _has_full(v)  # (none without full-table slots)
         usable = range(self.max_full) if full else range(self.max_loras)
         free = [i for i in usable if self._slots[i] is None]
         if free:
@@ -433,7 +433,8 @@ class AdapterManager:
     def can_assign_slot(self, v: AdapterVersion | None = None, *, force: bool = False) -> bool:
         """Whether ``assign_slot`` would find a slot now (no side effects); ``v``: for this
         version (an adapter with full tables takes only a full-table slot)."""
-        usable = range(self.max_full) if v is not None and _has_full(v) else range(self.max_loras)
+        full = self.max_full > 0 and v is not None and _has_full(v)
+        usable = range(self.max_full) if full else range(self.max_loras)
         if any(self._slots[i] is None for i in usable):
             return True
         return any(o.slot in usable for o in self._idle_owners(force))

@@ -313,7 +313,8 @@ def check_full_table(
     embeddings) is refused: the served vocabulary is the base's."""
     if module not in config.modules_to_save:
         raise AdapterTargetError(
-            f"{WEIGHTS_FILE}: tensor {key!r} is a full {module} table (modules_to_save), which "
+            f"{WEIGHTS_FILE}: tensor {key!r} is a full {base_module_name(VOCAB_LAYER, module)!r} "
+            "table (modules_to_save), which "
             f"{CONFIG_FILE} does not list",
             field=key,
         )
