@@ -58,6 +58,10 @@ async def test_full_tables_through_the_engine_match_peft(tiny, full):
     # the plain ones use slot 1 (and 0 while it is free); three CPU-tier adapters for four
     cfg = config(model_dir, max_loras=2, max_cpu_loras=3, max_full_module_loras=1)
     async with AsyncEngine(cfg) as engine:
+        report = engine.capacity_report()
+        assert report["full_module_slots"] == 1
+        assert report["full_module_bytes"] == 2 * 256 * 64 * 4  # embed + head, (V, H) float32
+        assert engine.testing.executor.model.full_modules.embed.shape == (1, 256, 64)
         await register(engine, use)
         results = await asyncio.gather(
             *(collect(engine, p, params, a, rid) for rid, p, a, _ in reqs)

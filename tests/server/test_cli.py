@@ -117,6 +117,10 @@ def test_flags_map_onto_engine_config(tmp_path):
     assert loads.mixed_graph_tokens == 0
     assert demo.loader_processes is None and demo.mixed_graph_tokens == 256
     assert demo.tensor_parallel_size == 1
+    assert demo.max_full_module_loras == 0  # adapters with full tables refused
+    args = ["serve", "--max-loras", "4", "--max-full-module-loras", "2"]
+    full = config_from_args(build_parser().parse_args(args))
+    assert (full.max_loras, full.max_full_module_loras) == (4, 2)
     tp = config_from_args(build_parser().parse_args(["serve", "--tensor-parallel-size", "2"]))
     assert tp.tensor_parallel_size == 2
     ray = build_parser().parse_args(["serve-ray", "--tensor-parallel-size", "2"])
