@@ -70,6 +70,8 @@ async def test_full_tables_through_the_engine_match_peft(tiny, full):
         s = engine.stats()
         assert_idle(engine)
     assert s["adapters"]["gpu_evictions"] > 0
+    # CPU-tier evictions and loads again from the staged files (cold loads of full tables)
+    assert s["adapters"]["cpu_evictions"] > 0 and s["adapters"]["loads"] > len(use)
     hf = HFReference(model_dir, use)
     outs = {}
     for (_, prompt, a, n), (tokens, _, _) in zip(reqs + reqs[-5:], results + again, strict=True):
@@ -152,3 +154,36 @@ async def test_full_tables_through_a_loader_process(tiny, full, tmp_path):
     for a, tokens in got.items():
         ref, gaps = hf.greedy(prompt, a, 6)
         compare(tokens, ref, gaps)
+
+
+@pytest.mark.gpu
+async def test_full_tables_on_gpu_graphs_and_no_compiles_while_serving(tiny, full, tmp_path):
+    """On CUDA: full-table adapters next to plain ones, decode and mixed steps as CUDA graphs
+    (the embedding gather and the head kernel captured in them), loads through a helper and
+    in-process; same tokens as PEFT and no kernel compiles after start-up."""
+    model_dir, adapters = tiny
+    _, forms = full
+    use = {"sql": adapters["sql"], **forms}
+    g = random.Random(8)
+    work = [
+        ([g.randrange(3, 250) for _ in range(g.randint(1, 60))], g.choice([None, *use]))
+        for _ in range(16)
+    ]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    hf = HFReference(model_dir, use)
+    refs = [hf.greedy(p, a, 6) for p, a in work]
+    for procs in (0, 1):
+        cfg = config(
+            model_dir, device="cuda", max_loras=2, max_cpu_loras=3, max_full_module_loras=1,
+            loader_processes=procs, max_num_batched_tokens=128,
+            adapter_cache_dir=str(tmp_path / f"cache{procs}"),
+        )  # fmt: skip
+        async with AsyncEngine(cfg) as engine:
+            assert engine.testing.executor.runner.graphs is not None
+            await register(engine, use)
+            before = engine.stats()["kernel_compiles_while_serving"]
+            outs = await asyncio.gather(*(collect(engine, p, params, a) for p, a in work))
+            for (tokens, _, _), ref in zip(outs, refs, strict=True):
+                compare(tokens, *ref)
+            assert engine.stats()["kernel_compiles_while_serving"] == before
+            assert_idle(engine)
