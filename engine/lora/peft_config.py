@@ -348,6 +348,9 @@ def _modules_to_save(raw: dict[str, Any]) -> tuple[str, ...]:
                 f"names {_show(n)}: only embed_tokens and lm_head are served as full tables",
             )
         out.append(short)
+    for key in ("ensure_weight_tying", "modules_to_tie"):
+        if raw.get(key):  # PEFT then shares one table between the tied modules
+            raise _fail(key, "with modules_to_save is not supported (tables are served per module)")
     return tuple(sorted(set(out)))
 
 

@@ -265,6 +265,11 @@ def test_full_tables_refusals(setup, tmp_path):
     for check in checks(other):
         with pytest.raises(AdapterConfigError, match="modules_to_save"):
             check()
+    # PEFT's weight tying of a table to its tied twin
+    tying = copy_adapter(src, tmp_path / "tying", ensure_weight_tying=True)
+    for check in checks(tying):
+        with pytest.raises(AdapterConfigError, match="ensure_weight_tying"):
+            check()
     # a LoRA and a full table on one module
     twice = copy_adapter(src, tmp_path / "twice", target_modules=["o_proj", "lm_head"])
     for check in checks(twice):
