@@ -87,10 +87,20 @@ async def test_full_tables_refused_without_full_slots(tiny, full):
     model_dir, _ = tiny
     _, forms = full
     async with AsyncEngine(config(model_dir)) as engine:  # max_full_module_loras = 0
+        assert engine.testing.executor.model.full_modules is None  # the step path as before
+        assert engine.capacity_report()["full_module_bytes"] == 0
         with pytest.raises(AdapterConfigError, match="modules_to_save") as e:
             await engine.add_adapter("swap", f"file://{forms['swap']}")
         assert e.value.field == "modules_to_save"
         assert "swap" not in [a["name"] for a in engine.list_adapters()]
+
+
+def test_full_module_slots_config_bounds(tiny):
+    model_dir, _ = tiny
+    with pytest.raises(ValueError, match="between 0 and max_loras"):
+        config(model_dir, max_loras=2, max_full_module_loras=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        config(model_dir, max_full_module_loras=1, tensor_parallel_size=2)
 
 
 async def _post(url: str, body: dict) -> tuple[int, dict]:
