@@ -197,3 +197,27 @@ async def test_full_tables_on_gpu_graphs_and_no_compiles_while_serving(tiny, ful
                 compare(tokens, *ref)
             assert engine.stats()["kernel_compiles_while_serving"] == before
             assert_idle(engine)
+
+
+async def test_full_tables_over_http(tiny, full):
+    model_dir, _ = tiny
+    _, forms = full
+    prompt = [5, 17, 99, 3, 42, 8]
+    cfg = config(model_dir, kv_cache_bytes=8 << 20, max_full_module_loras=1)
+    async with AsyncEngine(cfg) as engine:
+        await engine.add_adapter("swap", f"file://{forms['swap']}")
+        runner, port = await start_server(create_app(engine))
+        try:
+            import openai
+
+            client = openai.AsyncOpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
+            )
+            r = await client.completions.create(
+                model="swap", prompt=prompt, max_tokens=6, temperature=0.0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )  # fmt: skip
+        finally:
+            await runner.cleanup()
+    ref, gaps = HFReference(model_dir, {"swap": forms["swap"]}).greedy(prompt, "swap", 6)
+    compare(r.choices[0].token_ids, ref, gaps)
