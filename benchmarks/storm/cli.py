@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             max_loras=4,
             max_cpu_loras=6,
             prompt_len=16,
-            max_tokens=400,
+            # the streams outlast every window on a fast CPU too (cancelled at the end);
+            # TINY's 2048 positions bound it
+            max_tokens=1900,
             quiet_s=0.5,
             settle_s=0.3,
         ).items():
