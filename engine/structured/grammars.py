@@ -25,7 +25,7 @@ import itertools
 import json
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     import llguidance
 
 __all__ = ["GrammarCache", "Guide", "grammar_text"]
+
+TIMES_KEPT = 4096  # compile / lane times a GrammarCache keeps (the latest)
 
 # JSON as models write it: ", " and ": " between items, no other whitespace (free whitespace
 # lets a small model emit newlines until max_tokens)
@@ -127,8 +129,10 @@ class GrammarCache:
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._pending: dict[tuple[str, str], asyncio.Future] = {}
         self._ids = itertools.count(1)
-        self.compile_s: list[float] = []  # seconds per first compile (benchmarks, stats)
-        self.lane_s: list[float] = []  # seconds per further lane
+        # seconds per first compile / per further lane (benchmarks, stats): the latest
+        # TIMES_KEPT, so a server that sees new constraints for days does not grow them
+        self.compile_s: deque[float] = deque(maxlen=TIMES_KEPT)
+        self.lane_s: deque[float] = deque(maxlen=TIMES_KEPT)
         self.hits = 0
 
     def close(self) -> None:

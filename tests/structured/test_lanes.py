@@ -120,3 +120,17 @@ async def test_a_burst_spreads_over_the_lanes():
         assert counts == [3, 3, 3, 3], counts
     finally:
         cache.close()
+
+
+def test_compile_times_are_bounded():
+    """A long-running server sees new constraints for days: the timing lists keep the latest."""
+    from loraplex.engine.structured import grammars
+
+    cache = grammars.GrammarCache("{}", 16, [0], threads=1, lanes=1)  # tokenizer: lazy
+    try:
+        for i in range(grammars.TIMES_KEPT + 10):
+            cache.compile_s.append(float(i))
+        assert len(cache.compile_s) == grammars.TIMES_KEPT
+        assert cache.compile_s[-1] == grammars.TIMES_KEPT + 9
+    finally:
+        cache.close()
