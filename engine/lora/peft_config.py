@@ -88,6 +88,9 @@ class PeftLoRAConfig:
     # full tables the adapter replaces (PEFT modules_to_save), as short names: "embed_tokens",
     # "lm_head" (served only with max_full_module_loras > 0, lora/full.py)
     modules_to_save: tuple[str, ...] = ()
+    # PEFT's ensure_weight_tying: on a base with tied embeddings, a LoRA on embed_tokens also
+    # wraps lm_head (and the other way round), saved as a LoRA of its own on the partner
+    ensure_weight_tying: bool = False
 
     def rank_for(self, module_name: str) -> int:
         """Rank of ``module_name``: the first matching ``rank_pattern`` key, else ``r``."""
@@ -105,7 +108,15 @@ class PeftLoRAConfig:
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
     def targets(self, module_name: str) -> bool:
-        """Whether PEFT would wrap ``module_name`` with this config."""
+        """Whether PEFT would wrap ``module_name`` with this config (with
+        ``ensure_weight_tying``, the tied partner of a targeted embed_tokens / lm_head too:
+        PEFT wraps it on a tied base and saves its LoRA; on an untied one no tensor comes)."""
+        if self._targets(module_name):
+            return True
+        partner = _TIED_PARTNER.get(module_name) if self.ensure_weight_tying else None
+        return partner is not None and self._targets(partner)
+
+    def _targets(self, module_name: str) -> bool:
         if self._excluded(module_name):
             return False
         tm = self.target_modules
@@ -141,6 +152,9 @@ class PeftLoRAConfig:
                 if m is not None:
                     break
         return int(m.group("idx")) if m else None
+
+
+_TIED_PARTNER = {"lm_head": "model.embed_tokens", "model.embed_tokens": "lm_head"}
 
 
 def _key_regex(key: str) -> str:
@@ -456,4 +470,12 @@ def parse_peft_config(raw: dict[str, Any]) -> PeftLoRAConfig:
         exclude_modules=_excludes(raw),
         use_dora=bool(use_dora),
         modules_to_save=_modules_to_save(raw),
+        ensure_weight_tying=_flag(raw, "ensure_weight_tying"),
     )
+
+
+def _flag(raw: dict[str, Any], name: str) -> bool:
+    value = raw.get(name, False)
+    if value is not None and not isinstance(value, bool):
+        raise _fail(name, f"must be true or false, got {_show(value)}")
+    return bool(value)

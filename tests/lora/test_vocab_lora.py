@@ -23,6 +23,7 @@ from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.config import VOCAB_LAYER, ModelConfig
 from loraplex.engine.model.loader import load_model
 from tests.helpers.models import copy_adapter, make_peft_adapter, make_tiny_model
+from tests.lora.test_full_modules import hf_rows
 from tests.model.test_oracle_peft import (
     DECODE_STEPS,
     MODEL_KINDS,
@@ -127,6 +128,36 @@ def test_composition_with_vocab_modules_matches_peft_cat(setup):
         for row in range(len(names)):
             err = ((a[row] - b[row]).norm() / b[row].norm()).item()
             assert err < RTOL, f"{kind} step {step} row {row} ({names[row]}): {err:.2e}"
+
+
+def test_ensure_weight_tying_matches_peft(setup, tmp_path):
+    """PEFT's ``ensure_weight_tying``: on a tied base (qwen2) a LoRA on embed_tokens also wraps
+    lm_head (and the other way round), saved as the partner's own LoRA, which is served; on an
+    untied base (llama) nothing more is saved. Equal to PEFT in a mixed batch either way."""
+    kind, model_dir, adapters = setup
+    tied = {
+        f"tie-{t}": make_peft_adapter(model_dir, tmp_path / t, seed=40 + i, r=4, alpha=8,
+                                      target_modules=[t, "v_proj"], ensure_weight_tying=True)
+        for i, t in enumerate(("embed_tokens", "lm_head"))
+    }  # fmt: skip
+    use = {**tied, "plain": adapters["plain"]}
+    names = ["tie-embed_tokens", "base", "tie-lm_head", "plain", "tie-lm_head"]
+    prompts = _prompts(8)[: len(names)]
+    # NOTE: each adapter's rows as a PEFT batch of their own: PEFT (0.21) loading a second
+    # adapter whose lm_head LoRA comes from ensure_weight_tying gives it none (its embedding
+    # LoRA only), so a PEFT mixed batch is no oracle here; ours is still one mixed batch
+    hf_steps, hf_tokens = hf_rows(model_dir, use, prompts, names)
+    our_steps = ours(model_dir, use, prompts, names, hf_tokens)
+    for step, (a, b) in enumerate(zip(our_steps, hf_steps, strict=True)):
+        for row in range(len(names)):
+            err = ((a[row] - b[row]).norm() / b[row].norm()).item()
+            assert err < RTOL, f"{kind} step {step} row {row} ({names[row]}): {err:.2e}"
+        assert a.argmax(-1).tolist() == hf_tokens[step]
+    partner = {"tie-embed_tokens": "lm_head", "tie-lm_head": "embed_tokens"}
+    for name, path in tied.items():
+        keys = load_file(path / "adapter_model.safetensors")
+        saved = any(f".{partner[name]}.lora_" in k for k in keys)
+        assert saved == (kind == "qwen2"), (kind, name, sorted(keys))
 
 
 def test_expand_kernel_matches_its_twin():
