@@ -65,3 +65,24 @@ def compare(ours: list[int], ref: list[int], gaps: list[float], tol: float = 1e-
         assert a == b, f"position {i}: ours {a} != reference {b} (gap {gaps[i]:.2e})"
     assert len(ours) == len(ref)
     return 0
+
+
+async def http_greedy_ids(engine, model: str, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy token ids of ``prompt`` on ``model`` through the real HTTP server on
+    ``engine`` and the official client (loopback)."""
+    import openai
+
+    from loraplex.engine.server import create_app, start_server
+
+    runner, port = await start_server(create_app(engine))
+    try:
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
+        )
+        r = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=n, temperature=0.0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )  # fmt: skip
+    finally:
+        await runner.cleanup()
+    return r.choices[0].token_ids

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from loraplex.engine import AsyncEngine, SamplingParams
 from loraplex.engine.lora.errors import AdapterConfigError
 from loraplex.engine.server import create_app, start_server
-from tests.engine.hf_reference import HFReference, compare
+from tests.engine.hf_reference import HFReference, compare, http_greedy_ids
 from tests.engine.test_async_engine import assert_idle, collect, config, register
 from tests.helpers.models import copy_adapter, make_peft_adapter
 
@@ -206,18 +206,6 @@ async def test_full_tables_over_http(tiny, full):
     cfg = config(model_dir, kv_cache_bytes=8 << 20, max_full_module_loras=1)
     async with AsyncEngine(cfg) as engine:
         await engine.add_adapter("swap", f"file://{forms['swap']}")
-        runner, port = await start_server(create_app(engine))
-        try:
-            import openai
-
-            client = openai.AsyncOpenAI(
-                base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
-            )
-            r = await client.completions.create(
-                model="swap", prompt=prompt, max_tokens=6, temperature=0.0,
-                extra_body={"ignore_eos": True, "return_token_ids": True},
-            )  # fmt: skip
-        finally:
-            await runner.cleanup()
+        ids = await http_greedy_ids(engine, "swap", prompt, 6)
     ref, gaps = HFReference(model_dir, {"swap": forms["swap"]}).greedy(prompt, "swap", 6)
-    compare(r.choices[0].token_ids, ref, gaps)
+    compare(ids, ref, gaps)

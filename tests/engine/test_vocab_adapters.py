@@ -10,8 +10,7 @@ import random
 import pytest
 
 from loraplex.engine import AsyncEngine, SamplingParams
-from loraplex.engine.server import create_app, start_server
-from tests.engine.hf_reference import HFReference, compare
+from tests.engine.hf_reference import HFReference, compare, http_greedy_ids
 from tests.engine.test_async_engine import assert_idle, collect, config, register
 from tests.helpers.models import make_peft_adapter
 
@@ -71,18 +70,6 @@ async def test_vocab_lora_over_http(tiny, vocab):
     prompt = [5, 17, 99, 3, 42, 8]
     async with AsyncEngine(config(model_dir, kv_cache_bytes=8 << 20)) as engine:
         await engine.add_adapter("both", f"file://{vocab['both']}")
-        runner, port = await start_server(create_app(engine))
-        try:
-            import openai
-
-            client = openai.AsyncOpenAI(
-                base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
-            )
-            r = await client.completions.create(
-                model="both", prompt=prompt, max_tokens=6, temperature=0.0,
-                extra_body={"ignore_eos": True, "return_token_ids": True},
-            )  # fmt: skip
-        finally:
-            await runner.cleanup()
+        ids = await http_greedy_ids(engine, "both", prompt, 6)
     ref, gaps = HFReference(model_dir, {"both": vocab["both"]}).greedy(prompt, "both", 6)
-    compare(r.choices[0].token_ids, ref, gaps)
+    compare(ids, ref, gaps)
