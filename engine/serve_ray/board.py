@@ -96,6 +96,14 @@ class Board:
                 for gone in set(table) - live:
                     del table[gone]
 
+    def gone(self, replica: str) -> None:
+        """``replica`` is no longer routable (Ray's router dropped it, e.g. its actor died,
+        before the controller's next broadcast of the replica set): forget it now, so that
+        the ingress stops sending it per-replica calls."""
+        with self.lock:
+            for table in (self.reports, self.in_flight, self.loading):
+                table.pop(replica, None)
+
     # -- read by the ingress ---------------------------------------------------------------------
 
     def snapshot(self) -> tuple[dict[str, dict[str, Any]], Counter]:
@@ -111,10 +119,6 @@ class Board:
         """(replica, tier of the request's adapter there when it was sent) of a request."""
         with self.lock:
             return self.served_by.get(request_id)
-
-
-_BOARDS: dict[str, Board] = {}
-_BOARDS_LOCK = threading.Lock()
 
 
 _BOARDS: dict[str, Board] = {}

@@ -37,6 +37,7 @@ log = structlog.get_logger("loraplex.serve_ray")
 
 _RECONCILE_S = 1.0
 _CALL_TIMEOUT_S = 120.0
+_LIVENESS_POLL_S = 0.25  # how often a per-replica call checks that its replica is still there
 _RETRIES = 2  # a request whose replica fails before its first output is sent again
 _RETRY_PAUSE_S = 0.5  # a per-replica call (adapter load, stats) that takes longer failed
 
@@ -264,8 +265,31 @@ class ClusterEngine:
         return sorted(reports)
 
     async def _on(self, replica: str, method: str, *args: Any) -> Any:
+        """``method(*args)`` on ``replica``. Fails with ReplicaFailedError as soon as the
+        replica leaves the board (Ray's router no longer has it: the call could never be
+        routed) and with TimeoutError after ``_CALL_TIMEOUT_S``; either way the call is
+        cancelled, so that it does not hold one of Ray's routing tasks for ever. A caller
+        that is cancelled leaves the call running (an adapter load finishes on its replica)."""
         call = getattr(self._handle, method).remote(*args, replica=replica)
-        return await asyncio.wait_for(asyncio.shield(_result(call)), _CALL_TIMEOUT_S)
+        task = asyncio.ensure_future(_result(call))
+        deadline = time.monotonic() + _CALL_TIMEOUT_S
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_LIVENESS_POLL_S)
+            if done:
+                return task.result()
+            if replica not in self.board.snapshot()[0]:
+                err: Exception = ReplicaFailedError(
+                    f"engine replica {replica} is gone ({method} not delivered)"
+                )
+            elif time.monotonic() > deadline:
+                err = TimeoutError(f"engine replica {replica}: {method} took over "
+                                   f"{_CALL_TIMEOUT_S:.0f} s")  # fmt: skip
+            else:
+                continue
+            call.cancel()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise err
 
     async def add_adapter(
         self, name: str, uri: str, sha256: str | None = None, *, trusted: bool = True

@@ -64,7 +64,12 @@ class ResidencyRouter(RequestRouter):
         adapter, _, target = _call(pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if target is not None:
-            return [[by_id[target]]] if target in by_id else []
+            if target in by_id:
+                return [[by_id[target]]]
+            # NOTE: not routable (died or stopping): Ray retries this call until the ingress
+            # gives up on it (ClusterEngine._on sees the target leave the board)
+            self.board.gone(target)
+            return []
         if pending_request is None or pending_request.metadata.call_method != "generate":
             return [sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)]
         board = self.board

@@ -3,6 +3,7 @@ typed errors' trip from a replica to the ingress; the cluster-wide stats."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 
@@ -15,7 +16,11 @@ from loraplex.engine.serve_ray.routing import ReplicaView, rank_replicas, reside
 pytest.importorskip("ray.serve")
 
 from loraplex.engine.serve_ray.board import Board  # noqa: E402
-from loraplex.engine.serve_ray.cluster_engine import ReplicaFailedError, _merge_stats  # noqa: E402
+from loraplex.engine.serve_ray.cluster_engine import (  # noqa: E402
+    ClusterEngine,
+    ReplicaFailedError,
+    _merge_stats,
+)
 from loraplex.engine.serve_ray.replica import WireError  # noqa: E402
 
 
@@ -122,3 +127,56 @@ def test_cluster_stats_sum_counts_and_join_lists():
         {"stats": {"running": 1, "gpu_resident": ["b", "a"], "adapters": {"gpu_hits": 1}}},
     ])  # fmt: skip
     assert merged == {"running": 3, "gpu_resident": ["a", "b"], "adapters": {"gpu_hits": 4}}
+
+
+class _NeverDelivered:
+    """A per-replica call that Ray can never route (its replica died): it never completes."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self._never = asyncio.get_running_loop().create_future()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self._never.cancel()
+
+    def __await__(self):
+        return self._never.__await__()
+
+
+class _Handle:
+    def __init__(self) -> None:
+        self.calls: list[_NeverDelivered] = []
+
+    def __getattr__(self, method: str):
+        handle = self
+
+        class _Method:
+            @staticmethod
+            def remote(*args, replica=None):
+                handle.calls.append(_NeverDelivered())
+                return handle.calls[-1]
+
+        return _Method
+
+    def options(self, **_):
+        return self
+
+
+async def test_a_call_to_a_replica_that_left_fails_at_once_and_is_cancelled():
+    """Ray's router drops a dead replica before the controller's next broadcast: the router
+    forgets it on the board (``gone``), and a per-replica call to it (an adapter load of the
+    reconcile loop) fails with ReplicaFailedError instead of holding one of Ray's routing
+    tasks until a 120 s timeout (which starved the ingress's requests after a replica died)."""
+    board = Board("gone")
+    board.view("r0", {"gpu": [], "cpu": [], "load": 0}, now=0.0)
+    board.view("r1", {"gpu": [], "cpu": [], "load": 0}, now=0.0)
+    engine = ClusterEngine(_Handle(), board)
+    call = asyncio.ensure_future(engine._on("r1", "add_adapter", "x", "/a", None, True))
+    await asyncio.sleep(0.3)
+    assert not call.done()  # still routable: it waits
+    board.gone("r1")  # what ResidencyRouter.choose_replicas does for a target it lacks
+    with pytest.raises(ReplicaFailedError, match="r1"):
+        await asyncio.wait_for(call, 2.0)
+    assert engine._handle.calls[0].cancelled
+    assert set(board.snapshot()[0]) == {"r0"} and engine._replicas() == ["r0"]
