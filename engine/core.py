@@ -551,7 +551,7 @@ class EngineCore:
         """The step to queue behind ``step`` while it is in flight (pipelined decode and
         admission), if ``Scheduler.chain`` allows one."""
         self._poll_slot_events()
-        if not self.config.async_scheduling or step.sample is None:
+        if not self.config.async_scheduling or not step.sampled:
             return None
         plan = self.scheduler.chain(step.plan, self.max_model_len)
         if plan is None:

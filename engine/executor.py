@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -69,6 +71,13 @@ class InFlightStep:
     guided: bool = False  # some row samples under a grammar (its matcher takes the token)
     collected: bool = False  # ``collect`` ran (``result`` holds its tokens)
     result: SamplerOutput | None = None
+    # sampling not queued yet: its masks are being filled (``StepExecutor.finish`` queues it)
+    deferred: Callable[[], PendingSample] | None = None
+
+    @property
+    def sampled(self) -> bool:
+        """Some row is (or will be, once ``finish``) sampled on the device."""
+        return self.sample is not None or self.deferred is not None
 
 
 class StepExecutor:
@@ -105,11 +114,15 @@ class StepExecutor:
         self.last_step_event: Any = None
         self.last_result_time = 0.0  # perf_counter when the last step's tokens reached the host
         self.step_log: collections.deque[StepRecord] = collections.deque(maxlen=100_000)
+        self._fills: ThreadPoolExecutor | None = None  # masks of pipelined steps (``launch``)
 
     def close(self) -> None:
-        """Blocking: stop the slot writer's thread and what the runner started."""
+        """Blocking: stop the slot writer's thread, the mask thread and what the runner
+        started."""
         if self.slot_writer is not None:
             self.slot_writer.close()
+        if self._fills is not None:
+            self._fills.shutdown(wait=True)
         self.runner.close()
 
     def set_slot_rank(self, slot: int, rank: int, *, dora: bool = False) -> None:
@@ -166,7 +179,12 @@ class StepExecutor:
         items: list[StepItem],
         prev: InFlightStep | None = None,
     ) -> InFlightStep:
-        """Step thread: slot writes (side stream), then queue the forward and sampling."""
+        """Step thread: slot writes (side stream), then queue the forward and sampling.
+
+        Sampling under grammars behind a step in flight is deferred (``_defer``): the step is
+        returned with its forward queued and its sampling queued later by ``finish``."""
+        if prev is not None:
+            self.finish(prev)  # (this step's forward reads its sampled tokens)
         read = {it.lora_slot for it in items}
         joined = self._write_slots(plan.slot_jobs, prev, read)
         for event in joined:  # rows that joined their slot's write read it after it lands
@@ -186,41 +204,76 @@ class StepExecutor:
         chunks = [c for c in plan.chunks if c.need_logits]
         rows = [c.req for c in chunks]
         guided = any(r.guide is not None for r in rows)
-        sample = self.sampler.launch(
+        args = (
             logits,
             [r.params for r in rows],
             [r.generator for r in rows],
-            [
+            [  # (now: the rows' output_ids grow when ``prev`` is applied)
                 min_tokens_banned_ids(r.params, len(r.output_ids) + c.feed, r.eos_ids)
                 for r, c in zip(rows, chunks, strict=True)
             ],
-            masks=self._masks(rows, prev, logits.shape[1]) if guided else None,
         )
+        loading = any(v.state is AdapterState.LOADING for v in self.adapters.versions())
+        step = InFlightStep(plan, items, rows, None, t0, t_launched, events, loading, guided)
+        if guided and prev is not None and not prev.collected:
+            step.deferred = self._defer(args, rows, prev)
+        else:
+            masks = self._masks(rows, prev, logits.shape[1]) if guided else None
+            step.sample = self.sampler.launch(*args, masks=masks)
         if self.device.type == "cuda":
             self.last_step_event = torch.cuda.Event()
             self.last_step_event.record()
-        loading = any(v.state is AdapterState.LOADING for v in self.adapters.versions())
-        return InFlightStep(plan, items, rows, sample, t0, t_launched, events, loading, guided)
+        return step
+
+    def finish(self, step: InFlightStep) -> None:
+        """Step thread: queue ``step``'s deferred sampling (waits for its masks' fill)."""
+        if step.deferred is not None:
+            queue, step.deferred = step.deferred, None
+            step.sample = queue()
+
+    def _defer(
+        self, args: tuple, rows: list[Request], prev: InFlightStep
+    ) -> Callable[[], PendingSample]:
+        """Step thread: start filling the masks of a step queued behind ``prev`` and return
+        what queues its sampling once they are filled.
+
+        Masks need ``prev``'s tokens, so they are filled only once those reach the host; while
+        the mask thread fills them (llguidance computes without the GIL), the step thread
+        returns and the loop applies ``prev``'s tokens and plans the next step, so the fill
+        overlaps that host work and the forward already queued. The next ``launch`` (or this
+        step's ``collect``) calls ``finish``: it waits for the fill and queues the masked
+        sampling ahead of the next forward, which reads its tokens."""
+        self.collect(prev)
+        if self._fills is None:
+            self._fills = ThreadPoolExecutor(1, thread_name_prefix="loraplex-masks")
+        fill: Future = self._fills.submit(self._fill, rows, args[0].shape[1])
+
+        def queue() -> PendingSample:
+            return self.sampler.launch(*args, masks=self._upload(fill.result()))
+
+        return queue
 
     def _masks(
         self, rows: list[Request], prev: InFlightStep | None, vocab: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step thread: the token bitmasks of this step's constrained rows, on the device.
-
-        A row's mask depends on every token its request sampled so far. Behind a step still
-        in flight (pipelined decode) this step's forward is already queued; its sampling waits
-        here for ``prev``'s tokens (``collect``: the matchers take them), then the masks are
-        computed while the GPU runs the forward. Steps without constrained rows never come here.
-        """
+        """Step thread: the token bitmasks of this step's constrained rows, on the device,
+        filled here (``prev``, if any, was collected: its tokens are in the matchers)."""
         if prev is not None and not prev.collected:
             self.collect(prev)
+        return self._upload(self._fill(rows, vocab))
+
+    def _fill(self, rows: list[Request], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host masks of the constrained rows and their row indices (step or mask thread;
+        steps without constrained rows never come here)."""
         idx = [i for i, r in enumerate(rows) if r.guide is not None]
         guides = [rows[i].guide for i in idx]
         cuda = self.device.type == "cuda"
         mask = fill_masks(guides, vocab, sorted(rows[idx[0]].eos_ids), pin=cuda)  # type: ignore[arg-type]
         index = torch.tensor(idx, dtype=torch.long)
-        if cuda:
-            index = index.pin_memory()
+        return mask, index.pin_memory() if cuda else index
+
+    def _upload(self, host: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        mask, index = host
         return mask.to(self.device, non_blocking=True), index.to(self.device, non_blocking=True)
 
     def collect(self, step: InFlightStep) -> SamplerOutput | None:
@@ -231,6 +284,7 @@ class StepExecutor:
         """
         if step.collected:
             return step.result  # collected early, for the masks of the step behind it
+        self.finish(step)
         step.collected = True
         if step.sample is None:
             return None

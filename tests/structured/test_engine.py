@@ -105,11 +105,31 @@ async def test_free_rows_never_compute_a_mask(engine, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a mask for a step without constrained rows")
 
-    monkeypatch.setattr(engine.testing.executor, "_masks", boom)
+    monkeypatch.setattr(engine.testing.executor, "_fill", boom)  # (both paths fill here)
     outs = await asyncio.gather(
         *(run(engine, p, free_params(i), a) for i, (p, a) in enumerate(FREE))
     )
     assert all(len(t) == 24 for t, _, _ in outs)
+
+
+async def test_deferred_masks_sample_what_unpipelined_steps_sample(engine):
+    # pipelined: a constrained row's sampling waits for its masks, filled in the mask thread
+    # while the loop applies the step before it (``StepExecutor._defer``); without pipelining
+    # they are filled in the step thread before sampling. Same tokens, greedy and sampled.
+    names = ["nested", "array", "regex", "choice"]
+    jobs = [
+        (f"Item {i}: describe it.", params(n, i), ADAPTERS[i % 4]) for n in names for i in range(6)
+    ]
+    engine.testing.step_log.clear()
+    piped = await asyncio.gather(*(run(engine, *j) for j in jobs))
+    assert sum(r.pipelined for r in engine.testing.step_log) > 10
+    async with AsyncEngine(
+        EngineConfig(device="cpu", max_num_seqs=64, async_scheduling=False)
+    ) as eng:
+        await register_demo_adapters(eng)
+        plain = await asyncio.gather(*(run(eng, *j) for j in jobs))
+        assert not any(r.pipelined for r in eng.testing.step_log)
+    assert [p[0] for p in piped] == [p[0] for p in plain]
 
 
 @pytest.mark.parametrize(
