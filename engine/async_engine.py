@@ -148,7 +148,7 @@ class AsyncEngine:
         ``trusted=False`` (runtime loads) keeps the source inside the allowlist policy.
         """
         core = self._core()
-        await self._intake.turn()  # a burst of calls: one per loop turn (intake.py)
+        await self._intake.turn()  # a burst of calls: one at a time, spaced (intake.py)
         v = await core.add_adapter(name, uri, sha256, trusted=trusted)
         return {"name": v.name, "uri": v.uri, "digest": v.digest, "version": v.version}
 
@@ -178,7 +178,7 @@ class AsyncEngine:
         PEFT's ``add_weighted_adapter(..., combination_type="cat")`` (one slot of the summed
         rank, cached by names + digests + weights)."""
         core = self._core()
-        await self._intake.turn()  # a burst of calls: one per loop turn (intake.py)
+        await self._intake.turn()  # a burst of calls: one at a time, spaced (intake.py)
         params = params or SamplingParams()
         guide = None
         if params.structured is not None:  # compiled in the grammar threads (cached)

@@ -1,11 +1,18 @@
-"""One caller per event-loop turn: spreads a burst of API calls over the loop.
+"""A burst of API calls let through one at a time, ``SPACING_S`` apart.
 
 ``asyncio.gather`` of 64 ``add_adapter`` calls (or 24 ``generate`` calls) puts 64 task steps
 into one turn of the loop; each does ~0.25 ms of synchronous work (name resolution, the
 version, the loader job) before its first wait, so the step loop's own callbacks wait ~16 ms
 behind them and every running stream misses a step (H200 storm benchmark, registration of
-64). ``Intake.turn()`` lets the first caller of a turn through at once and queues the rest,
-FIFO, one per following turn, so the step loop's callbacks run between them.
+64). Letting one caller through per loop turn (the first version of this module) moved the
+step loop's callbacks between them, but the loop still ran back to back for those ~16 ms and
+the step thread, which needs the GIL to launch a step, got it only at the interpreter's switch
+interval: one step per burst still came 3-9 ms late (its GPU idle), in every storm run.
+
+``Intake.turn()`` lets a caller through at once when none passed in the last ``spacing``
+seconds and nobody waits; the others wait, FIFO, and pass one per ``spacing``. A burst of 64
+then takes ~64 ms at 1 ms spacing, the loop busy about a quarter of it, so the step thread
+launches on time. A caller that is alone pays nothing.
 """
 
 from __future__ import annotations
@@ -13,31 +20,40 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-__all__ = ["Intake"]
+__all__ = ["SPACING_S", "Intake"]
+
+SPACING_S = 0.001
 
 
 class Intake:
-    def __init__(self) -> None:
+    def __init__(self, spacing: float = SPACING_S) -> None:
+        self.spacing = spacing
         self._waiters: deque[asyncio.Future[None]] = deque()
-        self._open = True  # no caller has passed in the current turn
+        self._last = float("-inf")  # loop.time() of the last caller let through
+        self._timer: asyncio.TimerHandle | None = None
 
     async def turn(self) -> None:
-        """Return once it is this caller's turn (at once if nobody passed in this one)."""
+        """Return once it is this caller's turn (at once if nobody passed or waits)."""
         loop = asyncio.get_running_loop()
-        if self._open and not self._waiters:
-            self._open = False
-            loop.call_soon(self._next)
+        now = loop.time()
+        if not self._waiters and now - self._last >= self.spacing:
+            self._last = now
             return
         fut: asyncio.Future[None] = loop.create_future()
         self._waiters.append(fut)
+        if self._timer is None:
+            self._timer = loop.call_at(self._last + self.spacing, self._next)
         await fut  # a cancelled waiter is skipped by _next
 
     def _next(self) -> None:
-        """A new turn: wake the next waiter (it runs in the turn after), or reopen."""
+        """Wake the next waiter (it runs in the turn after) and time the one behind it."""
+        self._timer = None
+        loop = asyncio.get_running_loop()
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
                 fut.set_result(None)
-                asyncio.get_running_loop().call_soon(self._next)
-                return
-        self._open = True
+                self._last = loop.time()
+                break
+        if self._waiters:
+            self._timer = loop.call_at(self._last + self.spacing, self._next)

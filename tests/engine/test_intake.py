@@ -1,5 +1,5 @@
-"""Intake: a burst of callers passes one per loop turn, FIFO, and other callbacks run
-between them."""
+"""Intake: a burst of callers passes one at a time, ``spacing`` apart, FIFO, and other
+callbacks run between them; a lone caller passes at once."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import asyncio
 from loraplex.engine.intake import Intake
 
 
-async def test_one_caller_per_turn_in_order():
-    intake = Intake()
+async def test_callers_pass_spaced_in_order():
+    intake = Intake(spacing=0.005)
+    loop = asyncio.get_running_loop()
+    times: list[float] = []
     order: list[str] = []
     ticks = 0
     stop = False
@@ -23,6 +25,7 @@ async def test_one_caller_per_turn_in_order():
 
     async def caller(i: int):
         await intake.turn()
+        times.append(loop.time())
         order.append(f"c{i}")
 
     t = asyncio.create_task(ticker())
@@ -36,10 +39,18 @@ async def test_one_caller_per_turn_in_order():
     idx = [order.index(c) for c in calls]
     for a, b in zip(idx, idx[1:], strict=False):
         assert any(x.startswith("t") for x in order[a + 1 : b]), order
+    # and at least ``spacing`` apart (the loop's timers fire at or after their time)
+    assert all(b - a >= 0.005 - 1e-6 for a, b in zip(times, times[1:], strict=False)), times
+    # a lone caller, once the burst is ``spacing`` behind, passes without waiting a turn
+    await asyncio.sleep(0.006)
+    turned = []
+    loop.call_soon(turned.append, 1)
+    await intake.turn()
+    assert not turned  # (it did not even yield to the loop)
 
 
 async def test_cancelled_waiter_is_skipped_and_intake_reopens():
-    intake = Intake()
+    intake = Intake(spacing=0.002)
     passed: list[int] = []
 
     async def caller(i: int):
@@ -51,7 +62,6 @@ async def test_cancelled_waiter_is_skipped_and_intake_reopens():
     tasks[1].cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     assert passed == [0, 2, 3]
-    for _ in range(3):
-        await asyncio.sleep(0)
+    await asyncio.sleep(0.003)
     await asyncio.wait_for(caller(9), 1)  # open again: passes without a waiter ahead
     assert passed[-1] == 9
