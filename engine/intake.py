@@ -26,8 +26,8 @@ SPACING_S = 0.001
 
 
 class Intake:
-    def __init__(self, spacing: float = SPACING_S) -> None:
-        self.spacing = spacing
+    def __init__(self, spacing: float | None = None) -> None:
+        self.spacing = SPACING_S if spacing is None else spacing
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._last = float("-inf")  # loop.time() of the last caller let through
         self._timer: asyncio.TimerHandle | None = None
