@@ -39,8 +39,9 @@ async def test_callers_pass_spaced_in_order():
     idx = [order.index(c) for c in calls]
     for a, b in zip(idx, idx[1:], strict=False):
         assert any(x.startswith("t") for x in order[a + 1 : b]), order
-    # and at least ``spacing`` apart (the loop's timers fire at or after their time)
-    assert all(b - a >= 0.005 - 1e-6 for a, b in zip(times, times[1:], strict=False)), times
+    # and ``spacing`` apart: released by timers at their time or later (each caller runs a
+    # loop iteration after its release, so the times it reads jitter by a little)
+    assert all(b - a >= 0.004 for a, b in zip(times, times[1:], strict=False)), times
     # a lone caller, once the burst is ``spacing`` behind, passes without waiting a turn
     await asyncio.sleep(0.006)
     turned = []
