@@ -125,6 +125,40 @@ def _finish(acc, ws_ptr, bias_ptr, cols, col_ok, stride_sn,
 
 
 @triton.jit
+def _store_tile(acc, y_ptr, part_ptr, count_ptr, ws_ptr, bias_ptr, rows, row_ok, cols, col_ok,
+                out_cols, is_base, tile, pid_k, T, width, stride_yt, stride_sn,
+                SPLIT_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                HAS_BIAS: tl.constexpr):  # fmt: skip
+    """Stores a (BLOCK_N output columns, tokens) float32 tile ``acc`` into y (T, width).
+
+    Without split-K: scale and bias (base columns), store. With split-K: the partial goes to
+    the workspace (SPLIT_K, T, width) and the tile's counter is bumped; the last program to
+    arrive sums the partials in split order (the same bits whatever the arrival order),
+    resets the counter to 0 for the next launch, then scales, adds the bias and stores."""
+    mask = col_ok[:, None] & row_ok[None, :]
+    y_ptrs = y_ptr + rows[None, :] * stride_yt + out_cols[:, None]
+    if SPLIT_K == 1:
+        if is_base:
+            acc = _finish(acc, ws_ptr, bias_ptr, cols, col_ok, stride_sn,
+                          True, PER_CHANNEL, HAS_BIAS)  # fmt: skip
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        p_ptrs = part_ptr + rows[None, :] * width + out_cols[:, None]  # (SPLIT_K, T, width)
+        tl.store(p_ptrs + pid_k * T * width, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:  # the last program of this tile reduces, in split order
+            total = tl.zeros_like(acc)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(p_ptrs + s * T * width, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+            if is_base:
+                total = _finish(total, ws_ptr, bias_ptr, cols, col_ok, stride_sn,
+                                True, PER_CHANNEL, HAS_BIAS)  # fmt: skip
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _partial(x_ptr, w_ptr, ws_ptr, rows, row_ok, cols, col_ok, k_lo, k_hi, K,
              stride_xt, stride_wn, stride_sn,
              IS_BASE: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
@@ -197,29 +231,9 @@ def _fp8_aug_linear_kernel(
                        stride_xt, stride_an, stride_sn, False, GROUP, PER_CHANNEL,
                        BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, IEEE)  # fmt: skip
         out_cols = N + cols
-    mask = col_ok[:, None] & row_ok[None, :]
-    y_ptrs = y_ptr + rows[None, :] * stride_yt + out_cols[:, None]
-    if SPLIT_K == 1:
-        if pid_n < base_tiles:
-            acc = _finish(acc, ws_ptr, bias_ptr, cols, col_ok, stride_sn,
-                          True, PER_CHANNEL, HAS_BIAS)  # fmt: skip
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        width = N + E
-        p_ptrs = part_ptr + rows[None, :] * width + out_cols[:, None]  # (SPLIT_K, T, N + E)
-        tl.store(p_ptrs + pid_k * T * width, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        tile = pid_m * tl.num_programs(0) + pid_n
-        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT_K - 1:  # the last program of this tile reduces, in split order
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                total += tl.load(p_ptrs + s * T * width, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
-            if pid_n < base_tiles:
-                total = _finish(total, ws_ptr, bias_ptr, cols, col_ok, stride_sn,
-                                True, PER_CHANNEL, HAS_BIAS)  # fmt: skip
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+    _store_tile(acc, y_ptr, part_ptr, count_ptr, ws_ptr, bias_ptr, rows, row_ok, cols, col_ok,
+                out_cols, pid_n < base_tiles, pid_m * tl.num_programs(0) + pid_n, pid_k, T, N + E,
+                stride_yt, stride_sn, SPLIT_K, PER_CHANNEL, HAS_BIAS)  # fmt: skip
 
 
 def _check(
