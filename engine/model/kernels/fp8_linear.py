@@ -145,9 +145,15 @@ class Fp8GemvConfig:
     early_sum: bool = True  # sum each step's products per row (see _gemv_dot)
 
 
-# (N, K, tokens) -> GEMV config, measured; shapes it lacks use the heuristic of
-# fp8_gemv_config. Empty until an H200 sweep of benchmarks/fp8_gemm.py fills it.
-GEMV_CONFIGS: dict[tuple[int, int, int], Fp8GemvConfig] = {}
+# (N, K, tokens) -> GEMV config, the best of the H200 sweep of benchmarks/fp8_gemm.py
+# (Llama-3-8B projections, 8 slots of rank 16, one token; BENCHMARKS.md); shapes it lacks use
+# the heuristic of fp8_gemv_config.
+GEMV_CONFIGS: dict[tuple[int, int, int], Fp8GemvConfig] = {
+    (6144, 4096, 1): Fp8GemvConfig(16, 256, 2, 4, 1, 1, False),
+    (4096, 4096, 1): Fp8GemvConfig(8, 512, 1, 4, 1, 2, False),
+    (28672, 4096, 1): Fp8GemvConfig(16, 256, 1, 8, 1, 1, True),
+    (4096, 14336, 1): Fp8GemvConfig(16, 256, 4, 8, 1, 1, True),
+}
 
 
 def fp8_gemv_config(num_tokens: int, n: int, k: int, group: int, e: int = 0) -> Fp8GemvConfig:
