@@ -184,11 +184,14 @@ def test_llama_shapes_gemv_configs(n, k, e, t, cfg) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k,e,t", [(4096, 4096, 128, 1), (28672, 4096, 256, 2)])
+@pytest.mark.parametrize(
+    "n,k,e,t", [(4096, 14336, 128, 1), (4096, 4096, 128, 1), (28672, 4096, 256, 2)]
+)
 def test_cuda_graph_gemv_matches_eager(n, k, e, t) -> None:
     x, q, scale, a = _llama(n, k, e, t)
     cfg = fp8_gemv_config(t, n, k, k, e)
-    assert t > 1 or cfg.split_k > 1  # o at one token: the graph holds the split-K reduction
+    if k == 14336:  # down at one token (the engine's config): the graph holds a split-K sum
+        assert cfg.split_k > 1
     eager = fp8_aug_linear(x, q, scale, a)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
