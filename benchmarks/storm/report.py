@@ -183,6 +183,18 @@ def table(result: dict[str, Any]) -> str:
                 f"{k} {v:.2f}" for k, v in list(r["thread_cpu"].items())[:8]
             ))  # fmt: skip
     for r in rows:
+        if "gc" in r:
+            g = r["gc"]
+            lines.append(
+                f"{r['window']}: tokens handed to the streams {r['delivery_p50_ms']:.2f} / "
+                f"{r['delivery_p99_ms']:.2f} / {r['delivery_max_ms']:.2f} ms (p50 / p99 / max) "
+                "after their step's results; GC n / total / max ms: " + ", ".join(
+                    f"gen{i} {g[f'gen{i}'][0]} / {g[f'gen{i}'][1]:.1f} / {g[f'gen{i}'][2]:.2f}"
+                    for i in range(3)
+                ) + (f"; pauses > 0.5 ms in {g['over_0.5ms_by_thread']}"
+                     if g["over_0.5ms_by_thread"] else "")
+            )  # fmt: skip
+    for r in rows:
         if not r["window"].startswith(("register", "requests")) or not r.get("slowest_steps"):
             continue
         lines.append(f"slowest steps in {r['window']}: " + "; ".join(

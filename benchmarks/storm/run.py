@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import itertools
 import statistics
 import tempfile
@@ -15,6 +16,7 @@ import torch
 
 from benchmarks.coldload.adapters import TINY
 from benchmarks.record import git_commit
+from benchmarks.storm.gcwatch import GcWatch
 from benchmarks.storm.report import Window, drift_corrected, ends_in, pct, ttft_breakdown
 from benchmarks.storm.threads import GilProfile, cpu_by_thread, thread_cpu
 from benchmarks.synthetic import LLAMA3_8B, random_model, write_adapter, write_model_config
@@ -87,6 +89,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 lags.append((time.perf_counter(), d["lag_s"]))
 
         engine.subscribe(on_event)
+        gcw = GcWatch()  # (after start-up: the engine froze what it built)
+        gcw.start()
         for name in resident:
             await engine.add_adapter(name, str(work / "adapters" / name))
         times: list[list[float]] = [[] for _ in range(args.streams)]
@@ -176,6 +180,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             t.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
         stats = engine.stats()
+        gcw.stop()
         step_log = list(engine.testing.step_log)
         all_loads = list(loads)
         idle_writes = idle_slot_writes(engine) if device == "cuda" else {}
@@ -197,6 +202,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "compiled": sorted(set(comp)),
         }
         steps = [e for e in step_log if w.t0 <= e.t_end <= w.t1]
+        row["gc"] = gcw.window(w.t0, w.t1)
+        # delivery: a stream's token reached it this long after the last step's tokens
+        # reached the host (the loop's apply and hand-over; late when the loop is busy)
+        ends = [e.t_end for e in step_log]
+        late = [
+            t - ends[k - 1]
+            for ts in times for t in ts
+            if w.t0 <= t <= w.t1 and (k := bisect.bisect_right(ends, t)) > 0
+        ]  # fmt: skip
+        row["delivery_p50_ms"] = pct(late, 50) * 1e3
+        row["delivery_p99_ms"] = pct(late, 99) * 1e3
+        row["delivery_max_ms"] = max(late, default=float("nan")) * 1e3
         row["slowest_steps"] = [
             {k: (round(v, 5) if isinstance(v, float) else v) for k, v in e._asdict().items()}
             for e in sorted(steps, key=lambda e: -e.seconds)[:6]
