@@ -26,6 +26,7 @@ from loraplex.engine.model.kernels.fp8_linear import (
     fp8_gemv_config,
     prepare_fp8_linear,
 )
+from tests.model.test_fp8_linear import assert_graph_matches_eager
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + (
@@ -192,17 +193,4 @@ def test_cuda_graph_gemv_matches_eager(n, k, e, t) -> None:
     cfg = fp8_gemv_config(t, n, k, k, e)
     if k == 14336:  # down at one token (the engine's config): the graph holds a split-K sum
         assert cfg.split_k > 1
-    eager = fp8_aug_linear(x, q, scale, a)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        y = fp8_aug_linear(x, q, scale, a)
-    for _ in range(3):
-        y.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, eager)
-    x.copy_(torch.randn_like(x))  # new inputs through the same graph
-    graph.replay()
-    assert torch.equal(y, fp8_aug_linear(x, q, scale, a))
+    assert_graph_matches_eager(x, lambda: fp8_aug_linear(x, q, scale, a))
