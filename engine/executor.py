@@ -218,7 +218,7 @@ class StepExecutor:
         if guided and prev is not None and not prev.collected:
             step.deferred = self._defer(args, rows, prev)
         else:
-            masks = self._masks(rows, prev, logits.shape[1]) if guided else None
+            masks = self._masks(rows, logits.shape[1]) if guided else None
             step.sample = self.sampler.launch(*args, masks=masks)
         if self.device.type == "cuda":
             self.last_step_event = torch.cuda.Event()
@@ -253,13 +253,9 @@ class StepExecutor:
 
         return queue
 
-    def _masks(
-        self, rows: list[Request], prev: InFlightStep | None, vocab: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _masks(self, rows: list[Request], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Step thread: the token bitmasks of this step's constrained rows, on the device,
-        filled here (``prev``, if any, was collected: its tokens are in the matchers)."""
-        if prev is not None and not prev.collected:
-            self.collect(prev)
+        filled here (no step is in flight, or its tokens are already in the matchers)."""
         return self._upload(self._fill(rows, vocab))
 
     def _fill(self, rows: list[Request], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
