@@ -9,10 +9,11 @@ step loop's callbacks between them, but the loop still ran back to back for thos
 the step thread, which needs the GIL to launch a step, got it only at the interpreter's switch
 interval: one step per burst still came 3-9 ms late (its GPU idle), in every storm run.
 
-``Intake.turn()`` lets a caller through at once when none passed in the last ``spacing``
-seconds and nobody waits; the others wait, FIFO, and pass one per ``spacing``. A burst of 64
-then takes ~64 ms at 1 ms spacing, the loop busy about a quarter of it, so the step thread
-launches on time. A caller that is alone pays nothing.
+``Intake.turn()`` lets the first caller of a loop turn through at once (when nobody waits);
+the others of that turn, and any caller while some wait, queue FIFO and pass one per
+``spacing`` seconds. A burst of 64 then takes ~64 ms at 1 ms spacing, the loop busy about a
+quarter of it, so the step thread launches on time; a caller in a later turn with nobody
+waiting pays nothing.
 """
 
 from __future__ import annotations
@@ -29,21 +30,28 @@ class Intake:
     def __init__(self, spacing: float | None = None) -> None:
         self.spacing = SPACING_S if spacing is None else spacing
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._open = True  # nobody passed in the current loop turn, nobody waits
         self._last = float("-inf")  # loop.time() of the last caller let through
         self._timer: asyncio.TimerHandle | None = None
 
     async def turn(self) -> None:
-        """Return once it is this caller's turn (at once if nobody passed or waits)."""
+        """Return once it is this caller's turn (at once if it is the turn's first)."""
         loop = asyncio.get_running_loop()
-        now = loop.time()
-        if not self._waiters and now - self._last >= self.spacing:
-            self._last = now
+        if self._open and not self._waiters:
+            self._open = False
+            self._last = loop.time()
+            loop.call_soon(self._reopen)
             return
         fut: asyncio.Future[None] = loop.create_future()
         self._waiters.append(fut)
         if self._timer is None:
             self._timer = loop.call_at(self._last + self.spacing, self._next)
         await fut  # a cancelled waiter is skipped by _next
+
+    def _reopen(self) -> None:
+        """A later loop turn: open again unless callers wait (the timer lets them through)."""
+        if not self._waiters:
+            self._open = True
 
     def _next(self) -> None:
         """Wake the next waiter (it runs in the turn after) and time the one behind it."""
@@ -57,3 +65,5 @@ class Intake:
                 break
         if self._waiters:
             self._timer = loop.call_at(self._last + self.spacing, self._next)
+        else:
+            loop.call_soon(self._reopen)

@@ -66,3 +66,15 @@ async def test_cancelled_waiter_is_skipped_and_intake_reopens():
     await asyncio.sleep(0.003)
     await asyncio.wait_for(caller(9), 1)  # open again: passes without a waiter ahead
     assert passed[-1] == 9
+
+
+async def test_a_caller_of_a_later_turn_passes_at_once_when_nobody_waits():
+    intake = Intake(spacing=10.0)  # (a spacing no test run could wait out)
+    await intake.turn()  # the turn's first: at once
+    await asyncio.sleep(0)  # later loop turns
+    first = asyncio.ensure_future(intake.turn())  # two callers of one later turn:
+    second = asyncio.ensure_future(intake.turn())
+    await asyncio.sleep(0.01)
+    assert first.done()  # nobody waits: at once, 10 s spacing or not
+    assert not second.done()  # the same turn's second waits its spacing
+    second.cancel()

@@ -75,10 +75,12 @@ async def test_twenty_requests_for_one_cold_adapter_load_it_once(tiny, tmp_path)
             asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="math")) for _ in range(20)
         ]
         await asyncio.wait_for(plugin.started.wait(), 30)
-        for _ in range(5):
-            await asyncio.sleep(0)
-        refs = engine.stats()["adapter_refs"]
-        assert [r["users"] for r in refs.values()] == [20]
+
+        def users() -> list[int]:
+            return [r["users"] for r in engine.stats()["adapter_refs"].values()]
+
+        # (the intake lets the 20 calls through one per millisecond)
+        await wait_until(lambda: users() == [20], "every request waits on the one load")
         plugin.gate.set()
         results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
         stats = engine.stats()["adapters"]
@@ -104,6 +106,7 @@ async def test_cancelling_every_waiter_mid_load_leaks_nothing(tiny, tmp_path):
         ]
         await asyncio.wait_for(plugin.started.wait(), 30)
         v = engine.testing.adapters.get("chat")
+        await wait_until(lambda: v.users == 20, "every request past the intake, on the load")
         load = v.load_task
         assert load is not None and not load.done()
         for t in tasks:
