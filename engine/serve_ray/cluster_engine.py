@@ -28,7 +28,7 @@ from loraplex.engine.lora.errors import AdapterNotFoundError
 from loraplex.engine.request import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.serve_ray.board import Board
-from loraplex.engine.serve_ray.replica import WireError
+from loraplex.engine.serve_ray.replica import MisroutedCallError, WireError
 from loraplex.engine.serve_ray.routing import residency_key
 
 __all__ = ["ClusterEngine", "ReplicaFailedError"]
@@ -276,7 +276,12 @@ class ClusterEngine:
         while True:
             done, _ = await asyncio.wait({task}, timeout=_LIVENESS_POLL_S)
             if done:
-                return task.result()
+                try:
+                    return task.result()
+                except MisroutedCallError:  # the router had lost it: sent to another replica
+                    raise ReplicaFailedError(
+                        f"engine replica {replica} is gone ({method} not delivered)"
+                    ) from None
             if replica not in self.board.snapshot()[0]:
                 err: Exception = ReplicaFailedError(
                     f"engine replica {replica} is gone ({method} not delivered)"

@@ -91,6 +91,10 @@ def routing_stats(engine: AsyncEngine) -> dict[str, Any]:
     }
 
 
+class MisroutedCallError(RuntimeError):
+    """A call meant for one replica reached another (its target is gone)."""
+
+
 def _check_target(replica: str | None) -> None:
     """A call meant for one replica must not run on another (a router bug otherwise)."""
     if replica is None:
@@ -98,8 +102,8 @@ def _check_target(replica: str | None) -> None:
     from ray import serve
 
     me = serve.get_replica_context().replica_id.unique_id
-    if replica != me:
-        raise RuntimeError(f"a call for replica {replica} reached replica {me}")
+    if replica != me:  # (the router sends a call for a replica it no longer has elsewhere)
+        raise MisroutedCallError(f"a call for replica {replica} reached replica {me}")
 
 
 class EngineReplica:

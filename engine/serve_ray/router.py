@@ -66,10 +66,13 @@ class ResidencyRouter(RequestRouter):
         if target is not None:
             if target in by_id:
                 return [[by_id[target]]]
-            # NOTE: not routable (died or stopping): Ray retries this call until the ingress
-            # gives up on it (ClusterEngine._on sees the target leave the board)
+            # NOTE: not routable (died or stopping). Returning no replica would leave the call
+            # in Ray's queue of pending requests, retried with back-off until the ingress
+            # cancels it, and new requests were seen to time out behind it (CI). It goes to any
+            # live replica instead, which refuses a call meant for another (replica.py
+            # _check_target): the caller fails at once (ClusterEngine._on).
             self.board.gone(target)
-            return []
+            return [sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)]
         if pending_request is None or pending_request.metadata.call_method != "generate":
             return [sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)]
         board = self.board
