@@ -372,10 +372,16 @@ def is_table_copy(key: str, mc: ModelConfig) -> bool:
 
 def check_table_copy(key: str, shape: list[int], mc: ModelConfig) -> None:
     v, extra = mc.vocab_size, mc.lora_extra_vocab_size
-    if len(shape) != 2 or shape[1] != mc.hidden_size or not v <= shape[0] <= v + extra:
+    if len(shape) != 2 or shape[1] != mc.hidden_size:
         raise AdapterShapeError(
             f"{WEIGHTS_FILE}: tensor {key!r} has shape {tuple(shape)}; want ({v}..{v + extra}, "
             f"{mc.hidden_size})",
+            field=key,
+        )
+    if not v <= shape[0] <= v + extra:
+        raise AdapterShapeError(
+            f"{WEIGHTS_FILE}: tensor {key!r} has {shape[0]} vocabulary rows; the base has {v} "
+            f"and lora_extra_vocab_size allows {v + extra} at most",
             field=key,
         )
 
