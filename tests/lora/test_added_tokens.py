@@ -49,20 +49,29 @@ def setup(request, tmp_path_factory):
         name: make_peft_adapter(model_dir, root / name, seed=70 + i, **kw)
         for i, (name, kw) in enumerate(ADAPTERS.items())
     }
-    # the added tokens' head rows scaled up, so that greedy decoding picks them at times
-    added = adapters["added"] / "adapter_model.safetensors"
-    t = load_file(added)
+    boost_added_rows(adapters["added"])
+    # PEFT's oracle for the adapter: the base resized to its tokenizer, as its user had it
+    return kind, model_dir, adapters, resized_base(model_dir, root / "resized", V + len(ADDED))
+
+
+def boost_added_rows(folder, vocab=V):
+    """Scale the added tokens' LM head rows up, so that greedy decoding picks them at times."""
+    path = folder / "adapter_model.safetensors"
+    t = load_file(path)
     for key in (
         "base_model.model.lm_head.weight",
         "base_model.model.lm_head.modules_to_save.weight",
     ):
-        t[key][V:] *= 6.0
-    save_file(t, added)
-    # PEFT's oracle for the adapter: the base resized to its tokenizer, as its user had it
+        t[key][vocab:] *= 6.0
+    save_file(t, path)
+
+
+def resized_base(model_dir, out, rows):
+    """The base resized to ``rows`` tokens (PEFT's oracle for an adapter that added tokens)."""
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    base.resize_token_embeddings(V + len(ADDED), mean_resizing=False)
-    base.save_pretrained(root / "resized")
-    return kind, model_dir, adapters, root / "resized"
+    base.resize_token_embeddings(rows, mean_resizing=False)
+    base.save_pretrained(out)
+    return out
 
 
 def _mc(model_dir, extra=EXTRA):
