@@ -116,6 +116,11 @@ class AsyncEngine:
     def tokenizer(self):  # Tokenizer | None: None means token-id prompts only
         return self._core().tokenizer
 
+    def tokenizer_for(self, adapter):  # Tokenizer | None
+        """The tokenizer of requests on ``adapter`` (a name, or None: the base): an adapter
+        that added tokens (``lora_extra_vocab_size``) has its own, others the base's."""
+        return self._core().tokenizer_for(adapter)
+
     @property
     def max_model_len(self) -> int:
         return self._core().max_model_len

@@ -33,6 +33,10 @@ class EngineConfig:
     # (lora/full.py): LoRA slots 0..N-1 also hold one (vocab, hidden) table per module; 0:
     # such adapters are refused (AdapterConfigError naming modules_to_save)
     max_full_module_loras: int = 0
+    # rows past the base vocabulary that full tables may add (adapters that added tokens,
+    # their own tokenizer.json): slots hold (vocab + N, hidden) tables and the logits are
+    # vocab + N wide; 0: a table must have the base's rows (lora/added_tokens.py)
+    lora_extra_vocab_size: int = 0
     # scheduling
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -110,6 +114,13 @@ class EngineConfig:
                 "max_full_module_loras must be between 0 and max_loras (full-table slots are "
                 f"LoRA slots 0..N-1), got {self.max_full_module_loras} with max_loras "
                 f"{self.max_loras}"
+            )
+        if self.lora_extra_vocab_size < 0:
+            raise ValueError("lora_extra_vocab_size must be >= 0")
+        if self.lora_extra_vocab_size and not self.max_full_module_loras:
+            raise ValueError(
+                "lora_extra_vocab_size needs full-table slots (max_full_module_loras > 0): "
+                "only adapters with their own embed_tokens / lm_head tables can add tokens"
             )
         if self.max_full_module_loras and self.tensor_parallel_size > 1:
             raise ValueError(

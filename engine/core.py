@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -125,6 +127,9 @@ class EngineCore:
         )
         self.eos_ids = set(tokenizer.eos_token_ids) if tokenizer else set(cfg.eos_token_ids)
         self.loader = AdapterLoader(config, cfg, pool=pool)
+        if tokenizer is not None:  # adapters that add tokens bring their own (added_tokens.py)
+            self.loader.base_tokenizer = tokenizer.backend
+            self.loader.load_tokenizer = self._adapter_tokenizer
         self.adapters = AdapterManager(
             max_loras=config.max_loras,
             max_cpu_loras=config.max_cpu_loras,
@@ -149,10 +154,32 @@ class EngineCore:
         self._load_gate: asyncio.Semaphore | None = None
         self.loop_lag: LoopLag | None = None  # started by ``start`` on the engine's loop
         self.grammars = (
-            GrammarCache(tokenizer.backend.to_str, cfg.vocab_size, sorted(self.eos_ids))
+            GrammarCache(
+                tokenizer.backend.to_str,
+                cfg.vocab_size + config.lora_extra_vocab_size,  # the logits' width
+                sorted(self.eos_ids),
+            )
             if tokenizer is not None
             else None
         )
+
+    def _adapter_tokenizer(self, folder: Path) -> Tokenizer:
+        """An adapter's own tokenizer (it added tokens; loader thread): without a chat template
+        of its own, the base's."""
+        tok = Tokenizer.from_dir(folder)
+        if tok.chat_template is None and self.tokenizer is not None:
+            tok.chat_template = self.tokenizer.chat_template
+        return tok
+
+    def tokenizer_for(self, adapter: AdapterChoice) -> Tokenizer | None:
+        """The tokenizer of requests on ``adapter`` (a name): an adapter that added tokens has
+        its own (known once it is loaded ahead), every other request the base's."""
+        if isinstance(adapter, str):
+            with contextlib.suppress(AdapterNotFoundError):
+                v = self.adapters.get(adapter)
+                if v.tokenizer is not None:
+                    return v.tokenizer
+        return self.tokenizer
 
     @property
     def internals(self) -> EngineInternals:
@@ -446,7 +473,14 @@ class EngineCore:
         else:
             version = self._resolve_composition(adapter)
         try:
-            prompt_ids = self._encode_prompt(prompt, params)
+            own = version.tokenizer if version is not None else None  # it added tokens
+            if own is not None and guide is not None:
+                raise InvalidRequestError(
+                    f"structured output (response_format, tools) is not supported on adapter "
+                    f"{version.name!r}: it adds tokens to the vocabulary",
+                    field="response_format",
+                )
+            prompt_ids = self._encode_prompt(prompt, params, version)
             req = Request(request_id, prompt_ids, params, version, eos_ids=frozenset(self.eos_ids))
             req.guide = guide
             if params.seed is not None:
@@ -471,16 +505,23 @@ class EngineCore:
         self.finish(req, "abort")
         return True
 
-    def _encode_prompt(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+    def _encode_prompt(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        version: AdapterVersion | None = None,
+    ) -> list[int]:
+        own = version.tokenizer if version is not None else None  # an adapter's added tokens
+        tokenizer = own if own is not None else self.tokenizer
         if isinstance(prompt, str):
-            if self.tokenizer is None:
+            if tokenizer is None:
                 raise InvalidRequestError(
                     "this model has no tokenizer: send token ids", field="prompt"
                 )
-            ids = self.tokenizer.encode(prompt)
+            ids = tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
-            vocab = self.model_config.vocab_size
+            vocab = version.vocab_rows if own is not None else self.model_config.vocab_size
             if any(t < 0 or t >= vocab for t in ids):
                 raise InvalidRequestError(
                     f"prompt token ids must lie in [0, {vocab})", field="prompt"
@@ -500,9 +541,11 @@ class EngineCore:
         return ids
 
     def _detokenizer(self, req: Request) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
+        own = req.adapter.tokenizer if req.adapter is not None else None  # added tokens
+        tokenizer = own if own is not None else self.tokenizer
+        if tokenizer is None:
             return None
-        return IncrementalDetokenizer(self.tokenizer, req.prompt_ids, stop=req.params.stop)
+        return IncrementalDetokenizer(tokenizer, req.prompt_ids, stop=req.params.stop)
 
     def finish(self, req: Request, reason: str, error: BaseException | None = None) -> None:
         self.scheduler.finish(req, reason)

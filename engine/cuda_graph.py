@@ -45,6 +45,11 @@ def _logits(model: CausalLM, hidden: torch.Tensor, token_slots: torch.Tensor) ->
     a full-table slot's own head: ``model.full_modules``, present only when configured)."""
     logits = linear(hidden, model.lm_head).float()
     full = getattr(model, "full_modules", None)  # modules_to_save tables (lora/full.py)
+    if full is not None and full.extra:  # V + E wide: LoRA deltas on the base's, then widened
+        head = model.lora_vocab().get("lm_head")
+        if head is not None:
+            head.add(logits, hidden, token_slots, triton=True)
+        return full.widen_logits(logits, hidden, token_slots, triton=True)
     if full is not None:
         full.head_logits(logits, hidden, token_slots, triton=True)
     head = model.lora_vocab().get("lm_head")

@@ -101,7 +101,7 @@ def _build(
         )
     if config.max_full_module_loras and getattr(model, "full_modules", None) is None:
         # before the KV cache is sized from the free memory (lora/full.py)
-        attach_full_modules(model, config.max_full_module_loras)
+        attach_full_modules(model, config.max_full_module_loras, config.lora_extra_vocab_size)
     if config.quantization == "fp8":
         quantize_model(model)  # a caller's float model (a loaded one is fp8 already)
     if model.device.type == "cuda" and fp8_layers(model):
@@ -160,7 +160,8 @@ def _build(
     if runner.fused and model.device.type == "cuda":
         # other mixed prefill + decode steps run eagerly: compile their kernel variants now
         warm_eager_steps(runner, config.max_num_batched_tokens, config.max_num_seqs, max_len)
-    warm_bitmask(full_config(model).vocab_size, config.max_num_seqs, model.device)  # (CUDA only)
+    logits_width = full_config(model).vocab_size + config.lora_extra_vocab_size
+    warm_bitmask(logits_width, config.max_num_seqs, model.device)  # (CUDA only)
     tokenizer = None  # token-id prompts only
     if path is not None:
         with contextlib.suppress(TokenizerError):
@@ -186,6 +187,11 @@ def check_model_slots(model: CausalLM, config: EngineConfig) -> None:
         raise ValueError(
             f"the model has {full.num} full-table slots but the config asks for "
             f"max_full_module_loras={config.max_full_module_loras}"
+        )
+    if full is not None and full.extra != config.lora_extra_vocab_size:
+        raise ValueError(
+            f"the model's full-table slots have {full.extra} extra rows but the config asks "
+            f"for lora_extra_vocab_size={config.lora_extra_vocab_size}"
         )
     if model.max_loras and model.max_lora_rank != config.max_lora_rank:
         raise ValueError(
@@ -242,7 +248,9 @@ def capacity_report(core: EngineCore) -> dict[str, Any]:
         # modules_to_save: slots 0..N-1 also hold a full embed_tokens and lm_head table each
         "full_module_slots": cfg.max_full_module_loras,
         "full_module_bytes": cfg.max_full_module_loras
-        * full_slot_bytes(mcfg.vocab_size, mcfg.hidden_size, core.model.dtype),
+        * full_slot_bytes(
+            mcfg.vocab_size, mcfg.hidden_size, core.model.dtype, cfg.lora_extra_vocab_size
+        ),
         "cpu_tier_adapters": cfg.max_cpu_loras,
         "cpu_tier_bytes_at_max_rank": full_rank_bytes * cfg.max_cpu_loras,
         "adapters_fitting_host_memory": _host_bytes() // max(full_rank_bytes, 1),

@@ -13,6 +13,7 @@ from typing import Any
 
 from loraplex.resolvers.base import (
     ADAPTER_FILES,
+    TOKENIZER_FILES,
     AdapterSource,
     FetchResult,
     ProgressCallback,
@@ -25,6 +26,7 @@ from loraplex.resolvers.policy import SourcePolicy, scheme_of
 
 __all__ = [
     "ADAPTER_FILES",
+    "TOKENIZER_FILES",
     "AdapterSource",
     "FetchResult",
     "ProgressCallback",

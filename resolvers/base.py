@@ -34,6 +34,7 @@ from loraplex.resolvers.policy import SourcePolicy, scheme_of
 
 __all__ = [
     "ADAPTER_FILES",
+    "TOKENIZER_FILES",
     "AdapterSource",
     "FetchResult",
     "ProgressCallback",
@@ -46,6 +47,9 @@ __all__ = [
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+# an adapter's own tokenizer (one that added tokens); fetched only when a caller asks for them
+# (``fetch(extra_files=...)``, engines with lora_extra_vocab_size) and only where present
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 MAX_CONFIG_BYTES = 1 << 20  # a PEFT config is a few hundred bytes
 CHUNK_BYTES = 1 << 20
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -117,8 +121,10 @@ class Resolver(ABC):
         progress: ProgressCallback | None = None,
         *,
         max_bytes: int | None = None,
+        extra_files: tuple[str, ...] = (),
     ) -> FetchResult:
         """Bring the adapter at ``uri`` into ``dest``, a fresh directory (created if needed).
+        ``extra_files``: more files (``TOKENIZER_FILES``) fetched too where the source has them.
 
         On failure the files this call wrote are removed. Non-adapter errors (network, auth,
         disk) are raised as AdapterSourceError; cancellation propagates unchanged.
@@ -136,6 +142,9 @@ class Resolver(ABC):
             source = await self.open(uri)
             try:
                 sizes = _check_listing(uri, source.files, max_bytes)
+                for name in extra_files:
+                    if name in source.files and name not in sizes:
+                        sizes[name] = source.files[name]
                 nbytes = await self._transfer(uri, source, sizes, dest, progress, max_bytes)
             finally:
                 await source.aclose()
@@ -167,7 +176,7 @@ class Resolver(ABC):
         await asyncio.to_thread(dest.mkdir, parents=True, exist_ok=True)
         total, moved = 0, []
         try:
-            for name in ADAPTER_FILES:
+            for name in sizes:
                 part, expected = dest / f".{name}.part", sizes[name]
                 meter = _Meter(uri, name, expected, total, max_bytes, progress)
                 meter.start()
@@ -184,7 +193,7 @@ class Resolver(ABC):
                 moved.append(dest / name)
                 log.info("adapter_fetch_file", uri=uri, file=name, nbytes=size)
         except BaseException:
-            for p in [*(dest / f".{n}.part" for n in ADAPTER_FILES), *moved]:
+            for p in [*(dest / f".{n}.part" for n in sizes), *moved]:
                 with contextlib.suppress(OSError):
                     p.unlink()  # NOTE: a metadata op; must also run on cancellation
             raise

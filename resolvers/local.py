@@ -34,10 +34,12 @@ from loraplex.engine.lora.errors import (
     AdapterNotFoundError,
     AdapterPolicyError,
     AdapterSourceError,
+    LoRAError,
 )
 from loraplex.plugins import hookimpl
 from loraplex.resolvers.base import (
     ADAPTER_FILES,
+    TOKENIZER_FILES,
     AdapterSource,
     Report,
     Resolver,
@@ -159,6 +161,13 @@ class LocalResolver(Resolver):
         fds: dict[str, int] = {}
         try:
             for name in sorted(os.listdir(dfd)):
+                if name in TOKENIZER_FILES:  # optional (fetch's extra_files): skipped if odd
+                    with contextlib.suppress(LoRAError, OSError):
+                        fd = self._open_file(policy, dfd, real, name, uri)
+                        fds[name] = fd
+                        if stat.S_ISREG(os.fstat(fd).st_mode):
+                            files[name] = os.fstat(fd).st_size
+                    continue
                 if name not in ADAPTER_FILES:
                     files[name] = None  # only its name matters (e.g. a .bin)
                     continue

@@ -25,10 +25,13 @@ from loraplex.engine.lora.errors import (
 from loraplex.engine.lora.peft_config import PeftLoRAConfig, parse_peft_config_json
 from loraplex.engine.lora.preflight import (
     DEFAULT_MAX_HEADER_BYTES,
+    check_added_rows,
     check_dora_pair,
     check_full_modules_allowed,
     check_full_table,
     check_full_tables_present,
+    check_table_copy,
+    is_table_copy,
     read_safetensors_header,
 )
 from loraplex.engine.lora.targets import PARENT as _PARENT
@@ -229,7 +232,11 @@ def _index(
     ``tables`` gets the modules_to_save tables' keys by module (checked: listed, base shape)."""
     found: dict[tuple[int, str], dict[str, str]] = {}
     seen: dict[str, str] = {}
+    rows: dict[str, int] = {}
     for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+        if is_table_copy(key, mc):
+            check_table_copy(key, list(f.get_slice(key).get_shape()), mc)
+            continue
         layer, module, ab = _parse_key(key, mc.num_layers)
         full = base_module_name(layer, module)
         if ab == "BASE":
@@ -239,6 +246,7 @@ def _index(
             sl = f.get_slice(key)
             check_full_table(key, module, list(sl.get_shape()), sl.get_dtype(), config, mc)
             seen[module] = key
+            rows[module] = sl.get_shape()[0]
             continue
         if not config.targets(full):
             raise AdapterTargetError(
@@ -263,6 +271,7 @@ def _index(
     if not found:
         raise AdapterFormatError(f"{WEIGHTS_FILE} holds no LoRA weights", field=WEIGHTS_FILE)
     check_full_tables_present(seen, config)
+    check_added_rows(rows, mc)
     if tables is not None:
         tables.update(seen)
     return found

@@ -28,13 +28,15 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.lora.adapter import LoRAAdapter, load_adapter, load_full_tables
+from loraplex.engine.lora.added_tokens import check_adapter_vocab
 from loraplex.engine.lora.combine import combine_adapters
-from loraplex.engine.lora.errors import AdapterNotFoundError
+from loraplex.engine.lora.errors import AdapterConfigError, AdapterNotFoundError
 from loraplex.engine.lora.loader_process import LoaderInit, LoaderProcesses
 from loraplex.engine.lora.manager import AdapterVersion
 from loraplex.engine.lora.pool import HostPool, Region
@@ -47,7 +49,7 @@ from loraplex.engine.lora.staging import (
 )
 from loraplex.engine.model.config import ModelConfig
 from loraplex.plugins import PluginManager
-from loraplex.resolvers import ResolverSettings, SourcePolicy
+from loraplex.resolvers import TOKENIZER_FILES, ResolverSettings, SourcePolicy
 
 __all__ = ["AdapterLoader", "valid_adapter_name"]
 
@@ -70,7 +72,15 @@ class AdapterLoader:
         pool: HostPool | None = None,
     ) -> None:
         self.config = config
+        # the adapter checks' model config: with lora_extra_vocab_size, full tables may have
+        # up to that many rows past the base vocabulary (added_tokens.py)
+        if config.lora_extra_vocab_size:
+            model_config = replace(model_config, lora_extra_vocab_size=config.lora_extra_vocab_size)
         self.model_config = model_config
+        # the base's tokenizers.Tokenizer and a loader of an adapter folder's engine Tokenizer
+        # (both set by the core; an adapter that added tokens needs them)
+        self.base_tokenizer: Any = None
+        self.load_tokenizer: Callable[[Path], Any] | None = None
         self.pool = pool  # regions the stage step packs into (None: a fresh buffer per load)
         self.procs: LoaderProcesses | None = None
         self._own_plugins = plugins is None  # helpers can rebuild only config-made plugins
@@ -167,13 +177,16 @@ class AdapterLoader:
                     "max_bytes": self.config.max_adapter_bytes,
                     "max_lora_rank": self.config.max_lora_rank,
                     "full_modules": self.config.max_full_module_loras > 0,
+                    "extra_files": self._extra_files(),
                     "env": {k: x for k, x in os.environ.items() if k.startswith(_ENV_PREFIXES)},
                 },
             )
             v.local_dir, v.digest = Path(r["local_dir"]), r["digest"]
             v.pinned_uri, v.nbytes = r["pinned_uri"], r["nbytes"]
             v.lora_rank, v.dora, v.full = r["rank"], r["dora"], r["full"]
+            v.vocab_rows = r["vocab_rows"]
             t.update(r["timings"])
+            await self._added_tokens(v)
             return
         t0 = time.perf_counter()
         resolver = self.plugins.resolver_for(uri)
@@ -185,6 +198,7 @@ class AdapterLoader:
             expect_digest=v.digest, model_config=self.model_config,
             max_lora_rank=self.config.max_lora_rank, max_bytes=self.config.max_adapter_bytes,
             progress=self._progress(v), full_modules=self.config.max_full_module_loras > 0,
+            extra_files=self._extra_files(),
         )  # fmt: skip
         v.local_dir, v.digest, v.pinned_uri, v.nbytes = (
             result.local_dir,
@@ -193,7 +207,39 @@ class AdapterLoader:
             result.nbytes,
         )
         v.lora_rank, v.dora, v.full = report.rank, report.config.use_dora, bool(report.full)
+        v.vocab_rows = report.vocab_rows
         t.update(resolve=t1 - t0, **stages)
+        await self._added_tokens(v)
+
+    def _extra_files(self) -> tuple[str, ...]:
+        """Files fetched besides the adapter's: its tokenizer, where tokens may be added."""
+        return TOKENIZER_FILES if self.config.lora_extra_vocab_size else ()
+
+    async def _added_tokens(self, v: AdapterVersion) -> None:
+        """An adapter that added tokens (tables past the base vocabulary): its tokenizer,
+        checked against the base's (``v.tokenizer``); on a refusal its files are removed."""
+        vocab = self.model_config.vocab_size
+        if v.vocab_rows <= vocab:
+            v.tokenizer = None
+            return
+        try:
+            if v.dynamic:
+                raise AdapterConfigError(
+                    f"adapter {v.name!r} adds {v.vocab_rows - vocab} tokens: load it ahead "
+                    "(load_lora_adapter, --lora-modules) so that its requests are tokenized "
+                    "with its tokenizer; names resolved at request time cannot add tokens",
+                    field="model",
+                )
+            await asyncio.to_thread(
+                check_adapter_vocab, v.local_dir, self.base_tokenizer, vocab, v.vocab_rows
+            )
+            assert self.load_tokenizer is not None and v.local_dir is not None
+            v.tokenizer = await asyncio.to_thread(self.load_tokenizer, v.local_dir)
+        except BaseException:
+            if v.local_dir is not None:
+                await asyncio.to_thread(shutil.rmtree, v.local_dir, True)
+                v.local_dir = None
+            raise
 
     def _fetch_in_helpers(self) -> bool:
         """Helpers rebuild the plugins from configuration: a plugin object registered in this

@@ -122,7 +122,7 @@ class _Helper:
             resolver, p["uri"], dest, name=p["name"], shown_uri=p["uri"], sha256=p["sha256"],
             expect_digest=p["expect_digest"], model_config=self.init.model_config,
             max_lora_rank=p["max_lora_rank"], max_bytes=p["max_bytes"],
-            full_modules=p["full_modules"],
+            full_modules=p["full_modules"], extra_files=tuple(p.get("extra_files", ())),
         )  # fmt: skip
         t = {"resolve": t1 - t0, **stages}
         return {
@@ -133,6 +133,7 @@ class _Helper:
             "rank": report.rank,
             "dora": report.config.use_dora,
             "full": bool(report.full),
+            "vocab_rows": report.vocab_rows,
             "timings": t,
         }
 

@@ -91,6 +91,8 @@ class AdapterVersion:
     lora_rank: int = 0  # largest module rank, from the preflight (0: not fetched yet)
     dora: bool = False  # a DoRA adapter (preflight)
     full: bool = False  # carries modules_to_save tables (preflight): a full-table slot only
+    vocab_rows: int = 0  # rows of those tables (preflight); > the base's: it added tokens
+    tokenizer: Any = None  # its own Tokenizer when it added tokens (added_tokens.py), else None
     # a combination: (component version, weight) in request order (empty: a plain adapter)
     parts: tuple[tuple[AdapterVersion, float], ...] = ()
 

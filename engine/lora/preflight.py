@@ -45,7 +45,10 @@ __all__ = [
     "read_safetensors_header",
     "check_dora_pair",
     "check_full_modules_allowed",
+    "check_added_rows",
     "check_full_table",
+    "check_table_copy",
+    "is_table_copy",
     "check_full_tables_present",
 ]
 
@@ -63,6 +66,12 @@ _EMBED_RE = re.compile(r"model\.embed_tokens\.lora_embedding_(?P<ab>[AB])(?:\.[^
 _BASE_RE = re.compile(r"(?P<module>model\.embed_tokens|lm_head)\.base_layer\.weight")
 # a modules_to_save table (PEFT drops its ``modules_to_save.<adapter>`` part when saving)
 _FULL_RE = re.compile(r"(?P<module>model\.embed_tokens|lm_head)\.weight")
+# PEFT's extra copies of a resized table (``save_embedding_layers``: the adapter's again and
+# the resized base's); read only with lora_extra_vocab_size > 0, never used
+_COPY_RE = re.compile(
+    r"(?:base_model\.model\.)?(?P<module>model\.embed_tokens|lm_head)\."
+    r"(?:modules_to_save|original_module)\.weight"
+)
 _MODULE_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
 _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
 _PARENT = {
@@ -105,6 +114,7 @@ class PreflightReport:
     header_bytes: int
     dtypes: frozenset[str]
     full: tuple[str, ...] = ()  # modules_to_save tables ("embed_tokens", "lm_head")
+    vocab_rows: int = 0  # rows of those tables (> the base's: the adapter added tokens); 0: none
 
 
 def preflight(
@@ -137,6 +147,7 @@ def preflight(
     header = read_safetensors_header(wpath, max_header_bytes=max_header_bytes)
     full: dict[str, str] = {}
     modules = _check_modules(header.tensors, config, model_config, max_lora_rank, full)
+    rows = {t.key: t.shape[0] for t in header.tensors if t.key in full.values()}
     return PreflightReport(
         config=config,
         modules=modules,
@@ -146,6 +157,7 @@ def preflight(
         header_bytes=header.header_bytes,
         dtypes=frozenset(t.dtype for t in header.tensors),
         full=tuple(sorted(full)),
+        vocab_rows=max(rows.values(), default=0),
     )
 
 
@@ -219,12 +231,17 @@ def _check_modules(
 ) -> dict[tuple[int, str], ModuleReport]:
     """The LoRA modules' reports; ``tables`` gets the modules_to_save tables' keys."""
     found: dict[tuple[int, str], dict[str, TensorEntry]] = {}
+    rows: dict[str, int] = {}
     for t in tensors:
+        if is_table_copy(t.key, mc):
+            check_table_copy(t.key, list(t.shape), mc)
+            continue
         layer, module, ab = _parse_key(t.key, mc.num_layers)
         full = base_module_name(layer, module)
         if ab == "FULL":
             check_full_table(t.key, module, list(t.shape), t.dtype, config, mc)
             tables[module] = t.key
+            rows[module] = t.shape[0]
             continue
         if ab == "BASE":  # PEFT's copy of the base table: never read, its shape must fit
             if t.shape != (mc.vocab_size, mc.hidden_size):
@@ -252,6 +269,7 @@ def _check_modules(
     if not found:
         raise AdapterFormatError(f"{WEIGHTS_FILE} holds no LoRA weights", field=WEIGHTS_FILE)
     check_full_tables_present(tables, config)
+    check_added_rows(rows, mc)
     shapes = mc.adapter_module_shapes()
     out: dict[tuple[int, str], ModuleReport] = {}
     for (layer, module), pair in sorted(found.items()):
@@ -325,6 +343,16 @@ def check_full_table(
             field=key,
         )
     want = [mc.vocab_size, mc.hidden_size]
+    extra = mc.lora_extra_vocab_size
+    if extra and len(shape) == 2 and shape[1] == mc.hidden_size:
+        if mc.vocab_size <= shape[0] <= mc.vocab_size + extra:
+            return  # tokens the adapter added (check_added_rows, added_tokens.py)
+        raise AdapterShapeError(
+            f"{WEIGHTS_FILE}: tensor {key!r} (modules_to_save) has {shape[0]} vocabulary rows; "
+            f"the base has {mc.vocab_size} and lora_extra_vocab_size allows "
+            f"{mc.vocab_size + extra} at most ({shape[0] - mc.vocab_size:+d} tokens)",
+            field=key,
+        )
     if shape != want:
         rows = shape[0] if len(shape) == 2 else None
         why = (
@@ -335,6 +363,48 @@ def check_full_table(
         )
         raise AdapterShapeError(f"{WEIGHTS_FILE}: tensor {key!r} (modules_to_save) has {why}",
                                 field=key)  # fmt: skip
+
+
+def is_table_copy(key: str, mc: ModelConfig) -> bool:
+    """A copy PEFT saves next to a resized table (only read with lora_extra_vocab_size)."""
+    return bool(mc.lora_extra_vocab_size) and _COPY_RE.fullmatch(key) is not None
+
+
+def check_table_copy(key: str, shape: list[int], mc: ModelConfig) -> None:
+    v, extra = mc.vocab_size, mc.lora_extra_vocab_size
+    if len(shape) != 2 or shape[1] != mc.hidden_size:
+        raise AdapterShapeError(
+            f"{WEIGHTS_FILE}: tensor {key!r} has shape {tuple(shape)}; want ({v}..{v + extra}, "
+            f"{mc.hidden_size})",
+            field=key,
+        )
+    if not v <= shape[0] <= v + extra:
+        raise AdapterShapeError(
+            f"{WEIGHTS_FILE}: tensor {key!r} has {shape[0]} vocabulary rows; the base has {v} "
+            f"and lora_extra_vocab_size allows {v + extra} at most",
+            field=key,
+        )
+
+
+def check_added_rows(rows: dict[str, int], mc: ModelConfig) -> None:
+    """An adapter that added tokens (a table past the base's rows) carries both tables, of
+    one size: its new ids are embedded from its embed_tokens and scored by its lm_head."""
+    v = mc.vocab_size
+    if not any(n > v for n in rows.values()):
+        return
+    if set(rows) != {"embed_tokens", "lm_head"}:
+        have = ", ".join(f"{m} ({n} rows)" for m, n in sorted(rows.items()))
+        raise AdapterConfigError(
+            f"{WEIGHTS_FILE}: an adapter that adds tokens needs full embed_tokens and lm_head "
+            f"tables (modules_to_save); it has only {have} (the base has {v})",
+            field="modules_to_save",
+        )
+    if len(set(rows.values())) != 1:
+        raise AdapterShapeError(
+            f"{WEIGHTS_FILE}: embed_tokens has {rows['embed_tokens']} vocabulary rows but "
+            f"lm_head {rows['lm_head']}: an adapter that adds tokens has one vocabulary",
+            field="modules_to_save",
+        )
 
 
 def check_full_tables_present(seen: dict[str, object], config: PeftLoRAConfig) -> None:

@@ -32,13 +32,16 @@ async def fetch_and_check(
     max_bytes: int,
     progress: Any = None,
     full_modules: bool = False,
+    extra_files: tuple[str, ...] = (),
 ) -> tuple[Any, str, dict[str, float], PreflightReport]:
     """Fetch ``uri`` into ``dest`` (removed again on any failure) and check it; returns the
     resolver's FetchResult, the digest, the seconds of fetch / verify / preflight and the
-    preflight's report (rank, config). ``full_modules``: modules_to_save tables are served."""
+    preflight's report (rank, config). ``full_modules``: modules_to_save tables are served;
+    ``extra_files``: optional files fetched too (an adapter's tokenizer, added_tokens.py)."""
     t1 = time.perf_counter()
     try:
-        result = await resolver.fetch(uri, dest, progress, max_bytes=max_bytes)
+        more = {"extra_files": extra_files} if extra_files else {}  # (plugin resolvers)
+        result = await resolver.fetch(uri, dest, progress, max_bytes=max_bytes, **more)
         t2 = time.perf_counter()
         digest = await asyncio.to_thread(adapter_digest, result.local_dir)
         if sha256 is not None and sha256.lower().removeprefix("sha256:") != digest:

@@ -62,6 +62,9 @@ class ModelConfig:
     torch_dtype: str | None = None
     architecture: str = "LlamaForCausalLM"  # the registered HF architecture (registry.py)
     quantization: Fp8Format | None = None  # a pre-quantized fp8 checkpoint (quant.py)
+    # rows past vocab_size that an adapter's full tables may add (EngineConfig's
+    # lora_extra_vocab_size, set on the adapter checks' copy); 0: the base's rows only
+    lora_extra_vocab_size: int = 0
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property

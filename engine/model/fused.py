@@ -97,15 +97,17 @@ def fused_forward(
     mapping = LoRAMapping(token_slots, triton=triton, dora=dora)  # the step's LoRA metadata
     proj = _dora_linear if dora else _linear
     tp = getattr(model, "tp", None)  # a tensor-parallel shard (tp.py): o / down all-reduced
+    full = getattr(model, "full_modules", None)  # modules_to_save tables (lora/full.py)
+    # ids of added tokens (full tables past the vocabulary) reach the base clamped
+    ids = full.base_ids(input_ids) if full is not None and full.extra else input_ids
     if tp is not None:
-        residual = tp.embed(input_ids, model.embed_tokens)
+        residual = tp.embed(ids, model.embed_tokens)
     else:
-        residual = F.embedding(input_ids, model.embed_tokens)  # updated in place by add_rmsnorm
+        residual = F.embedding(ids, model.embed_tokens)  # updated in place by add_rmsnorm
     # NOTE: a tensor-parallel shard takes no vocab LoRA (tp.shard_adapter refuses it)
     embed_lora = model.lora_vocab().get("embed_tokens") if tp is None else None
     if embed_lora is not None:  # base rows: a launch, no work (ops/triton_vocab.py)
-        embed_lora.add(residual, input_ids, token_slots, triton=triton)
-    full = getattr(model, "full_modules", None)  # modules_to_save tables (lora/full.py)
+        embed_lora.add(residual, ids, token_slots, triton=triton)
     if full is not None:
         full.embed_rows(residual, input_ids, token_slots)
     h = torch.empty_like(residual)

@@ -214,14 +214,18 @@ class LlamaForCausalLM(torch.nn.Module):
         mapping: LoRAMapping | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: (T,). Returns final hidden states (T, hidden)."""
+        fm = self.full_modules
+        # ids of tokens an adapter added (full tables past the vocabulary, lora/full.py) reach
+        # the base embedding clamped: their rows come from the adapter's table below
+        ids = fm.base_ids(input_ids) if fm is not None and fm.extra else input_ids
         if self.tp is not None:
-            x = self.tp.embed(input_ids, self.embed_tokens)
+            x = self.tp.embed(ids, self.embed_tokens)
         else:
-            x = F.embedding(input_ids, self.embed_tokens)
+            x = F.embedding(ids, self.embed_tokens)
         # NOTE: a tensor-parallel shard takes no vocab LoRA (tp.shard_adapter refuses it)
         emb = self.embed_lora if self.tp is None else None
         if mapping is not None and mapping.has_lora and emb is not None:
-            emb.add(x, input_ids, mapping.token_slots, triton=mapping.triton)
+            emb.add(x, ids, mapping.token_slots, triton=mapping.triton)
         if mapping is not None and mapping.has_lora and self.full_modules is not None:
             self.full_modules.embed_rows(x, input_ids, mapping.token_slots)
         rope = self.rope.table(positions, x.dtype)
@@ -235,6 +239,13 @@ class LlamaForCausalLM(torch.nn.Module):
         """(N, hidden) -> (N, vocab) float32 (a tensor-parallel shard gathers every rank's).
         ``mapping``: the slots of these N rows (their LM head LoRA deltas), or None (base)."""
         logits = F.linear(hidden, self.lm_head).float()
+        fm = self.full_modules
+        if fm is not None and fm.extra:  # logits V + E wide (lora/full.py: widen_logits)
+            slots = None if mapping is None else mapping.token_slots
+            if mapping is not None and self.lm_head_lora is not None:
+                self.lm_head_lora.add(logits, hidden, mapping.token_slots, triton=mapping.triton)
+            triton = mapping is not None and mapping.triton
+            return fm.widen_logits(logits, hidden, slots, triton=triton)
         if mapping is not None and self.full_modules is not None:  # (never on a TP shard)
             self.full_modules.head_logits(
                 logits, hidden, mapping.token_slots, triton=mapping.triton

@@ -29,12 +29,13 @@ from loraplex.engine.tokenizer import TokenizerError
 __all__ = ["create_chat_completion", "render_chat"]
 
 
-def render_chat(engine: AsyncEngine, req: GenerationRequest) -> list[int]:
-    """Prompt token ids of the chat (the template's text already holds BOS).
+def render_chat(engine: AsyncEngine, req: GenerationRequest, adapter: Any = None) -> list[int]:
+    """Prompt token ids of the chat (the template's text already holds BOS), with the
+    tokenizer of requests on ``adapter`` (an adapter that added tokens has its own).
 
     Blocking: call it through ``off_loop``.
     """
-    tok = engine.tokenizer
+    tok = engine.tokenizer if adapter is None else engine.tokenizer_for(adapter)
     if tok is None:
         raise APIError(400, "this model has no tokenizer, so it cannot chat", param="messages")
     assert req.messages is not None
@@ -54,11 +55,12 @@ def render_chat(engine: AsyncEngine, req: GenerationRequest) -> list[int]:
 class ChatShape:
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, engine: AsyncEngine, req: GenerationRequest) -> None:
+    def __init__(self, engine: AsyncEngine, req: GenerationRequest, adapter: Any = None) -> None:
         self.req = req
-        self.namer = TokenNamer(engine.tokenizer, req.tokens_as_ids)
+        tok = engine.tokenizer if adapter is None else engine.tokenizer_for(adapter)
+        self.namer = TokenNamer(tok, req.tokens_as_ids)
         self.tools = req.tools
-        self.fmt = tool_format(engine.tokenizer.chat_template) if req.tools else "hermes"
+        self.fmt = tool_format(tok.chat_template) if req.tools else "hermes"
         self.streams: dict[int, ToolStream] = {}  # per choice, with tools
 
     def _reason(self, reason: str | None, calls: int) -> str | None:
@@ -158,7 +160,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     req = parse_chat(await read_json(request), limits)
     adapter = adapter_for(engine, req.model, req.adapters)
     reply_id = new_id("chatcmpl")
-    prompt = await off_loop(request, render_chat, engine, req)
+    prompt = await off_loop(request, render_chat, engine, req, adapter)
     jobs = make_jobs(engine, req, [prompt], reply_id)
     reply = Reply(reply_id, req.model or engine.model_name, jobs)
-    return await respond(request, engine, req, reply, ChatShape(engine, req), adapter)
+    return await respond(request, engine, req, reply, ChatShape(engine, req, adapter), adapter)

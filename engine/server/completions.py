@@ -27,17 +27,21 @@ from loraplex.engine.server.state import DRAIN_KEY, ENGINE_KEY, LIMITS_KEY
 __all__ = ["create_completion", "encode_prompts"]
 
 
-def encode_prompts(engine: AsyncEngine, prompts: list[str | list[int]]) -> list[list[int]]:
-    """Token ids of every prompt (text is encoded with the model's special tokens).
+def encode_prompts(
+    engine: AsyncEngine, prompts: list[str | list[int]], adapter: Any = None
+) -> list[list[int]]:
+    """Token ids of every prompt (text is encoded with the model's special tokens), with the
+    tokenizer of requests on ``adapter`` (an adapter that added tokens has its own).
 
     Blocking: call it through ``off_loop``.
     """
     texts = [p for p in prompts if isinstance(p, str)]
     if not texts:
         return list(prompts)  # type: ignore[arg-type]
-    if engine.tokenizer is None:
+    tokenizer = engine.tokenizer if adapter is None else engine.tokenizer_for(adapter)
+    if tokenizer is None:
         raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
-    encoded = iter(engine.tokenizer.encode_batch(texts))
+    encoded = iter(tokenizer.encode_batch(texts))
     out = [next(encoded) if isinstance(p, str) else p for p in prompts]
     if any(not ids for ids in out):
         raise APIError(400, "the prompt is empty", param="prompt")
@@ -47,10 +51,15 @@ def encode_prompts(engine: AsyncEngine, prompts: list[str | list[int]]) -> list[
 class CompletionShape:
     chunk_object = "text_completion"
 
-    def __init__(self, engine: AsyncEngine, req: GenerationRequest, reply: Reply) -> None:
+    def __init__(
+        self, engine: AsyncEngine, req: GenerationRequest, reply: Reply, adapter: Any = None
+    ) -> None:
         self.req = req
         self.reply = reply
-        namer = TokenNamer(engine.tokenizer, req.tokens_as_ids)
+        namer = TokenNamer(
+            (engine.tokenizer if adapter is None else engine.tokenizer_for(adapter)),
+            req.tokens_as_ids,
+        )
         k = req.logprobs
         self.logprobs = (
             {j.index: CompletionLogprobs(namer, k) for j in reply.jobs} if k is not None else None
@@ -109,7 +118,9 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     req = parse_completion(await read_json(request), limits)
     adapter = adapter_for(engine, req.model, req.adapters)
     reply_id = new_id("cmpl")
-    prompts = await off_loop(request, encode_prompts, engine, req.prompts)
+    prompts = await off_loop(request, encode_prompts, engine, req.prompts, adapter)
     jobs = make_jobs(engine, req, prompts, reply_id)
     reply = Reply(reply_id, req.model or engine.model_name, jobs)
-    return await respond(request, engine, req, reply, CompletionShape(engine, req, reply), adapter)
+    return await respond(
+        request, engine, req, reply, CompletionShape(engine, req, reply, adapter), adapter
+    )

@@ -59,6 +59,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="GPU slots (among the --max-loras) that also hold full embed_tokens / lm_head "
         "tables of adapters with modules_to_save (default 0: such adapters are refused)",
     )  # fmt: skip
+    p.add_argument(
+        "--lora-extra-vocab-size", type=int, metavar="N",
+        help="tokens an adapter with full tables may add past the base vocabulary (its "
+        "tokenizer.json must extend the base's; needs --max-full-module-loras; default 0)",
+    )  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, help="running requests per step")
     p.add_argument("--max-model-len", type=int, help="context length (prompt + output)")
     p.add_argument(
@@ -132,7 +137,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "async_scheduling": not args.no_async_scheduling,
     }
     for name in (
-        "max_loras", "max_cpu_loras", "max_lora_rank", "max_full_module_loras", "max_num_seqs",
+        "max_loras", "max_cpu_loras", "max_lora_rank", "max_full_module_loras", "lora_extra_vocab_size",
+        "max_num_seqs",
         "max_model_len", "mixed_graph_tokens", "loader_processes", "max_concurrent_loads", "adapter_cache_dir",
         "adapter_cache_bytes", "tensor_parallel_size",
     ):  # fmt: skip

@@ -118,16 +118,25 @@ def make_peft_adapter(
     alpha_pattern: Mapping[str, float] | None = None,
     layers_to_transform: Sequence[int] | int | None = None,
     seed: int = 0,
+    added_tokens: Sequence[str] = (),
     **lora_kwargs: Any,
 ) -> Path:
     """Wrap the base in ``model_dir`` with a peft LoRA, randomise A and B, save to ``out_dir``.
 
     ``lora_kwargs`` go to ``peft.LoraConfig`` as they are (e.g. ``layers_pattern``).
+    ``added_tokens``: as a PEFT user adds tokens: the base's tokenizer gets them
+    (``add_tokens``), the base is resized to it (``resize_token_embeddings``) and the tokenizer
+    is saved with the adapter (give ``modules_to_save`` the embedding and LM head).
     """
     import peft
     import transformers
 
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = None
+    if added_tokens:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+        tokenizer.add_tokens(list(added_tokens))
+        base.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     config = peft.LoraConfig(
         r=r,
         lora_alpha=alpha,
@@ -157,6 +166,8 @@ def make_peft_adapter(
                 p.copy_(EMBED_STD * torch.randn(p.shape, generator=g))
     out = Path(out_dir)
     model.save_pretrained(out, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
     return out
 
 
