@@ -24,7 +24,15 @@ from loraplex.engine.model.config import ModelConfig
 from tests.helpers.models import copy_adapter, make_peft_adapter, make_tiny_model
 from tests.helpers.tokenizers import make_tokenizer
 from tests.lora.test_full_modules import hf_rows
-from tests.model.test_oracle_peft import DECODE_STEPS, MODEL_KINDS, RTOL, hf_mixed_batch, ours
+from tests.model.test_oracle_peft import (
+    DECODE_STEPS,
+    MODEL_KINDS,
+    RTOL,
+    half_ok,
+    hf_mixed_batch,
+    ours,
+    rel_err,
+)
 
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -115,15 +123,23 @@ BACKENDS = {
 }
 
 
-def _reference(model_dir, adapters, resized, prompts, names):
+def _reference(model_dir, adapters, resized, prompts, names, force=None, **kw):
     """PEFT's logits per step and tokens: the adapter's rows on the resized base with it
-    active (V + k wide), the others as in test_full_modules (V wide)."""
+    active (V + k wide), the others as in test_full_modules (V wide). ``force``: decode these
+    tokens (per step, per row); ``kw``: dtype / device of the PEFT models."""
     other = [i for i, n in enumerate(names) if n != "added"]
     mine = [i for i, n in enumerate(names) if n == "added"]
-    s1, t1 = hf_rows(model_dir, adapters, [prompts[i] for i in other], [names[i] for i in other])
+
+    def part(rows):
+        return None if force is None else [[f[i] for i in rows] for f in force]
+
+    s1, t1 = hf_rows(
+        model_dir, adapters, [prompts[i] for i in other], [names[i] for i in other],
+        force=part(other), **kw,
+    )  # fmt: skip
     s2, t2 = hf_mixed_batch(
         resized, {"added": adapters["added"]}, [prompts[i] for i in mine], ["added"] * len(mine),
-        active="added",
+        active="added", force=part(mine), **kw,
     )  # fmt: skip
     steps, tokens = [], []
     for a, ta, b, tb in zip(s1, t1, s2, t2, strict=True):
@@ -160,6 +176,37 @@ def test_added_tokens_match_peft_in_a_mixed_batch(setup, backend):
             assert err < RTOL, f"{kind} {backend} step {step} row {row} ({name}): {err:.2e}"
             assert torch.isneginf(a[row][width:]).all(), (step, row, name)
             assert int(a[row].argmax()) == hf_tokens[step][row]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_added_tokens_mixed_batch_on_gpu(setup, dtype):
+    """The fused path on CUDA in half precision, decode steps as CUDA graphs (the widened head
+    and the -inf past each row's vocabulary inside them): against PEFT in float32, within the
+    error PEFT itself makes in that precision on the same row."""
+    kind, model_dir, adapters, resized = setup
+    prompts = _prompts(6)
+    names = [n for n, _ in ROWS]
+    refs, tokens = _reference(model_dir, adapters, resized, prompts, names, device="cuda")
+    half, _ = _reference(
+        model_dir, adapters, resized, prompts, names, force=tokens, dtype=dtype, device="cuda"
+    )
+    our = ours(
+        model_dir, adapters, prompts, names, tokens, dtype=dtype, device="cuda", max_full=3,
+        extra=EXTRA,
+    )  # fmt: skip
+    for step in range(DECODE_STEPS + 1):
+        for row, name in enumerate(names):
+            width = V + len(ADDED) if name == "added" else V
+            ref = refs[step][row][:width].float().cpu()
+            got = our[step][row].float().cpu()
+            err = rel_err(got[:width], ref)
+            floor = rel_err(half[step][row][:width].float().cpu(), ref)
+            assert half_ok(err, floor), (
+                f"{kind} {dtype} step {step} row {row} ({name}): {err:.2e} "
+                f"(PEFT in {dtype}: {floor:.2e})"
+            )
+            assert torch.isneginf(got[width:]).all(), (step, row, name)
 
 
 def test_widened_head_kernel_matches_its_twin():
