@@ -134,6 +134,12 @@ class ClusterEngine:
     def tokenizer(self):  # Tokenizer | None
         return self._got()["tokenizer"]
 
+    def tokenizer_for(self, adapter: AdapterChoice):  # Tokenizer | None
+        """The tokenizer of requests on ``adapter``: the base's (the ingress encodes prompts;
+        adapters that add tokens are not served through Ray: serve-ray refuses
+        ``--lora-extra-vocab-size``)."""
+        return self.tokenizer
+
     def capacity_report(self) -> dict[str, Any]:
         """One replica's capacity (every replica runs the same config)."""
         return dict(self._got()["capacity"])

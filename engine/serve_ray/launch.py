@@ -112,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
     log = structlog.get_logger("loraplex.server")
     try:
         config = serve_launch.config_from_args(args)
+        if config.lora_extra_vocab_size:  # the ingress encodes prompts with the base tokenizer
+            raise ValueError("--lora-extra-vocab-size is not supported by serve-ray")
         limits = limits_from_args(args)
         check_lora_modules(args.lora_modules, [config.served_model_name or ""])
         token = (

@@ -127,6 +127,14 @@ def test_flags_map_onto_engine_config(tmp_path):
     assert config_from_args(ray).tensor_parallel_size == 2  # serve-ray passes serve flags on
 
 
+def test_serve_ray_refuses_adapters_that_add_tokens():
+    from loraplex.engine.serve_ray.launch import run
+
+    # (its ingress encodes prompts with the base tokenizer: a configuration error, exit 2)
+    flags = ["--max-full-module-loras", "1", "--lora-extra-vocab-size", "4"]
+    assert run(build_parser().parse_args(["serve-ray", *flags])) == 2
+
+
 def test_limit_flags_map_onto_server_limits():
     from loraplex.engine.server.limits import ServerLimits, limits_from_args
 
