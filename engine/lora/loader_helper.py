@@ -88,7 +88,17 @@ class _Helper:
             if task is not None:
                 task.cancel()
             return
-        self.tasks[jid] = self.loop.create_task(self._run(jid, kind, payload))
+        task = self.loop.create_task(self._run(jid, kind, payload))
+        self.tasks[jid] = task
+        task.add_done_callback(lambda t: self._unstarted(jid, t))
+
+    def _unstarted(self, jid: int, task: asyncio.Task) -> None:
+        """A job cancelled before its task first ran never entered ``_run`` (nor sent its
+        reply): say so, or the engine would wait for it for ever (and keep its region). The
+        job and its cancel arrive together when this loop is slow to take the first."""
+        if task.cancelled():
+            self.tasks.pop(jid, None)
+            self._send(("cancelled", jid, None))
 
     async def _run(self, jid: int, kind: str, payload: dict) -> None:
         try:
