@@ -2,6 +2,8 @@
 # GPU checks in one call: GPU-marked tests (kernels, PEFT oracle in bf16/fp16, CUDA graphs),
 # then benchmarks. Results land in $OUT (or ./out). Wheels missing on the GPU machine can be
 # placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|decode|storm ARGS...]
+# A copy of the tree without its .git (git archive) stamps results with $LORAPLEX_COMMIT:
+# export it (benchmarks/record.py).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
