@@ -6,7 +6,6 @@ as PEFT on the resized base; typed refusals that leave nothing loaded."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 import pytest
@@ -20,6 +19,7 @@ from loraplex.engine.tokenizer import Tokenizer
 from tests.engine.hf_reference import HFReference, compare, http_greedy_ids
 from tests.engine.test_async_engine import assert_idle, collect, config
 from tests.helpers.models import copy_adapter, make_peft_adapter
+from tests.helpers.tokenizers import swap_token_ids
 from tests.lora.test_added_tokens import boost_added_rows, resized_base
 
 pytest.importorskip("peft")
@@ -113,12 +113,8 @@ async def test_bad_added_token_adapters_are_typed_errors(tiny, added, tmp_path):
     model_dir, _ = tiny
     root, folder, _ = added
     bare = copy_adapter(folder, root / "bare")  # no tokenizer.json
-    data = json.loads((folder / "tokenizer.json").read_text())
-    vocab = data["model"]["vocab"]
-    a, b = (next(t for t, i in vocab.items() if i == n) for n in (40, 41))
-    vocab[a], vocab[b] = 41, 40
     swapped = copy_adapter(folder, root / "swapped")
-    (swapped / "tokenizer.json").write_text(json.dumps(data))
+    swap_token_ids(folder, swapped)
     (swapped / "tokenizer_config.json").write_text((folder / "tokenizer_config.json").read_text())
     cases = [
         ("bare", bare, 4, AdapterConfigError, "no tokenizer.json"),

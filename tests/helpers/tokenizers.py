@@ -123,3 +123,17 @@ def make_tokenizer(
         config["chat_template"] = chat_template
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
+
+
+def swap_token_ids(
+    tokenizer_dir: Path, dest: Path, ids: tuple[int, int] = (40, 41)
+) -> tuple[str, str]:
+    """Write ``tokenizer_dir``'s tokenizer.json into ``dest`` with the tokens at ``ids``
+    swapped (a tokenizer that no longer extends the one it came from); returns the tokens
+    that were at ``ids[0]`` and ``ids[1]``."""
+    data = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = (next(t for t, i in vocab.items() if i == n) for n in ids)
+    vocab[a], vocab[b] = ids[1], ids[0]
+    (dest / "tokenizer.json").write_text(json.dumps(data))
+    return a, b

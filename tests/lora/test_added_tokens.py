@@ -22,7 +22,7 @@ from loraplex.engine.lora.preflight import preflight
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.config import ModelConfig
 from tests.helpers.models import copy_adapter, make_peft_adapter, make_tiny_model
-from tests.helpers.tokenizers import make_tokenizer
+from tests.helpers.tokenizers import make_tokenizer, swap_token_ids
 from tests.lora.test_full_modules import hf_rows
 from tests.model.test_oracle_peft import (
     DECODE_STEPS,
@@ -300,11 +300,7 @@ def test_tokenizer_checks(setup, tmp_path):
     with pytest.raises(AdapterConfigError, match="has no tokenizer.json"):
         check_adapter_vocab(bare, base, V, V + 3)
     # the base's tokens at ids 40 and 41 swapped: not an extension of the base tokenizer
-    data = json.loads((src / "tokenizer.json").read_text())
-    vocab = data["model"]["vocab"]
-    a, b = (next(t for t, i in vocab.items() if i == n) for n in (40, 41))
-    vocab[a], vocab[b] = 41, 40
     other = copy_adapter(src, tmp_path / "other")
-    (other / "tokenizer.json").write_text(json.dumps(data))
+    a, b = swap_token_ids(src, other)
     with pytest.raises(AdapterConfigError, match=f"id 40 is {b!r} in the adapter's, {a!r}"):
         check_adapter_vocab(other, base, V, V + 3)
