@@ -56,6 +56,20 @@ def cpu_by_thread(before: dict, after: dict, seconds: float) -> dict[str, float]
     }
 
 
+def _allow_ptrace_by_children() -> None:
+    """Under Yama's ``ptrace_scope`` 1 a process may only be traced by its ancestors; py-spy
+    runs as our child, so this process names any tracer as allowed (``PR_SET_PTRACER``).
+    Harmless where Yama is absent."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_ptracer, pr_set_ptracer_any = 0x59616D61, ctypes.c_ulong(-1)
+        libc.prctl(pr_set_ptracer, pr_set_ptracer_any, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 class GilProfile:
     """``py-spy record --gil`` of this process over one window (if py-spy is installed and
     may attach): collapsed stacks of whoever held the GIL, written to ``path``."""
@@ -69,6 +83,7 @@ class GilProfile:
         exe = shutil.which("py-spy")
         if exe is None:
             return False
+        _allow_ptrace_by_children()
         self.proc = subprocess.Popen(
             [exe, "record", "--pid", str(os.getpid()), "--gil", "--threads", "--nonblocking",
              "--rate", str(self.rate), "--format", "raw", "--output", str(self.path)],

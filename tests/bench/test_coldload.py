@@ -277,3 +277,11 @@ def test_warm_yardstick_serves_the_same_trace_without_cold_loads(tmp_path: Path)
         cold["summary"]["itl"]["all"]["p99_s"] / warm["summary"]["itl"]["all"]["p99_s"]
     )
     assert "warm yardstick" in study.text
+    # prefill steps of both runs side by side (bunched admissions vs slower steps)
+    pre = y["prefill_steps"]
+    assert pre["cold"] == cold["summary"]["prefill_steps"]
+    assert pre["warm"] == warm["summary"]["prefill_steps"]
+    for side in (pre["cold"], pre["warm"]):
+        assert side["n"] > 0 and side["tokens_max"] >= side["tokens_p50"] > 0
+        assert side["p99_s"] >= side["p50_s"] > 0
+    assert "prefill steps cold/warm: n " in study.text

@@ -197,6 +197,25 @@ def point_line(res: PointResult) -> str:
             f"ITL p99 cold/warm {_ms(y['cold_itl']['p99_s'])}/{_ms(y['warm_itl']['p99_s'])} ms "
             f"-> {_num(y['ratio_p99'])} (with a load in flight: {_num(y['with_load_ratio_p99'])})"
         )
+        pc, pw = (
+            (y.get("prefill_steps") or {}).get("cold"),
+            (y.get("prefill_steps") or {}).get("warm"),
+        )
+        if pc and pw and pc["n"] and pw["n"]:
+            lines.append(
+                "  prefill steps cold/warm: "
+                + ", ".join(
+                    f"{label} {_fmt(pc[k])}/{_fmt(pw[k])}"
+                    for label, k, _fmt in (
+                        ("n", "n", str),
+                        ("tokens p50", "tokens_p50", lambda x: _num(x, ".0f")),
+                        ("tokens p99", "tokens_p99", lambda x: _num(x, ".0f")),
+                        ("ms p50", "p50_s", _ms),
+                        ("ms p99", "p99_s", _ms),
+                        ("ms/1k tokens p50", "s_per_ktok_p50", _ms),
+                    )
+                )
+            )
     if not s["consistency"]["ok"]:
         lines.append(f"  WARNING: tiers / counters disagree: {s['consistency']}")
     return "\n".join(lines)

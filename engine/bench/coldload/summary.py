@@ -98,6 +98,26 @@ def _steps(step_log: list[StepRecord]) -> dict[str, Any]:
     )
 
 
+def _prefill_steps(step_log: list[StepRecord]) -> dict[str, Any]:
+    """Steps that carry prefill tokens (what sets an ITL p99 when prompts are long): how
+    many, their tokens and seconds, and seconds per thousand tokens. A cold run against the
+    warm run of the same trace tells apart more prefill per step (admissions bunched behind
+    loads) from the same prefill running slower (loads competing with the step)."""
+    pre = [e for e in step_log if not e.decode]
+    toks = [float(e.tokens) for e in pre]
+    secs = [e.seconds for e in pre]
+    per_k = [e.seconds / e.tokens * 1e3 for e in pre if e.tokens]
+    return {
+        "n": len(pre),
+        "tokens_p50": pct(toks, 0.5),
+        "tokens_p99": pct(toks, 0.99),
+        "tokens_max": max(toks, default=None),
+        "p50_s": pct(secs, 0.5),
+        "p99_s": pct(secs, 0.99),
+        "s_per_ktok_p50": pct(per_k, 0.5),
+    }
+
+
 def _consistency(
     rows: list[dict[str, Any]], loads: list[LoadRecord], stats: dict[str, int]
 ) -> dict[str, Any]:
@@ -165,6 +185,7 @@ def summarize(
         "itl": itl_split,
         "decode_stall_ratio": itl_split["ratio_p99"],
         "decode_steps": _steps(step_log),
+        "prefill_steps": _prefill_steps(step_log),
         "loads": _loads(loads, folder_bytes),
         "h2d": _h2d(writes, pinned_gbps, copy_gbps),
     }
@@ -186,6 +207,7 @@ def yardstick(cold: dict[str, Any], warm: dict[str, Any]) -> dict[str, Any]:
         "warm_misses": warm["tiers"]["counts"]["cold"],
         "warm_ttft": warm["ttft"]["all"],
         "warm_steps_p99_s": warm["decode_steps"]["without_load"]["p99_s"],
+        "prefill_steps": {"cold": cold.get("prefill_steps"), "warm": warm.get("prefill_steps")},
         "cold_itl": c_all,
         "ratio_p50": _ratio(c_all["p50_s"], w_all["p50_s"]),
         "ratio_p99": _ratio(c_all["p99_s"], w_all["p99_s"]),

@@ -1,0 +1,116 @@
+"""cuBLASLt / CUTLASS fp8 x fp8 GEMMs (``torch._scaled_mm``) at decode shapes, against bf16.
+
+The question for the fp8 base at batch 16-64 (issue: LoRA on an fp8 base): does any
+``_scaled_mm`` form stream the fp8 weight near the copy bandwidth at these skinny shapes,
+so that a W8A8 path (activations quantized per token in the epilogue before each GEMM, the
+per-channel weight scale applied after) could beat the weight-only Triton kernel? Forms, each
+timed as the engine runs GEMMs (CUDA-graph replays, cycling through ``--copies`` weight copies
+so projections smaller than L2 are read from memory):
+
+- ``bf16``: ``F.linear`` on the bf16 weight (what the bf16 engine runs);
+- ``tensor``: one scale per tensor (cuBLASLt's fp8 GEMM), bf16 out;
+- ``rowwise``: a scale per token and per output channel (torch's CUTLASS row-wise kernel);
+- ``tensor_f32``: per-tensor, float32 out (what a following epilogue could scale per row
+  and column itself).
+
+Printed: microseconds, weight GB/s and the ratio to bf16 per (projection, tokens). The
+activation quantization is not included (it would fold into the RMSNorm / SiLU epilogues).
+
+    python -m benchmarks.fp8_scaled_mm --out scaled_mm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.fp8_gemm import SHAPES, copy_bandwidth, cycled
+from benchmarks.record import git_commit
+
+FP8 = torch.float8_e4m3fn
+
+
+def shapes(name: str, vocab: int) -> list[tuple[str, int, int]]:
+    h, inter, q, kv = SHAPES[name]
+    return [
+        ("qkv", q + 2 * kv, h),
+        ("o", h, q),
+        ("gate_up", 2 * inter, h),
+        ("down", h, inter),
+        ("lm_head", vocab, h),
+    ]
+
+
+def forms(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor) -> dict:
+    """name -> callable over one weight copy (w bf16 (N, K), wq fp8 (N, K))."""
+    t, n = x.shape[0], w.shape[0]
+    xq = x.to(FP8)
+    one = torch.ones((), device=x.device, dtype=torch.float32)
+    sa = torch.ones(t, 1, device=x.device, dtype=torch.float32)
+    sb = torch.ones(1, n, device=x.device, dtype=torch.float32)
+    wt = wq.t()  # column-major (K, N): what _scaled_mm wants as its second operand
+    return {
+        "bf16": functools.partial(F.linear, x, w),
+        "tensor": functools.partial(torch._scaled_mm, xq, wt, one, one, out_dtype=torch.bfloat16),
+        "rowwise": functools.partial(torch._scaled_mm, xq, wt, sa, sb, out_dtype=torch.bfloat16),
+        "tensor_f32": functools.partial(
+            torch._scaled_mm, xq, wt, one, one, out_dtype=torch.float32
+        ),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 64, 128])
+    ap.add_argument("--copies", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
+    rows = []
+    print("| projection | T | N x K | form | µs | weight TB/s | / bf16 |")
+    print("|---|---:|---|---|---:|---:|---:|")
+    for name, n, k in shapes(args.shape, args.vocab):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        copies = [(w, (w * 16).to(FP8))] + [
+            (w.clone(), (w * 16).to(FP8)) for _ in range(args.copies - 1)
+        ]
+        for t in args.batches:
+            x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+            per_copy = [forms(x, c[0], c[1]) for c in copies]
+            ref = F.linear(x, w).float()
+            times = {}
+            for form in per_copy[0]:
+                try:
+                    got = per_copy[0][form]().float()
+                    if form != "bf16":  # fp8 x fp8 of a 16x-scaled weight: compare shapes only
+                        assert got.shape == ref.shape
+                    times[form] = cycled([p[form] for p in per_copy], args.reps) * 1e3
+                except Exception as ex:  # noqa: BLE001 - a form this build or GPU lacks
+                    print(f"  skip {name} T={t} {form}: {type(ex).__name__}: {str(ex)[:100]}")
+            for form, us in times.items():
+                wbytes = n * k * (2 if form == "bf16" else 1)
+                row = dict(projection=name, T=t, N=n, K=k, form=form, us=us,
+                           weight_tbps=wbytes / (us * 1e-6) / 1e12,
+                           vs_bf16=us / times["bf16"] if "bf16" in times else None)  # fmt: skip
+                rows.append(row)
+                print(f"| {name} | {t} | {n} x {k} | {form} | {us:.1f} | "
+                      f"{row['weight_tbps']:.2f} | {row['vs_bf16'] or 0:.2f} |")  # fmt: skip
+        del copies, w
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"commit": git_commit(), "device": torch.cuda.get_device_name(),
+                       "copy_bandwidth": bw, "rows": rows}, f, indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
