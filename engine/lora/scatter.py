@@ -40,14 +40,20 @@ def build_plan(
     zeros: Sequence[tuple[torch.Tensor, int]],
     base: torch.Tensor,
 ) -> ScatterPlan:
-    """``copies``: (contiguous destination view in slot 0, its slot stride, source offset);
+    """``copies``: (destination view in slot 0, its slot stride, source offset);
     ``zeros``: (destination view in slot 0, its slot stride). Views must lie in buffers of
-    ``base``'s dtype and device (any of the model's LoRA buffers)."""
+    ``base``'s dtype and device (any of the model's LoRA buffers), contiguous or 2-D with
+    contiguous rows (rank-major A rows, layers.py: one block per row, the source dense)."""
     elem = base.element_size()
     start = base.data_ptr()
     rows: list[tuple[int, int, int, int]] = []
 
     def add(view: torch.Tensor, stride: int, src: int) -> None:
+        if view.dim() == 2 and not view.is_contiguous() and view.stride(1) == 1:
+            cols = view.shape[1]
+            for i in range(view.shape[0]):
+                add(view[i], stride, src + i * cols if src >= 0 else -1)
+            return
         if view.dtype != base.dtype or view.device != base.device or not view.is_contiguous():
             raise ValueError("a scatter destination must be contiguous, of the base's dtype")
         delta = view.data_ptr() - start

@@ -54,7 +54,9 @@ class _ModelCache:
     signature: tuple[int, ...]  # storage pointers the cached views were made from
     views: dict[int, tuple[list[torch.Tensor], dict[int, torch.Tensor]]] = field(
         default_factory=dict
-    )  # slot -> (flat lora_a[s, slot] per site (R*in,), id(linear) -> flat lora_b[slot] (N*R,))
+    )  # slot -> (lora_a[s, slot] per site (R, in), id(linear) -> flat lora_b[slot] (N*R,))
+    # NOTE: a LoRALinear's A rows are rank-major (layers.py): lora_a[s, slot] is (R, in) rows
+    # strided by S*L*in, each row contiguous
     staging: dict[tuple[torch.dtype, int], torch.Tensor] = field(default_factory=dict)
     plans: dict[tuple, ScatterPlan] = field(default_factory=dict)  # packed layout -> plan
     dora_slots: set[int] = field(default_factory=set)  # slots whose DoRA scales are not ones
@@ -93,7 +95,7 @@ def _cache(model: CausalLM) -> _ModelCache:
 
 def _slot_views(c: _ModelCache, slot: int) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
     if slot not in c.views:
-        a = [site.linear.lora_a[site.s, slot].view(-1) for site in c.sites]  # type: ignore[index]
+        a = [site.linear.lora_a[site.s, slot] for site in c.sites]  # type: ignore[index]
         b = {id(x.linear): x.linear.lora_b[slot].view(-1) for x in c.sites}  # type: ignore[index]
         c.views[slot] = (a, b)
     return c.views[slot]
@@ -146,12 +148,11 @@ def _plan(
             found += 1
             if e.in_features != in_f or e.out_features != site.hi - site.lo or e.rank > r_max:
                 raise ValueError(f"packed {site.module} of layer {site.layer} has other shapes")
-            n = e.rank * in_f
-            dst.append(a_full[:n] if n < a_full.numel() else a_full)
+            dst.append(a_full[: e.rank])  # (r, in): only the adapter's own rank rows
             dst_strides.append(a_stride)
-            src.append((e.a_offset, n))
-            if n < a_full.numel():
-                zero.append(a_full[n:])
+            src.append((e.a_offset, e.rank * in_f))
+            if e.rank < a_full.shape[0]:
+                zero.append(a_full[e.rank :])
                 zero_strides.append(a_stride)
             off = e.b_offset
         # extend the B run if this slice continues it in the slot and in the buffer
@@ -293,7 +294,7 @@ def write_slot(
         base = _source(c, packed, device, dtype, chunk_bytes, pace)
         if h2d_done is not None:
             h2d_done.record()
-        _copy(dst, [base[o : o + n] for o, n in ranges])
+        _copy(dst, [base[o : o + n].view(d.shape) for d, (o, n) in zip(dst, ranges, strict=True)])
     if zero:
         _zero(zero)
     _write_dora(c, slot, adapter)

@@ -91,7 +91,7 @@ def _add_rmsnorm_kernel(
             if HAS_LORA:
                 acc = tl.full((BLOCK_T, BLOCK_H), 0.0, tl.float32)
                 acc = lora_delta(
-                    acc, ya_ptr, b_ptr, tok, slots, cols, c_mask, 0, H, L, R,
+                    acc, ya_ptr, b_ptr, tok, slots, cols, c_mask, H, 1, L, L, R,
                     stride_yt, stride_yn, stride_bl, stride_bn, stride_br,
                     BLOCK_R, USE_DOT,
                 )  # fmt: skip
@@ -124,6 +124,7 @@ def _launch(
     eps: float,
     out: torch.Tensor,
     config: NormConfig | None,
+    rank_bound: int | None = None,
 ) -> None:
     t, h = residual.shape
     if t == 0:
@@ -132,6 +133,8 @@ def _launch(
     use_dot = cfg.block_t >= 16
     has_lora = lora_b is not None
     num_slots, rank = (lora_b.shape[0], lora_b.shape[2]) if lora_b is not None else (0, 1)
+    if rank_bound is not None:
+        rank = min(rank, rank_bound)  # the step's rank rows (lora/ranks.py)
     ya = y_aug if y_aug is not None else residual
     b = lora_b if lora_b is not None else ya
     b_strides = lora_b.stride() if lora_b is not None else (0, 0, 0)
@@ -159,7 +162,7 @@ def _launch(
         out.stride(1),
         BLOCK_T=cfg.block_t,
         BLOCK_H=cfg.block_h,
-        BLOCK_R=block_r(rank, use_dot),
+        BLOCK_R=block_r(rank, use_dot, cfg.block_t * cfg.block_h),
         ADD=y_aug is not None,
         HAS_LORA=has_lora,
         USE_DOT=use_dot,
@@ -179,7 +182,10 @@ def lora_add_rmsnorm_triton(
     config: NormConfig | None = None,
 ) -> None:
     """Triton ``lora_add_rmsnorm``; see ``reference.lora_add_rmsnorm_torch``."""
-    _launch(y_aug, residual, lora_b, mapping.token_slots, norm_weight, eps, out, config)
+    _launch(
+        y_aug, residual, lora_b, mapping.token_slots, norm_weight, eps, out, config,
+        mapping.rank_bound,
+    )  # fmt: skip
 
 
 def rmsnorm_triton(
