@@ -1,9 +1,16 @@
-"""CUDA graphs for decode steps, one per batch-size bucket.
+"""CUDA graphs for decode steps, one per (batch-size bucket, rank bucket).
 
 A decode step (one new token per sequence) is replayed from a graph captured on static
 buffers; the batch is padded up to the bucket with rows that write no KV (slot -1), read no
 context (length 0) and use no adapter (slot -1). Everything a kernel needs at replay time is
 read from these device buffers, never from host values, so the captured launches stay valid.
+
+Rank buckets (lora/ranks.py): a decode graph of rank bucket r_b reads only the A rows of
+ranks < r_b of every slot and loops over r_b rank columns, so a step whose adapters all have
+rank <= r_b costs what it costs in an engine of ``max_lora_rank`` r_b. The step's bucket is
+the smallest one >= the largest rank among its rows' slots (``run(rank=...)``). Buckets above
+``max_lora_rank`` are never captured; all graphs of a bucket set share one logits buffer.
+Mixed-step graphs read every rank row.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from loraplex.engine.lora.ranks import rank_bucket, rank_buckets
 from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.fused import fused_forward
 from loraplex.engine.model.gemm import linear, tune
@@ -40,10 +48,21 @@ def capture_graph(
     return graph, out
 
 
-def _logits(model: CausalLM, hidden: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+def _logits(
+    model: CausalLM,
+    hidden: torch.Tensor,
+    token_slots: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """(N, V) float32 logits of ``hidden`` rows, each with its slot's LM head LoRA delta (and
-    a full-table slot's own head: ``model.full_modules``, present only when configured)."""
-    logits = linear(hidden, model.lm_head).float()
+    a full-table slot's own head: ``model.full_modules``, present only when configured).
+    ``out``: (>= N, V) float32 buffer the logits are cast into (the same one launch as
+    ``.float()``), shared by graphs that never run at once."""
+    logits = linear(hidden, model.lm_head)
+    if out is not None and logits.dtype != torch.float32:
+        logits = out[: hidden.shape[0]].copy_(logits)
+    else:
+        logits = logits.float()
     full = getattr(model, "full_modules", None)  # modules_to_save tables (lora/full.py)
     if full is not None and full.extra:  # V + E wide: LoRA deltas on the base's, then widened
         head = model.lora_vocab().get("lm_head")
@@ -88,7 +107,14 @@ class DecodeGraphs:
         # pipelined decode: row i's input token is feed[src[i]] where src[i] >= 0
         self.src = torch.full((n,), -1, dtype=i64, device=dev)
         self.feed = torch.zeros(n, dtype=i64, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # rank buckets of the graphs; (None,): a model without slots (every rank row, none)
+        max_rank = model.max_lora_rank if model.max_loras > 0 else 0
+        self.rank_buckets: tuple[int | None, ...] = rank_buckets(max_rank) if max_rank else (None,)
+        # one logits buffer for every decode graph (a graph's logits are consumed before the
+        # next replay: sampling is queued behind it on the same stream)
+        vocab = model.lm_head.shape[0]
+        self.logits = torch.empty(n, vocab, dtype=torch.float32, device=dev)
+        self.graphs: dict[tuple[int, int | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         # two persistent pinned staging buffers, used in turn: one async H2D copy per step, no
         # allocation, and the next step's inputs are written while this step's copy is queued
@@ -104,7 +130,13 @@ class DecodeGraphs:
                 return b
         return None
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def rank_bucket(self, rank: int) -> int | None:
+        """The rank bucket of a step whose rows' adapters have rank <= ``rank``."""
+        if self.rank_buckets[0] is None:
+            return None
+        return rank_bucket(rank, self.rank_buckets)  # type: ignore[arg-type]
+
+    def _forward(self, bs: int, rb: int | None) -> torch.Tensor:
         meta = AttentionMetadata(
             slot_mapping=self.slots[:bs],
             block_tables=self.tables[:bs],
@@ -119,27 +151,37 @@ class DecodeGraphs:
         src = self.src[:bs]
         ids = torch.where(src >= 0, self.feed[src.clamp(min=0)], self.ids[:bs])
         hidden = fused_forward(
-            self.model, ids, self.pos[:bs], self.kv_caches, meta, self.token_slots[:bs]
-        )
-        return _logits(self.model, hidden, self.token_slots[:bs])  # = model.compute_logits
+            self.model, ids, self.pos[:bs], self.kv_caches, meta, self.token_slots[:bs],
+            rank_bound=rb,
+        )  # fmt: skip
+        # = model.compute_logits
+        return _logits(self.model, hidden, self.token_slots[:bs], self.logits)
 
-    def gemm_weights(self) -> list[torch.Tensor]:
+    def gemm_weights(self, rb: int | None = None) -> list[torch.Tensor]:
+        """The weights of the GEMMs a graph of rank bucket ``rb`` runs (their prefixes)."""
         layer = self.model.layers[0]
         mods = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-        return [m.weight_aug for m in mods if m.float_base] + [self.model.lm_head]
+        return [m.aug_rows(rb)[0] for m in mods if m.float_base] + [self.model.lm_head]
+
+    @property
+    def keys(self) -> list[tuple[int, int | None]]:
+        """(batch bucket, rank bucket) of every graph."""
+        return [(bs, rb) for rb in self.rank_buckets for bs in self.buckets]
 
     def capture_all(self) -> None:
         """Capture every bucket now (startup), not on a bucket's first use mid-serving."""
-        for bs in self.buckets:
-            if bs not in self.graphs:
-                self.capture(bs)
+        for bs, rb in self.keys:
+            if (bs, rb) not in self.graphs:
+                self.capture(bs, rb)
 
-    def capture(self, bs: int) -> None:
-        tune(self.gemm_weights(), bs)  # BLAS backend per GEMM shape, recorded by the capture
-        graph, logits = capture_graph(lambda: self._forward(bs), self.model.device, self.pool)
+    def capture(self, bs: int, rb: int | None = None) -> None:
+        tune(self.gemm_weights(rb), bs)  # BLAS backend per GEMM shape, recorded by the capture
+        graph, logits = capture_graph(
+            lambda: self._forward(bs, rb), self.model.device, self.pool
+        )
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[bs] = (graph, logits)
+        self.graphs[(bs, rb)] = (graph, logits)
 
     def run(
         self,
@@ -151,14 +193,17 @@ class DecodeGraphs:
         token_slots: list[int],
         src: list[int] | None = None,
         feed: torch.Tensor | None = None,
+        rank: int | None = None,
     ) -> torch.Tensor:
         """Replay the bucket's graph for this batch; returns logits (B, V) (a view: consume it
         before the next replay). Row i with ``src[i] >= 0`` reads its input token from
-        ``feed[src[i]]`` (device) instead of ``ids[i]``. ``last_events`` then holds CUDA events
-        around this replay."""
+        ``feed[src[i]]`` (device) instead of ``ids[i]``. ``rank``: the largest rank among the
+        rows' slots (None: every rank row). ``last_events`` then holds CUDA events around this
+        replay."""
         b = len(ids)
         bs = self.bucket(b)
         assert bs is not None
+        rb = self.rank_buckets[-1] if rank is None else self.rank_bucket(rank)
         width = self.tables.shape[1]
         nv = self.NVEC
         # pinned host buffer, one async copy: no host sync inside the step
@@ -193,9 +238,9 @@ class DecodeGraphs:
         self.tables[:bs].copy_(dev[nv * bs :].view(bs, width))
         if feed is not None:
             self.feed[: feed.shape[0]].copy_(feed)
-        if bs not in self.graphs:
-            self.capture(bs)
-        graph, logits = self.graphs[bs]
+        if (bs, rb) not in self.graphs:
+            self.capture(bs, rb)
+        graph, logits = self.graphs[(bs, rb)]
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         events[0].record()
         graph.replay()

@@ -141,6 +141,7 @@ def _build(
         t0 = time.perf_counter()
         runner.graphs.capture_all()  # NOTE: a bucket captured mid-serving stalls its step 1-3 s
         log.info("cuda_graphs_captured", buckets=list(runner.graphs.buckets),
+                 rank_buckets=list(runner.graphs.rank_buckets),
                  seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
     mixed = None
     if runner.graphs is not None and config.mixed_graph_tokens > 0:

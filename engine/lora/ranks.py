@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-__all__ = ["MIN_BUCKET", "rank_buckets", "rank_bucket", "step_rank"]
+__all__ = ["MIN_BUCKET", "rank_buckets", "rank_bucket", "step_rank", "adapter_rank"]
 
 MIN_BUCKET = 8  # smaller buckets save too little to pay for their graphs
 
@@ -42,3 +42,11 @@ def rank_bucket(rank: int, buckets: Sequence[int]) -> int:
 def step_rank(slots: Iterable[int], slot_ranks: Sequence[int]) -> int:
     """The largest rank among the slots a step's rows read (-1: base rows), 0 if none."""
     return max((slot_ranks[s] for s in set(slots) if s >= 0), default=0)
+
+
+def adapter_rank(adapter: object) -> int:
+    """Largest rank of a ``LoRAAdapter`` or a ``PackedAdapter`` (its entries), 0 if unknown."""
+    entries = getattr(adapter, "entries", None)
+    if isinstance(entries, dict):
+        return max((e.rank for e in entries.values()), default=0)
+    return int(getattr(adapter, "rank", 0) or 0)
