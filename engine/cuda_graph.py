@@ -176,9 +176,7 @@ class DecodeGraphs:
 
     def capture(self, bs: int, rb: int | None = None) -> None:
         tune(self.gemm_weights(rb), bs)  # BLAS backend per GEMM shape, recorded by the capture
-        graph, logits = capture_graph(
-            lambda: self._forward(bs, rb), self.model.device, self.pool
-        )
+        graph, logits = capture_graph(lambda: self._forward(bs, rb), self.model.device, self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[(bs, rb)] = (graph, logits)

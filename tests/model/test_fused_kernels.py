@@ -16,7 +16,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("lora_delta", "add_rmsnorm", "silu_mul", "qkv_rope"):  # helper module first
+    for _name in ("lora_delta", "add_rmsnorm_split", "add_rmsnorm", "silu_mul", "qkv_rope"):
         if f"loraplex.engine.model.kernels.{_name}" in sys.modules:
             importlib.reload(sys.modules[f"loraplex.engine.model.kernels.{_name}"])
 
@@ -203,8 +203,9 @@ RUNNERS = {
     "silu_mul": (_run_silu_mul, K.lora_silu_mul_torch),
     "qkv_rope": (_run_qkv_rope, K.lora_qkv_rope_torch),
 }
-CONFIGS = {  # block_t 1 / 4: broadcast delta; 16: tensor-core dot; last 16 / 32: packed delta
-    "add_rmsnorm": [(1, 32, 4), (4, 32, 4), (16, 16, 4)],
+CONFIGS = {  # block_t 1 / 4: broadcast delta; 16: tensor-core dot; last 16 / 32: packed delta;
+    # add_rmsnorm True: rows split over column chunks (add_rmsnorm_split.py)
+    "add_rmsnorm": [(1, 32, 4), (4, 32, 4), (16, 16, 4), (1, 32, 4, True), (1, 16, 2, True)],
     "rmsnorm": [(1, 32, 4), (4, 64, 4)],
     "silu_mul": [(16, 32, 4), (1, 64, 4), (2, 128, 4), (16, 32, 4, 16), (16, 64, 4, 32)],
     "qkv_rope": [(16, 4), (1, 4), (16, 4, 16), (16, 4, 32)],

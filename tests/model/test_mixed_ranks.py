@@ -12,7 +12,6 @@ import functools
 import random
 
 import pytest
-import torch
 
 from loraplex.engine import model_runner
 from loraplex.engine.lora.ranks import rank_bucket, rank_buckets
@@ -30,7 +29,9 @@ ADAPTERS = {
     "r4": dict(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     "r8rs": dict(r=8, alpha=32, use_rslora=True, target_modules=ALL),
     "r12pat": dict(
-        r=12, alpha=16, target_modules=r".*\.(q_proj|v_proj|up_proj|down_proj)",
+        r=12,
+        alpha=16,
+        target_modules=r".*\.(q_proj|v_proj|up_proj|down_proj)",
         rank_pattern={"down_proj": 6},
     ),  # fmt: skip
 }

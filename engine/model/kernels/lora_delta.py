@@ -27,16 +27,16 @@ import triton.language as tl
 __all__ = ["lora_delta", "block_r"]
 
 
-TILE_ELEMS = 1 << 16  # fp32 products per program of one broadcast chunk (R = 16 at 1 x 4096)
+THREAD_ELEMS = 128  # fp32 products per thread of one broadcast chunk (R = 16 at 1 x 4096, 16 warps)
 
 
-def block_r(rank: int, use_dot: bool, tile: int = 0) -> int:
+def block_r(rank: int, use_dot: bool, tile: int = 0, num_warps: int = 16) -> int:
     """Rank chunk: a power of two >= ``rank`` (at least 16 for ``tl.dot``); without dots, at
-    most ``TILE_ELEMS / tile`` where ``tile`` = tokens x columns of the program's block."""
+    most ``THREAD_ELEMS * threads / tile`` where ``tile`` = tokens x columns of the block."""
     full = max(16 if use_dot else 1, triton.next_power_of_2(max(rank, 1)))
     if use_dot or tile <= 0:
         return full
-    return max(1, min(full, TILE_ELEMS // tile))
+    return max(1, min(full, THREAD_ELEMS * 32 * num_warps // tile))
 
 
 @triton.jit
@@ -117,7 +117,9 @@ def lora_delta(
                     other=0.0,
                 )  # (BT, BLOCK_R)
                 b = tl.load(
-                    b_ptr + slot * stride_bl + cols[None, :] * stride_bn
+                    b_ptr
+                    + slot * stride_bl
+                    + cols[None, :] * stride_bn
                     + offs_r[:, None] * stride_br,
                     mask=r_mask[:, None] & col_mask[None, :],
                     other=0.0,

@@ -187,7 +187,9 @@ def lora_qkv_rope_triton(
         BLOCK_T=cfg.block_t,
         BLOCK_HALF=max(min_n, triton.next_power_of_2(head_dim // 2)),
         BLOCK_D=max(min_n, triton.next_power_of_2(head_dim)),
-        BLOCK_R=block_r(rank, use_dot, cfg.block_t * triton.next_power_of_2(head_dim)),
+        BLOCK_R=block_r(
+            rank, use_dot, cfg.block_t * triton.next_power_of_2(head_dim), cfg.num_warps
+        ),
         HAS_LORA=lora_b is not None,
         USE_DOT=use_dot,
         BLOCK_K=cfg.block_k if use_dot else 0,

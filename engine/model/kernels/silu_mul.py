@@ -140,7 +140,7 @@ def lora_silu_mul_triton(
         out.stride(1),
         BLOCK_T=cfg.block_t,
         BLOCK_N=cfg.block_n,
-        BLOCK_R=block_r(rank, use_dot, cfg.block_t * cfg.block_n),
+        BLOCK_R=block_r(rank, use_dot, cfg.block_t * cfg.block_n, cfg.num_warps),
         HAS_LORA=lora_b is not None,
         USE_DOT=use_dot,
         BLOCK_K=cfg.block_k if use_dot else 0,
