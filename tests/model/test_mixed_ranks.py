@@ -12,13 +12,21 @@ import functools
 import random
 
 import pytest
+import torch
 
 from loraplex.engine import model_runner
 from loraplex.engine.lora.ranks import rank_bucket, rank_buckets
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.fused import fused_forward
 from tests.helpers.models import make_peft_adapter, make_tiny_model
-from tests.model.test_oracle_peft import MODEL_KINDS, RTOL, hf_mixed_batch, ours, rel_err
+from tests.model.test_oracle_peft import (
+    MODEL_KINDS,
+    RTOL,
+    half_ok,
+    hf_mixed_batch,
+    ours,
+    rel_err,
+)
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -129,3 +137,58 @@ def test_a_bound_below_an_adapters_rank_drops_its_rows(setup, monkeypatch):
             assert err > 1e-3, f"row {row}: a bound of 8 left the rank-12 adapter intact"
         else:
             assert err < RTOL, f"row {row} ({name}): rel err {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_ranks_through_rank_bucket_graphs_gpu(setup, dtype):
+    """On CUDA in half precision: decode through the graph of the step's rank bucket (16, for
+    ranks <= 12 in a rank-64 engine) against PEFT in float32 (within PEFT's own half-precision
+    error), and against the eager fused step, which reads every rank row."""
+    model_dir, adapters, prompts, names, _, _ = setup
+    run = dict(model_dir=model_dir, adapters=adapters, prompts=prompts, names=names)
+    ref_steps, ref_tokens = hf_mixed_batch(**run, dtype=torch.float32, device="cuda")
+    hf_steps, _ = hf_mixed_batch(**run, dtype=dtype, device="cuda", force=ref_tokens)
+    kw = dict(dtype=dtype, device="cuda", max_rank=MAX_RANK)
+    graph = ours(model_dir, adapters, prompts, names, ref_tokens, **kw, use_cuda_graphs=True)
+    eager = ours(model_dir, adapters, prompts, names, ref_tokens, **kw, use_cuda_graphs=False)
+    for step in range(len(ref_steps)):
+        for row in range(len(prompts)):
+            ref = ref_steps[step][row]
+            ours_err, hf_err = rel_err(graph[step][row], ref), rel_err(hf_steps[step][row], ref)
+            assert half_ok(ours_err, hf_err), (
+                f"step {step} row {row}: {ours_err:.2e} vs {hf_err:.2e}"
+            )
+        if step:  # decode steps: the graph of rank bucket 16 against the full-rank eager step
+            assert rel_err(graph[step], eager[step]) < 1e-2
+
+
+@pytest.mark.gpu
+def test_rank_buckets_are_captured_and_picked_gpu(tmp_path):
+    """A rank-64 engine captures decode graphs for rank buckets 8 / 16 / 32 / 64 (never
+    above), all writing one logits buffer; a step takes the bucket of its largest rank."""
+    from loraplex.engine.lora.adapter import load_adapter
+    from loraplex.engine.model.loader import load_model
+    from loraplex.engine.model_runner import ModelRunner, StepItem
+
+    model_dir = make_tiny_model(tmp_path / "base", kind="llama", seed=1)
+    model = load_model(
+        model_dir, dtype=torch.bfloat16, device="cuda", max_loras=2, max_lora_rank=64
+    )
+    runner = ModelRunner(model, num_blocks=16, block_size=4, max_graph_batch=4)
+    graphs = runner.graphs
+    assert graphs is not None and graphs.rank_buckets == (8, 16, 32, 64)
+    graphs.capture_all()
+    assert set(graphs.graphs) == {(b, r) for b in graphs.buckets for r in (8, 16, 32, 64)}
+    assert all(out.data_ptr() == graphs.logits.data_ptr() for _, out in graphs.graphs.values())
+    for slot, r in enumerate((8, 40)):
+        path = make_peft_adapter(model_dir, tmp_path / f"r{r}", seed=r, r=r, alpha=r,
+                                 target_modules=ALL)  # fmt: skip
+        runner.write_slot(slot, load_adapter(path, model.cfg, max_lora_rank=64, dtype=model.dtype))
+    assert runner.slot_ranks == [8, 40]
+    seen = []
+    real = graphs.run
+    graphs.run = lambda *a, **kw: seen.append(graphs.rank_bucket(kw["rank"])) or real(*a, **kw)
+    for slots in ([0, -1], [1, 0], [-1, -1]):
+        runner.execute([StepItem([3], 0, [i], s) for i, s in enumerate(slots)])
+    assert seen == [8, 64, 8]
