@@ -5,7 +5,10 @@ A ``LoRALinear`` is one base projection, possibly fused from several original mo
 
     lora_a: (S, L, R, in)        S slices, L slots, R = max_lora_rank (zero beyond each rank);
                                  a strided view of weight_aug's A rows (rank-major, below)
-    lora_b: (L, N_total, R)      slice s owns rows slice_offsets[s] : slice_offsets[s+1]
+    lora_b: (L, N_total, R)      slice s owns rows slice_offsets[s] : slice_offsets[s+1];
+                                 stored (L, R, N_total) (a permuted view): the rows of ranks
+                                 < r_b of a slot are one contiguous prefix, so an expand over
+                                 r_b rank rows reads only those bytes
 
 The base weight and every slot's A share one "augmented" matrix, so one GEMM gives both the
 base output and every slot's shrink (the fused GPU decode path, model/fused.py). The A rows
@@ -46,6 +49,12 @@ from loraplex.engine.model.kernels.fp8_linear import fp8_aug_linear, fp8_aug_lin
 __all__ = ["LoRALinear"]
 
 
+def _b_buffer(num_slots: int, n: int, rank: int, kw: dict) -> torch.Tensor:
+    """Zeros (L, N, R) stored rank-major per slot, (L, R, N) (NOTE: clone / empty_like keep
+    these strides; the kernels read any)."""
+    return torch.zeros(num_slots, rank, n, **kw).permute(0, 2, 1)
+
+
 def _a_view(rows: torch.Tensor, num_slices: int, num_slots: int, rank: int) -> torch.Tensor:
     """The logical (S, L, R, in) view of rank-major A rows (R*S*L, in)."""
     return rows.view(rank, num_slices, num_slots, rows.shape[1]).permute(1, 2, 0, 3)
@@ -81,7 +90,7 @@ class LoRALinear(torch.nn.Module):
         self.base_transposed = False  # base rows of weight_aug hold W^T's bytes (CPU path)
         self.float_base = True  # False: the base rows live only in weight_fp8 (fp8 base)
         self.lora_a: torch.Tensor | None = None
-        lora_b = torch.zeros(max_loras, n, max_rank, **kw) if max_loras > 0 else None
+        lora_b = _b_buffer(max_loras, n, max_rank, kw) if max_loras > 0 else None
         self.register_buffer("lora_b", lora_b)
         # DoRA row scales per slot (L + 1, N_total): ones but where a DoRA adapter's slot
         # holds g; row L (index -1, base rows) stays ones. Read only by steps with DoRA rows.
