@@ -96,8 +96,8 @@ def _slot_views(c: _ModelCache, slot: int) -> tuple[list[torch.Tensor], list[tor
     """Per site: ``lora_a[s, slot]`` (R, in) and ``lora_b[slot, lo:hi]`` transposed (R, out);
     rank-major storage (layers.py): each row contiguous, rows strided."""
     if slot not in c.views:
-        a = [site.linear.lora_a[site.s, slot] for site in c.sites]  # type: ignore[index]
-        b = [site.linear.lora_b[slot, site.lo : site.hi].t() for site in c.sites]  # type: ignore[index]
+        a = [x.linear.lora_a[x.s, slot] for x in c.sites]  # type: ignore[index]
+        b = [x.linear.lora_b[slot, x.lo : x.hi].t() for x in c.sites]  # type: ignore[index]
         c.views[slot] = (a, b)
     return c.views[slot]
 
@@ -126,9 +126,10 @@ def _plan(
     for i, site in enumerate(c.sites):
         e = packed.entries.get((site.layer, site.module))
         lin = site.linear
+        a_slot, b_slot = lin.lora_a.stride(1), lin.lora_b.stride(0)  # type: ignore[union-attr]
         pairs = (
-            (a_views[i], lin.lora_a.stride(1), e and e.a_offset, lin.in_features),  # type: ignore[union-attr]
-            (b_views[i], lin.lora_b.stride(0), e and e.b_offset, site.hi - site.lo),  # type: ignore[union-attr]
+            (a_views[i], a_slot, e and e.a_offset, lin.in_features),
+            (b_views[i], b_slot, e and e.b_offset, site.hi - site.lo),
         )
         if e is not None:
             found += 1
