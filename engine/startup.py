@@ -18,10 +18,10 @@ import torch
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
-from loraplex.engine.cuda_graph import MixedGraphs
 from loraplex.engine.lora.full import attach_full_modules, full_slot_bytes
 from loraplex.engine.lora.pool import HostPool
 from loraplex.engine.lora.staging import slot_image_numel
+from loraplex.engine.mixed_graphs import MixedGraphs
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.kernels.fp8_linear import prepare_fp8_linear
 from loraplex.engine.model.loader import load_model, resolve_dtype
