@@ -1,8 +1,9 @@
 """Launch configs of the qkv_rope and silu_mul LoRA epilogues at decode sizes (Llama-3-8B
-shapes, bf16, rank 16, rows grouped by slot as the engine sends them). Each config is timed
-alone in a CUDA graph and checked against the torch twin; the fastest per case is marked.
+shapes, bf16, rank 16 or ``--rank``, B rank-major as in the engine's slots, rows grouped by slot
+as the engine sends them). Each config is timed alone in a CUDA graph and checked against the
+torch twin; the fastest per case is marked.
 
-    python -m benchmarks.epilogue_configs [--out FILE]
+    python -m benchmarks.epilogue_configs [--out FILE] [--rank 64 --batches 32 64 --loras 8]
 
 Columns: (block_t, block_n | -, warps, block_k); block_k > 0 is the packed delta (one dot per
 block_k rank columns of every slot), 0 the per-slot loop.
@@ -30,7 +31,8 @@ from loraplex.engine.model.kernels.silu_mul import (
     silu_mul_config,
 )
 
-H, INTER, HQ, HKV, D, R = 4096, 14336, 32, 8, 128, 16
+H, INTER, HQ, HKV, D = 4096, 14336, 32, 8, 128
+R = 16  # --rank
 SILU = [
     SiluMulConfig(bt, bn, w, bk)
     for bt, bn, w, bk in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (0, 64))
@@ -46,6 +48,12 @@ def sorted_slots(t: int, loras: int, dev: str) -> LoRAMapping:
     return LoRAMapping(slots)
 
 
+def _b(loras: int, n: int, g: torch.Generator) -> torch.Tensor:
+    """(L, n, R) bf16 stored (L, R, n), as the engine's slots (lora/layers.py)."""
+    b = 0.05 * torch.randn(loras, R, n, device="cuda", generator=g)
+    return b.to(torch.bfloat16).permute(0, 2, 1)
+
+
 def err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-9)).item()
 
@@ -55,7 +63,7 @@ def silu_case(t: int, loras: int) -> list[tuple[str, float, float]]:
     g = torch.Generator(device=dev).manual_seed(t + loras)
     n = 2 * INTER
     y = torch.randn(t, n + 2 * loras * R, device=dev, generator=g).to(torch.bfloat16)
-    b = (0.05 * torch.randn(loras, n, R, device=dev, generator=g)).to(torch.bfloat16)
+    b = _b(loras, n, g)
     slots = sorted_slots(t, loras, dev)
     ref = torch.empty(t, INTER, device=dev, dtype=torch.bfloat16)
     lora_silu_mul_torch(y, b, slots, ref)
@@ -90,7 +98,7 @@ def qkv_case(t: int, loras: int) -> list[tuple[str, float, float]]:
     q_size, kv_size = HQ * D, HKV * D
     n = q_size + 2 * kv_size
     y = torch.randn(t, n + 3 * loras * R, device=dev, generator=g).to(torch.bfloat16)
-    b = (0.05 * torch.randn(loras, n, R, device=dev, generator=g)).to(torch.bfloat16)
+    b = _b(loras, n, g)
     slots = sorted_slots(t, loras, dev)
     pos = torch.arange(t, device=dev) + 500
     ang = torch.arange(1024, device=dev)[:, None] * torch.rand(1, D, device=dev, generator=g)
@@ -130,7 +138,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--loras", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--rank", type=int, default=16)
     args = ap.parse_args()
+    global R
+    R = args.rank
     lines = [
         "| op | loras | T | fastest (block_t, block_n, warps, block_k) | µs | engine default µs | rel err | top 3 |",
         "|---|---:|---:|---|---:|---:|---:|---|",

@@ -3,6 +3,8 @@ GPU forward timed alone with CUDA graphs, with and without LoRA slots; GEMMs und
 backend the engine picks (``model/gemm.py``), rows grouped by slot; the LM head once per step.
 
     python -m benchmarks.layer_breakdown [--batches 1 32 64 128] [--loras 0 8 32]
+    python -m benchmarks.layer_breakdown --rank 64 [--bound 8]   # slots of rank 64, a step
+                                                                  # reading ranks < bound only
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def bench(fn) -> float:
     return do_bench_cudagraph(fn, rep=50) * 1e3  # µs
 
 
-def case(model, loras: int, t: int, ctx_len: int) -> dict[str, float]:
+def case(model, loras: int, t: int, ctx_len: int, bound: int | None = None) -> dict[str, float]:
     """Time every launch of one decode layer at batch ``t``."""
     mc = model.cfg
     layer = model.layers[0]
@@ -49,22 +51,24 @@ def case(model, loras: int, t: int, ctx_len: int) -> dict[str, float]:
     act = torch.empty(t, mc.intermediate_size, dtype=torch.bfloat16, device=dev)
     out = torch.empty_like(h)
     mods = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-    mapping = LoRAMapping(slots, triton=True)  # the step's LoRA metadata, as fused_forward's
-    qkv = linear(h, layer.qkv_proj.weight_aug)
-    o = linear(q.view(t, -1), layer.o_proj.weight_aug)
-    gu = linear(h, layer.gate_up_proj.weight_aug)
-    d = linear(act, layer.down_proj.weight_aug)
+    # the step's LoRA metadata, as fused_forward's (``bound``: its rank bucket, lora/ranks.py)
+    mapping = LoRAMapping(slots, triton=True, rank_bound=bound)
+    w_qkv, w_o, w_gu, w_d = (m.aug_rows(bound)[0] for m in mods)
+    qkv = linear(h, w_qkv)
+    o = linear(q.view(t, -1), w_o)
+    gu = linear(h, w_gu)
+    d = linear(act, w_d)
     w = layer.post_attention_layernorm.weight
-    gemm.tune([m.weight_aug for m in mods] + [model.lm_head], t)  # as at graph capture
+    gemm.tune([w_qkv, w_o, w_gu, w_d, model.lm_head], t)  # as at graph capture
     parts = {
-        "qkv gemm": lambda: linear(h, layer.qkv_proj.weight_aug),
+        "qkv gemm": lambda: linear(h, w_qkv),
         "qkv_rope": lambda: lora_qkv_rope(qkv, layer.qkv_proj.lora_b, mapping, pos, model.rope.cos, model.rope.sin, k_cache, v_cache, smap, q),
         "attention": lambda: paged_decode_attention(q, k_cache, v_cache, tables, ctx, layer.scale),
-        "o gemm": lambda: linear(q.view(t, -1), layer.o_proj.weight_aug),
+        "o gemm": lambda: linear(q.view(t, -1), w_o),
         "add_rmsnorm": lambda: lora_add_rmsnorm(o, residual, layer.o_proj.lora_b, mapping, w, 1e-5, out),
-        "gate_up gemm": lambda: linear(h, layer.gate_up_proj.weight_aug),
+        "gate_up gemm": lambda: linear(h, w_gu),
         "silu_mul": lambda: lora_silu_mul(gu, layer.gate_up_proj.lora_b, mapping, act),
-        "down gemm": lambda: linear(act, layer.down_proj.weight_aug),
+        "down gemm": lambda: linear(act, w_d),
         "add_rmsnorm(down)": lambda: lora_add_rmsnorm(d, residual, layer.down_proj.lora_b, mapping, w, 1e-5, out),
     }  # fmt: skip
     times = {k: bench(fn) for k, fn in parts.items()}
@@ -77,18 +81,20 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64, 128])
     ap.add_argument("--loras", type=int, nargs="+", default=[0, 8, 32])
     ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--rank", type=int, default=16, help="max_lora_rank of the slots")
+    ap.add_argument("--bound", type=int, default=None, help="rank rows a step reads")
     args = ap.parse_args()
     cfg = dict(LLAMA3_8B, num_hidden_layers=1)
     rows = []
     for loras in args.loras:
-        model = random_model(cfg, max_loras=loras, max_lora_rank=16)
+        model = random_model(cfg, max_loras=loras, max_lora_rank=args.rank)
         layer = model.layers[0]
         for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
             if lin.lora_b is not None:
                 lin.lora_a.normal_(0, 0.01)
                 lin.lora_b.normal_(0, 0.01)
         for t in args.batches:
-            times = case(model, loras, t, args.ctx)
+            times = case(model, loras, t, args.ctx, args.bound)
             rows.append((loras, t, times))
             total = sum(v for k, v in times.items() if "per step" not in k)
             print(

@@ -115,7 +115,7 @@ def main() -> None:
     if args.smoke:
         args.cfg = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-        args.device, args.kv_gb, args.ctx, args.steps = "cpu", 1, 16, 6
+        args.device, args.kv_gb, args.ctx, args.steps = "cpu", 1, 16, 16
         cases = [(name, rank, max_rank, 4) for name, rank, max_rank, _ in CASES]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="loraplex-bench-"))
     model_dir = write_model_config(work / "model", args.cfg)

@@ -22,7 +22,6 @@ import structlog
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core_adapters import MAX_COMPOSITION, AdapterOps
-from loraplex.engine.cuda_graph import MixedGraphs
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.executor import InFlightStep, StepExecutor, StepRecord
@@ -32,6 +31,7 @@ from loraplex.engine.lora.errors import AdapterNotFoundError
 from loraplex.engine.lora.loader import AdapterLoader
 from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion
 from loraplex.engine.lora.pool import HostPool
+from loraplex.engine.mixed_graphs import MixedGraphs
 from loraplex.engine.model.protocol import CausalLM
 from loraplex.engine.model.tp import full_config
 from loraplex.engine.model_runner import ModelRunner, StepItem

@@ -15,6 +15,7 @@ import torch
 
 from loraplex.engine.cuda_graph import DecodeGraphs
 from loraplex.engine.lora.mapping import LoRAMapping
+from loraplex.engine.lora.ranks import adapter_rank, step_rank
 from loraplex.engine.lora.slots import write_slot
 from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.backend import KernelBackend, resolve_kernel_backend
@@ -93,6 +94,8 @@ class ModelRunner:
         """Write ``adapter`` into ``slot`` now, on the current stream (the synchronous path;
         CUDA engines of one rank write on a side stream, executor.py)."""
         write_slot(self.model, slot, adapter)
+        # NOTE: the graphs' rank bucket of a step reads this (lora/ranks.py): never too low
+        self.slot_ranks[slot] = adapter_rank(adapter)
 
     def close(self) -> None:
         """Release what the runner started (nothing here; worker processes under TP)."""
@@ -243,6 +246,7 @@ class ModelRunner:
             token_slots=[it.lora_slot for it in items],
             src=[it.feed_row for it in items],
             feed=feed,
+            rank=step_rank((it.lora_slot for it in items), self.slot_ranks),  # its rank bucket
         )
         self.last_events = self.graphs.last_events
         return logits

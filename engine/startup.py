@@ -18,10 +18,10 @@ import torch
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
-from loraplex.engine.cuda_graph import MixedGraphs
 from loraplex.engine.lora.full import attach_full_modules, full_slot_bytes
 from loraplex.engine.lora.pool import HostPool
 from loraplex.engine.lora.staging import slot_image_numel
+from loraplex.engine.mixed_graphs import MixedGraphs
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.kernels.fp8_linear import prepare_fp8_linear
 from loraplex.engine.model.loader import load_model, resolve_dtype
@@ -141,6 +141,7 @@ def _build(
         t0 = time.perf_counter()
         runner.graphs.capture_all()  # NOTE: a bucket captured mid-serving stalls its step 1-3 s
         log.info("cuda_graphs_captured", buckets=list(runner.graphs.buckets),
+                 rank_buckets=list(runner.graphs.rank_buckets),
                  seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
     mixed = None
     if runner.graphs is not None and config.mixed_graph_tokens > 0:

@@ -3,14 +3,22 @@
 A ``LoRALinear`` is one base projection, possibly fused from several original modules
 (qkv = q, k, v; gate_up = gate, up). Its LoRA state is one buffer pair for all slots:
 
-    lora_a: (S, L, R, in)        S slices, L slots, R = max_lora_rank (zero beyond each rank)
-    lora_b: (L, N_total, R)      slice s owns rows slice_offsets[s] : slice_offsets[s+1]
+    lora_a: (S, L, R, in)        S slices, L slots, R = max_lora_rank (zero beyond each rank);
+                                 a strided view of weight_aug's A rows (rank-major, below)
+    lora_b: (L, N_total, R)      slice s owns rows slice_offsets[s] : slice_offsets[s+1];
+                                 stored (L, R, N_total) (a permuted view): the rows of ranks
+                                 < r_b of a slot are one contiguous prefix, so an expand over
+                                 r_b rank rows reads only those bytes
 
 The base weight and every slot's A share one "augmented" matrix, so one GEMM gives both the
-base output and every slot's shrink (the fused GPU decode path, model/fused.py):
+base output and every slot's shrink (the fused GPU decode path, model/fused.py). The A rows
+are rank-major: rank index r of every slice and slot before rank index r + 1, so the rows of
+ranks < r_b of all slots are one prefix and a step whose adapters have rank <= r_b reads only
+``aug_rows(r_b)`` (lora/ranks.py picks r_b per step):
 
-    weight_aug: (N_total + S*L*R, in) = [W; A[0, 0]; A[0, 1]; ...; A[S-1, L-1]]
-    (x @ weight_aug.T)[t, N_total + (s*L + slot)*R + r] = x[t] . A[s, slot, r]
+    weight_aug: (N_total + R*S*L, in) = [W; A[:, :, 0]; A[:, :, 1]; ...; A[:, :, R-1]]
+    row N_total + (r*S + s)*L + slot = A[s, slot, r]
+    (x @ weight_aug[:N_total + r_b*S*L].T)[t, N_total + (r*S + s)*L + slot] = x[t] . A[s, slot, r]
 
 forward(x) = x W^T (+ bias), then each token adds its slot's delta (scale folded into B).
 DoRA slots also scale their rows' base output first (``dora_scale``, lora/dora.py).
@@ -39,6 +47,17 @@ from loraplex.engine.lora.ops.runs import add_lora_runs
 from loraplex.engine.model.kernels.fp8_linear import fp8_aug_linear, fp8_aug_linear_torch
 
 __all__ = ["LoRALinear"]
+
+
+def _b_buffer(num_slots: int, n: int, rank: int, kw: dict) -> torch.Tensor:
+    """Zeros (L, N, R) stored rank-major per slot, (L, R, N) (NOTE: clone / empty_like keep
+    these strides; the kernels read any)."""
+    return torch.zeros(num_slots, rank, n, **kw).permute(0, 2, 1)
+
+
+def _a_view(rows: torch.Tensor, num_slices: int, num_slots: int, rank: int) -> torch.Tensor:
+    """The logical (S, L, R, in) view of rank-major A rows (R*S*L, in)."""
+    return rows.view(rank, num_slices, num_slots, rows.shape[1]).permute(1, 2, 0, 3)
 
 
 class LoRALinear(torch.nn.Module):
@@ -71,14 +90,14 @@ class LoRALinear(torch.nn.Module):
         self.base_transposed = False  # base rows of weight_aug hold W^T's bytes (CPU path)
         self.float_base = True  # False: the base rows live only in weight_fp8 (fp8 base)
         self.lora_a: torch.Tensor | None = None
-        lora_b = torch.zeros(max_loras, n, max_rank, **kw) if max_loras > 0 else None
+        lora_b = _b_buffer(max_loras, n, max_rank, kw) if max_loras > 0 else None
         self.register_buffer("lora_b", lora_b)
         # DoRA row scales per slot (L + 1, N_total): ones but where a DoRA adapter's slot
         # holds g; row L (index -1, base rows) stays ones. Read only by steps with DoRA rows.
         dora = torch.ones(max_loras + 1, n, **kw) if max_loras > 0 else None
         self.register_buffer("dora_scale", dora)
         if max_loras > 0:
-            self.lora_a = self.weight_aug[n:].view(len(slices), max_loras, max_rank, in_features)
+            self.lora_a = _a_view(self.weight_aug[n:], len(slices), max_loras, max_rank)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -113,6 +132,16 @@ class LoRALinear(torch.nn.Module):
         rows = self.weight_aug if not self.float_base else self.weight_aug[self.out_features :]
         return rows if rows.shape[0] else None
 
+    def aug_rows(self, rank_bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias) prefix of the augmented GEMM: base rows (if float) and the A rows of
+        ranks < ``rank_bound`` of every slice and slot (all R when None)."""
+        n = self.out_features
+        rb = self.max_rank if rank_bound is None else min(rank_bound, self.max_rank)
+        rows = len(self.slice_names) * self.max_loras * rb
+        end = (n if self.float_base else 0) + rows
+        bias = None if self.bias_aug is None else self.bias_aug[: n + rows]
+        return self.weight_aug[:end], bias
+
     @torch.no_grad()
     def drop_float_base(self) -> None:
         """Free the float base rows of ``weight_aug`` (the fp8 rows must be attached): only
@@ -125,7 +154,7 @@ class LoRALinear(torch.nn.Module):
         rows = self.weight_aug.data[self.out_features :].clone()
         self.weight_aug = torch.nn.Parameter(rows, False)
         if self.lora_a is not None:
-            self.lora_a = rows.view(len(self.slice_names), self.max_loras, self.max_rank, -1)
+            self.lora_a = _a_view(rows, len(self.slice_names), self.max_loras, self.max_rank)
         self.float_base = False
 
     @property

@@ -45,6 +45,13 @@ class LoRAMapping:
     # some token's slot holds a DoRA adapter: base outputs get their slot's row scale
     # (lora/dora.py); False costs nothing
     dora: bool = False
+    # fused path: the step reads A rows of ranks < rank_bound only (lora/ranks.py), an upper
+    # bound of every row's adapter rank; None: all max_lora_rank rows
+    rank_bound: int | None = None
+
+    def rank_rows(self, max_rank: int) -> int:
+        """Rank rows the fused step reads in slots of ``max_rank`` rows."""
+        return max_rank if self.rank_bound is None else min(self.rank_bound, max_rank)
 
     @property
     def num_tokens(self) -> int:

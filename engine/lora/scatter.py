@@ -40,22 +40,31 @@ def build_plan(
     zeros: Sequence[tuple[torch.Tensor, int]],
     base: torch.Tensor,
 ) -> ScatterPlan:
-    """``copies``: (contiguous destination view in slot 0, its slot stride, source offset);
+    """``copies``: (destination view in slot 0, its slot stride, source offset);
     ``zeros``: (destination view in slot 0, its slot stride). Views must lie in buffers of
-    ``base``'s dtype and device (any of the model's LoRA buffers)."""
+    ``base``'s dtype and device (any of the model's LoRA buffers), contiguous or 2-D with
+    contiguous rows (rank-major A rows, layers.py: one block per row, the source dense)."""
     elem = base.element_size()
     start = base.data_ptr()
     rows: list[tuple[int, int, int, int]] = []
 
     def add(view: torch.Tensor, stride: int, src: int) -> None:
-        if view.dtype != base.dtype or view.device != base.device or not view.is_contiguous():
-            raise ValueError("a scatter destination must be contiguous, of the base's dtype")
+        if view.dtype != base.dtype or view.device != base.device:
+            raise ValueError("a scatter destination must be of the base's dtype and device")
+        if view.is_contiguous():
+            n_rows, cols, row_stride = 1, view.numel(), 0
+        elif view.dim() == 2 and view.stride(1) == 1:  # rank-major rows (layers.py)
+            n_rows, cols, row_stride = view.shape[0], view.shape[1], view.stride(0)
+        else:
+            raise ValueError("a scatter destination must be contiguous or have contiguous rows")
         delta = view.data_ptr() - start
         if delta < 0 or delta % elem:
             raise ValueError("a scatter destination lies below the base buffer or off its grid")
-        dst0, n = delta // elem, view.numel()
-        for lo in range(0, n, BLOCK):
-            rows.append((dst0 + lo, stride, src + lo if src >= 0 else -1, min(BLOCK, n - lo)))
+        first = delta // elem
+        for i in range(n_rows):  # NOTE: offsets only; a view per row cost ~2 µs each
+            dst0, s0 = first + i * row_stride, src + i * cols if src >= 0 else -1
+            for lo in range(0, cols, BLOCK):
+                rows.append((dst0 + lo, stride, s0 + lo if s0 >= 0 else -1, min(BLOCK, cols - lo)))
 
     for view, stride, src in copies:
         add(view, stride, src)

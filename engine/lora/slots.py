@@ -52,9 +52,10 @@ class _ModelCache:
     sites: list[_Site]  # layer-major, MODULE_ORDER: one linear's slices are consecutive
     linears: list[LoRALinear | VocabLoRA]
     signature: tuple[int, ...]  # storage pointers the cached views were made from
-    views: dict[int, tuple[list[torch.Tensor], dict[int, torch.Tensor]]] = field(
+    views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(
         default_factory=dict
-    )  # slot -> (flat lora_a[s, slot] per site (R*in,), id(linear) -> flat lora_b[slot] (N*R,))
+    )  # slot -> (lora_a[s, slot] (R, in), lora_b[slot, lo:hi]^T (R, out)) per site
+    # NOTE: rank-major storage (layers.py): each rank row of a view is contiguous
     staging: dict[tuple[torch.dtype, int], torch.Tensor] = field(default_factory=dict)
     plans: dict[tuple, ScatterPlan] = field(default_factory=dict)  # packed layout -> plan
     dora_slots: set[int] = field(default_factory=set)  # slots whose DoRA scales are not ones
@@ -91,10 +92,12 @@ def _cache(model: CausalLM) -> _ModelCache:
     return c
 
 
-def _slot_views(c: _ModelCache, slot: int) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+def _slot_views(c: _ModelCache, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per site: ``lora_a[s, slot]`` (R, in) and ``lora_b[slot, lo:hi]`` transposed (R, out);
+    rank-major storage (layers.py): each row contiguous, rows strided."""
     if slot not in c.views:
-        a = [site.linear.lora_a[site.s, slot].view(-1) for site in c.sites]  # type: ignore[index]
-        b = {id(x.linear): x.linear.lora_b[slot].view(-1) for x in c.sites}  # type: ignore[index]
+        a = [x.linear.lora_a[x.s, slot] for x in c.sites]  # type: ignore[index]
+        b = [x.linear.lora_b[slot, x.lo : x.hi].t() for x in c.sites]  # type: ignore[index]
         c.views[slot] = (a, b)
     return c.views[slot]
 
@@ -109,63 +112,40 @@ def _plan(
     c: _ModelCache, slot: int, packed: PackedAdapter, strides: list[int] | None = None
 ) -> tuple[list[torch.Tensor], list[tuple[int, int]], list[torch.Tensor]]:
     """(destination views, (offset, numel) of each source in the buffer, views to zero).
-    ``strides``: if given, gets each destination's then each zero view's slot stride."""
+    ``strides``: if given, gets each destination's then each zero view's slot stride.
+
+    Each targeted module copies its own r rows of A (r, in) and of B^T (r, out) and zeroes
+    rows r..R; an untargeted one zeroes all R."""
     a_views, b_views = _slot_views(c, slot)
     dst: list[torch.Tensor] = []
     src: list[tuple[int, int]] = []
     zero: list[torch.Tensor] = []
     dst_strides: list[int] = []
     zero_strides: list[int] = []
-    r_max = packed.max_rank
-    run: list = []  # pending B run: [linear, lo, hi, src offset or None (zero)]
-
-    def flush() -> None:
-        if run:
-            lin, lo, hi, off = run
-            view = b_views[id(lin)][lo * r_max : hi * r_max]
-            if off is None:
-                zero.append(view)
-                zero_strides.append(lin.lora_b.stride(0))
-            else:
-                dst.append(view)
-                dst_strides.append(lin.lora_b.stride(0))
-                src.append((off, (hi - lo) * r_max))
-            run.clear()
-
     found = 0
     for i, site in enumerate(c.sites):
         e = packed.entries.get((site.layer, site.module))
-        a_full = a_views[i]
-        a_stride = site.linear.lora_a.stride(1)  # type: ignore[union-attr]
-        in_f = site.linear.in_features
-        if e is None:
-            zero.append(a_full)
-            zero_strides.append(a_stride)
-            off = None
-        else:
+        lin = site.linear
+        a_slot, b_slot = lin.lora_a.stride(1), lin.lora_b.stride(0)  # type: ignore[union-attr]
+        pairs = (
+            (a_views[i], a_slot, e and e.a_offset, lin.in_features),
+            (b_views[i], b_slot, e and e.b_offset, site.hi - site.lo),
+        )
+        if e is not None:
             found += 1
-            if e.in_features != in_f or e.out_features != site.hi - site.lo or e.rank > r_max:
+            if e.in_features != lin.in_features or e.out_features != site.hi - site.lo:
                 raise ValueError(f"packed {site.module} of layer {site.layer} has other shapes")
-            n = e.rank * in_f
-            dst.append(a_full[:n] if n < a_full.numel() else a_full)
-            dst_strides.append(a_stride)
-            src.append((e.a_offset, n))
-            if n < a_full.numel():
-                zero.append(a_full[n:])
-                zero_strides.append(a_stride)
-            off = e.b_offset
-        # extend the B run if this slice continues it in the slot and in the buffer
-        if run and run[0] is site.linear and run[2] == site.lo:
-            prev = run[3]
-            if off is None and prev is None:
-                run[2] = site.hi
-                continue
-            if off is not None and prev is not None and prev + (run[2] - run[1]) * r_max == off:
-                run[2] = site.hi
-                continue
-        flush()
-        run.extend((site.linear, site.lo, site.hi, off))
-    flush()
+            if e.rank > packed.max_rank:
+                raise ValueError(f"packed {site.module} of layer {site.layer}: rank {e.rank}")
+        rank = e.rank if e is not None else 0
+        for view, stride, off, width in pairs:
+            if rank:
+                dst.append(view[:rank])  # (r, width): only the adapter's own rank rows
+                dst_strides.append(stride)
+                src.append((off, rank * width))  # type: ignore[arg-type]
+            if rank < view.shape[0]:
+                zero.append(view[rank:])
+                zero_strides.append(stride)
     if found != len(packed.entries):
         raise ValueError("the packed adapter targets modules this model does not have")
     if strides is not None:
@@ -293,7 +273,7 @@ def write_slot(
         base = _source(c, packed, device, dtype, chunk_bytes, pace)
         if h2d_done is not None:
             h2d_done.record()
-        _copy(dst, [base[o : o + n] for o, n in ranges])
+        _copy(dst, [base[o : o + n].view(d.shape) for d, (o, n) in zip(dst, ranges, strict=True)])
     if zero:
         _zero(zero)
     _write_dora(c, slot, adapter)
@@ -342,7 +322,7 @@ def clear_slot(model: CausalLM, slot: int) -> None:
     _check_slot(slot, c)
     a_views, b_views = _slot_views(c, slot)
     if a_views:
-        _zero(a_views + list(b_views.values()))
+        _zero(a_views + b_views)
     _write_dora(c, slot, None)
     _write_full(model, slot, None)
 

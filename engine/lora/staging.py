@@ -3,14 +3,14 @@
 Per layer (``VOCAB_LAYER`` = -1 first: the embedding's and the LM head's LoRA), the targeted
 modules (in ``MODULE_ORDER``) are laid out as
 
-    [B_m0 (out, R) | B_m1 (out, R) | ... | A_m0 (r, in) | A_m1 (r, in) | ...]
+    [B^T_m0 (r, out) | B^T_m1 (r, out) | ... | A_m0 (r, in) | A_m1 (r, in) | ...]
 
-B is zero-padded to R = max_lora_rank columns, so its block equals the slot's destination
-``lora_b[slot, lo:hi]`` (contiguous; the B blocks of consecutive slices of one fused layer are
-adjacent in the buffer and in the slot, so one copy covers them). A keeps its own r rows: its
-destination ``lora_a[s, slot, :r]`` is contiguous too and rows r..R are zero-filled on the
-device, so padding never costs pinned memory or H2D bytes. Modules the adapter does not target
-are not in the buffer either: their slot regions are zero-filled (see slots.py).
+Both keep the adapter's own r rows, whatever R = max_lora_rank the slots have: the slots store
+A and B rank-major (lora/layers.py), so row j of B^T lands on the slot's contiguous
+``lora_b[slot, lo:hi, j]`` and row j of A on ``lora_a[s, slot, j]``; rows r..R are zero-filled on
+the device. Padding never costs pinned memory or H2D bytes (a rank-8 adapter in a rank-64
+engine moves rank-8 bytes). Modules the adapter does not target are not in the buffer either:
+their slot regions are zero-filled (see slots.py).
 
 ``stage_packed`` (the loader's stage step) packs, pins the one buffer, re-points the adapter's
 tensors at views of it (no second copy) and remembers the packed form for ``write_slot``.
@@ -60,14 +60,14 @@ class PackEntry:
     in_features: int
     out_features: int
     a_offset: int  # A: (r, in)
-    b_offset: int  # B: (out, R), columns r.. are zero
+    b_offset: int  # B^T: (r, out)
 
 
 @dataclass(frozen=True)
 class PackedAdapter:
     buffer: torch.Tensor  # (numel,) flat, one dtype; pinned when it feeds a CUDA slot
     entries: dict[tuple[int, str], PackEntry]  # (layer, module) -> blocks
-    max_rank: int  # R the B blocks are padded to (must equal the model's max_lora_rank)
+    max_rank: int  # R of the slots it is for (must equal the model's max_lora_rank)
 
     @property
     def nbytes(self) -> int:
@@ -91,9 +91,9 @@ class PackedAdapter:
         )
 
     def b(self, e: PackEntry) -> torch.Tensor:
-        """View of e's padded B block, (out, R)."""
-        n = e.out_features * self.max_rank
-        return self.buffer[e.b_offset : e.b_offset + n].view(e.out_features, self.max_rank)
+        """View of e's B, (out, r) (the transpose of its (r, out) block)."""
+        n = e.out_features * e.rank
+        return self.buffer[e.b_offset : e.b_offset + n].view(e.rank, e.out_features).t()
 
 
 def model_max_rank(model: LlamaForCausalLM) -> int:
@@ -118,9 +118,9 @@ def _layout(
     for layer in sorted({k[0] for k in keys}):
         mods = [k for k in keys if k[0] == layer]
         b_offs = {}
-        for k in mods:  # B blocks first, back to back (consecutive slices stay adjacent)
+        for k in mods:  # B blocks first, back to back
             b_offs[k] = off
-            off += shapes[k][2] * max_rank
+            off += shapes[k][2] * shapes[k][0]
         off = _align(off)
         for k in mods:
             r, d_in, d_out = shapes[k]
@@ -181,13 +181,11 @@ def pack_adapter(
             dtype = first.a.dtype if first is not None else torch.float32
         buffer = torch.empty(numel, dtype=dtype, pin_memory=pin)
     packed = PackedAdapter(buffer, entries, max_rank)
-    # NOTE: alignment gaps are never read; B's padding columns are (zeroed here, per block)
+    # NOTE: alignment gaps are never read
     for k, e in entries.items():
         w = adapter.weights[k]
         packed.a(e).copy_(w.a)
-        b = packed.b(e)
-        b[:, : e.rank].copy_(w.b)
-        b[:, e.rank :].zero_()
+        packed.b(e).copy_(w.b)
     return packed
 
 
@@ -212,8 +210,8 @@ def stage_packed(
     adapter: LoRAAdapter, max_rank: int, *, pin: bool, out: torch.Tensor | None = None
 ) -> PackedAdapter:
     """Pack (pinned if ``pin``), point ``adapter.weights`` at views of the packed buffer (one
-    copy of the data in host memory: the tensors' values are unchanged, B becomes a column view
-    (out, r) of its (out, R) block) and attach the packed form to the adapter."""
+    copy of the data in host memory: the tensors' values are unchanged, B becomes the (out, r)
+    transposed view of its (r, out) block) and attach the packed form to the adapter."""
     packed = pack_adapter(adapter, max_rank, pin=pin, out=out)
     adopt_packed(adapter, packed)
     return packed
@@ -236,7 +234,7 @@ class PackedWeights(WeightsView):
         w = self._made.get(key)
         if w is None:
             e = self.packed.entries[key]  # KeyError for a module the adapter does not target
-            w = self._made[key] = LoRAWeights(a=self.packed.a(e), b=self.packed.b(e)[:, : e.rank])
+            w = self._made[key] = LoRAWeights(a=self.packed.a(e), b=self.packed.b(e))
         return w
 
     def __iter__(self) -> Iterator[tuple[int, str]]:

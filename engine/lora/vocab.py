@@ -5,7 +5,7 @@ the model's ``embed_tokens`` / ``lm_head``, tied or not: an LM head LoRA on a ti
 own delta, as in PEFT)::
 
     lora_a: (1, L, R, in)     zero beyond each adapter's rank
-    lora_b: (L, out, R)       LoRA scale folded in
+    lora_b: (L, out, R)       LoRA scale folded in; stored (L, R, out) like LoRALinear's
 
 embed_tokens: in = vocab, out = hidden. PEFT's ``lora_embedding_A`` (r, vocab) is A and
 ``lora_embedding_B`` (hidden, r) is B: delta[t] = A[:, ids[t]] @ B^T (columns of A gathered by
@@ -45,7 +45,9 @@ class VocabLoRA(torch.nn.Module):
         self.dora_scale = None  # DoRA is refused on these targets (targets.py)
         kw = {"dtype": dtype, "device": device}
         self.register_buffer("lora_a", torch.zeros(1, max_loras, max_rank, in_features, **kw))
-        self.register_buffer("lora_b", torch.zeros(max_loras, out_features, max_rank, **kw))
+        # (L, out, R) stored (L, R, out), as LoRALinear's (layers.py): slot writes copy rows
+        lora_b = torch.zeros(max_loras, max_rank, out_features, **kw).permute(0, 2, 1)
+        self.register_buffer("lora_b", lora_b)
 
     def slice_index(self, module: str) -> int:
         return self.slice_names.index(module)

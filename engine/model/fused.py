@@ -49,25 +49,24 @@ from loraplex.engine.model.protocol import CausalLM
 __all__ = ["fused_forward"]
 
 
-def _linear(
-    x: torch.Tensor, lin: LoRALinear, token_slots: torch.Tensor, triton: bool = True
-) -> torch.Tensor:
-    """(T, N_total + shrink columns): base output and every slot's shrink, one GEMM. An fp8
-    base (float rows dropped): the fp8 GEMM with the A rows in the same launch (the twin off
-    CUDA or with ``triton=False``)."""
+def _linear(x: torch.Tensor, lin: LoRALinear, mapping: LoRAMapping) -> torch.Tensor:
+    """(T, N_total + shrink columns): base output and every slot's shrink of the step's rank
+    rows (``mapping.rank_bound``: a prefix of the rank-major A rows), one GEMM. An fp8 base
+    (float rows dropped): the fp8 GEMM with the A rows in the same launch (the twin off CUDA
+    or with ``triton=False``)."""
+    w, bias = lin.aug_rows(mapping.rank_bound)
     if not lin.float_base:
-        gemm = fp8_aug_linear if x.is_cuda and triton else fp8_aug_linear_torch
-        return gemm(x, lin.weight_fp8, lin.weight_scale, lin.shrink_rows, lin.bias_aug)
-    return linear(x, lin.weight_aug, lin.bias_aug)
+        gemm = fp8_aug_linear if x.is_cuda and mapping.triton else fp8_aug_linear_torch
+        rows = w if w.shape[0] else None
+        return gemm(x, lin.weight_fp8, lin.weight_scale, rows, bias)
+    return linear(x, w, bias)
 
 
-def _dora_linear(
-    x: torch.Tensor, lin: LoRALinear, token_slots: torch.Tensor, triton: bool = True
-) -> torch.Tensor:
+def _dora_linear(x: torch.Tensor, lin: LoRALinear, mapping: LoRAMapping) -> torch.Tensor:
     """``_linear``, then the DoRA row scale on the base columns (steps with DoRA rows)."""
-    y = _linear(x, lin, token_slots, triton)
+    y = _linear(x, lin, mapping)
     if lin.dora_scale is not None:
-        apply_dora(y[:, : lin.out_features], lin.dora_scale, lin.bias, token_slots)
+        apply_dora(y[:, : lin.out_features], lin.dora_scale, lin.bias, mapping.token_slots)
     return y
 
 
@@ -82,19 +81,23 @@ def fused_forward(
     *,
     triton: bool = True,
     dora: bool = False,
+    rank_bound: int | None = None,
 ) -> torch.Tensor:
     """input_ids, positions, token_slots: (T,). Returns final normed hidden states (T, H).
 
     ``attention``: ``paged_attention``'s signature; mixed-step graphs pass their own split.
     ``triton``: the epilogues as Triton kernels, else as their torch twins.
     ``dora``: some row's slot holds a DoRA adapter: each base output gets the row scale
-    (lora/dora.py; B already holds it) before its epilogue adds the delta."""
+    (lora/dora.py; B already holds it) before its epilogue adds the delta.
+    ``rank_bound``: every row's adapter has rank <= it: the GEMMs read only the A rows of
+    ranks below it and the epilogues loop over as many (lora/ranks.py); None: all rows."""
     cfg = model.cfg
     t = input_ids.shape[0]
     eps = cfg.rms_norm_eps
     layers = model.layers
     first = layers[0]
-    mapping = LoRAMapping(token_slots, triton=triton, dora=dora)  # the step's LoRA metadata
+    # the step's LoRA metadata
+    mapping = LoRAMapping(token_slots, triton=triton, dora=dora, rank_bound=rank_bound)
     proj = _dora_linear if dora else _linear
     tp = getattr(model, "tp", None)  # a tensor-parallel shard (tp.py): o / down all-reduced
     full = getattr(model, "full_modules", None)  # modules_to_save tables (lora/full.py)
@@ -116,22 +119,22 @@ def fused_forward(
     act = torch.empty(t, cfg.intermediate_size, dtype=h.dtype, device=h.device)
     for i, layer in enumerate(layers):
         k_cache, v_cache = kv_caches[i]
-        qkv = proj(h, layer.qkv_proj, token_slots, triton)
+        qkv = proj(h, layer.qkv_proj, mapping)
         lora_qkv_rope(
             qkv, layer.qkv_proj.lora_b, mapping, positions, model.rope.cos, model.rope.sin,
             k_cache, v_cache, meta.slot_mapping, q,
         )  # fmt: skip
         attn = attention(q, k_cache, v_cache, meta, layer.scale, cfg.sliding_window)
-        o = proj(attn.view(t, cfg.q_size), layer.o_proj, token_slots, triton)
+        o = proj(attn.view(t, cfg.q_size), layer.o_proj, mapping)
         if tp is not None:  # base and shrink partials in one all-reduce, then the epilogue
             tp.all_reduce(o)
         lora_add_rmsnorm(
             o, residual, layer.o_proj.lora_b, mapping, layer.post_attention_layernorm.weight,
             eps, h,
         )  # fmt: skip
-        gu = proj(h, layer.gate_up_proj, token_slots, triton)
+        gu = proj(h, layer.gate_up_proj, mapping)
         lora_silu_mul(gu, layer.gate_up_proj.lora_b, mapping, act)
-        d = proj(act, layer.down_proj, token_slots, triton)
+        d = proj(act, layer.down_proj, mapping)
         if tp is not None:
             tp.all_reduce(d)
         norm_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.norm.weight

@@ -202,3 +202,17 @@ def test_packed_write_cuda_pinned(dirs, dtype: torch.dtype) -> None:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         _assert_same(ref, new)
+
+
+def test_packed_image_holds_only_the_adapters_rank(dirs) -> None:
+    """A rank-8 adapter packs to the same bytes for slots of rank 16 or 64: A and B^T of its
+    own rank, no padding to max_lora_rank (pinned memory and H2D bytes follow its rank)."""
+    base, paths = dirs
+    ad = _load(base, paths["attn8"], torch.float32)
+    p16, p64 = pack_adapter(ad, 16), pack_adapter(ad, 64)
+    assert p16.buffer.numel() == p64.buffer.numel()
+    own = sum(e.rank * (e.in_features + e.out_features) for e in p64.entries.values())
+    assert own <= p64.buffer.numel() <= own + 64 * 2 * len(p64.entries)  # alignment gaps
+    for k, w in ad.weights.items():
+        e = p64.entries[k]
+        assert torch.equal(p64.a(e), w.a) and torch.equal(p64.b(e), w.b)

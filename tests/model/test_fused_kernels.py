@@ -16,7 +16,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("lora_delta", "add_rmsnorm", "silu_mul", "qkv_rope"):  # helper module first
+    for _name in ("lora_delta", "add_rmsnorm_split", "add_rmsnorm", "silu_mul", "qkv_rope"):
         if f"loraplex.engine.model.kernels.{_name}" in sys.modules:
             importlib.reload(sys.modules[f"loraplex.engine.model.kernels.{_name}"])
 
@@ -37,7 +37,7 @@ HQ, HKV, D = 4, 2, 16
 
 
 def _aug(slots: list[int], n_base: int, num_slices: int, dtype: torch.dtype, triton: bool = False):
-    """y_aug (T, N + S*L*R) as a column window of a wider tensor, B (L, N, R) strided, and the
+    """y_aug (T, N + R*S*L) (rank-major shrink columns, ``_col``) as a column window of a wider tensor, B (L, N, R) strided, and the
     step's mapping (``triton``: its kernel choice).
 
     Slots no token uses get huge shrink columns and B rows: reading them shows up loudly."""
@@ -48,11 +48,16 @@ def _aug(slots: list[int], n_base: int, num_slices: int, dtype: torch.dtype, tri
     for unused in set(range(L)) - set(slots):
         b[unused] = 1e3
         for s in range(num_slices):
-            c = n_base + 2 + (s * L + unused) * R
-            big[:, c : c + R] = 1e3
+            for r in range(R):
+                big[:, 2 + _col(n_base, s, num_slices, unused, r)] = 1e3
     y_aug = big.to(DEVICE, dtype)[:, 2 : 2 + width]
     lora_b = b.to(DEVICE, dtype)[:, :, :R]
     return y_aug, lora_b, _mapping(torch.tensor(slots, dtype=torch.int32, device=DEVICE), triton)
+
+
+def _col(n_base: int, s: int, num_slices: int, slot: int, r: int) -> int:
+    """Column of the shrink of (slice s, slot, rank r) in y_aug: rank-major (lora/layers.py)."""
+    return n_base + (r * num_slices + s) * L + slot
 
 
 def _mapping(token_slots: torch.Tensor, triton: bool = False) -> LoRAMapping:
@@ -60,15 +65,15 @@ def _mapping(token_slots: torch.Tensor, triton: bool = False) -> LoRAMapping:
     return LoRAMapping(token_slots, triton=triton)
 
 
-def _naive_proj(y_aug, n_base, lora_b, mapping, s, lo, hi):
+def _naive_proj(y_aug, n_base, lora_b, mapping, s, lo, hi, num_slices):
     """Per-token loop: round(base + hA @ B[slot].T) for slice s (B rows lo..hi)."""
     rows = []
     slots = mapping.token_slots.tolist() if lora_b is not None else [-1] * len(y_aug)
     for t, slot in enumerate(slots):
         row = y_aug[t, lo:hi].float()
         if slot >= 0:
-            c = n_base + (s * L + slot) * R
-            row = row + lora_b[slot, lo:hi].float() @ y_aug[t, c : c + R].float()
+            cols = [_col(n_base, s, num_slices, slot, r) for r in range(R)]
+            row = row + lora_b[slot, lo:hi].float() @ y_aug[t, cols].float()
         rows.append(row.to(y_aug.dtype))
     return torch.stack(rows)
 
@@ -107,7 +112,7 @@ def _run_add_rmsnorm(dtype, lora, impl, cfg=None, triton=False):
     res0 = res.clone()
     impl(y_aug, res, b, slots, w, EPS, out, **({"config": cfg} if cfg else {}))
     if impl is K.lora_add_rmsnorm_torch:  # naive composition of the same inputs
-        want_res = res0 + _naive_proj(y_aug, h, b, slots, 0, 0, h)
+        want_res = res0 + _naive_proj(y_aug, h, b, slots, 0, 0, h, 1)
         _hf_close(res, want_res, dtype)
         _hf_close(out, _hf_rmsnorm(want_res, w), dtype)
     return res, out
@@ -130,8 +135,8 @@ def _run_silu_mul(dtype, lora, impl, cfg=None, triton=False):
     b = lora_b if lora else None
     impl(y_aug, b, slots, out, **({"config": cfg} if cfg else {}))
     if impl is K.lora_silu_mul_torch:
-        gate = _naive_proj(y_aug, 2 * inter, b, slots, 0, 0, inter)
-        up = _naive_proj(y_aug, 2 * inter, b, slots, 1, inter, 2 * inter)
+        gate = _naive_proj(y_aug, 2 * inter, b, slots, 0, 0, inter, 2)
+        up = _naive_proj(y_aug, 2 * inter, b, slots, 1, inter, 2 * inter, 2)
         _hf_close(out, F.silu(gate) * up, dtype)
     return (out,)
 
@@ -162,9 +167,9 @@ def _run_qkv_rope(dtype, lora, impl, cfg=None, triton=False, slot_mapping=(3, -1
         y_aug, b, slots, *_ = args
         q_size, kv_size = HQ * D, HKV * D
         n, t = q_size + 2 * kv_size, len(SLOTS)
-        q = _naive_proj(y_aug, n, b, slots, 0, 0, q_size).view(t, HQ, D)
-        k = _naive_proj(y_aug, n, b, slots, 1, q_size, q_size + kv_size).view(t, HKV, D)
-        v = _naive_proj(y_aug, n, b, slots, 2, q_size + kv_size, n).view(t, HKV, D)
+        q = _naive_proj(y_aug, n, b, slots, 0, 0, q_size, 3).view(t, HQ, D)
+        k = _naive_proj(y_aug, n, b, slots, 1, q_size, q_size + kv_size, 3).view(t, HKV, D)
+        v = _naive_proj(y_aug, n, b, slots, 2, q_size + kv_size, n, 3).view(t, HKV, D)
         cos = args[4][args[3]].unsqueeze(1).to(dtype)
         sin = args[5][args[3]].unsqueeze(1).to(dtype)
         _hf_close(q_out, q * cos + _rotate_half(q) * sin, dtype)
@@ -198,8 +203,9 @@ RUNNERS = {
     "silu_mul": (_run_silu_mul, K.lora_silu_mul_torch),
     "qkv_rope": (_run_qkv_rope, K.lora_qkv_rope_torch),
 }
-CONFIGS = {  # block_t 1 / 4: broadcast delta; 16: tensor-core dot; last 16 / 32: packed delta
-    "add_rmsnorm": [(1, 32, 4), (4, 32, 4), (16, 16, 4)],
+CONFIGS = {  # block_t 1 / 4: broadcast delta; 16: tensor-core dot; last 16 / 32: packed delta;
+    # add_rmsnorm True: rows split over column chunks (add_rmsnorm_split.py)
+    "add_rmsnorm": [(1, 32, 4), (4, 32, 4), (16, 16, 4), (1, 32, 4, True), (1, 16, 2, True)],
     "rmsnorm": [(1, 32, 4), (4, 64, 4)],
     "silu_mul": [(16, 32, 4), (1, 64, 4), (2, 128, 4), (16, 32, 4, 16), (16, 64, 4, 32)],
     "qkv_rope": [(16, 4), (1, 4), (16, 4, 16), (16, 4, 32)],
@@ -257,7 +263,7 @@ def test_augmented_gemm_layout_matches_peft_style_math() -> None:
     w = torch.randn(2 * inter, hidden, generator=g) / hidden**0.5
     a = torch.randn(2, L, R, hidden, generator=g) / hidden**0.5  # (S, L, R, in)
     b = torch.randn(L, 2 * inter, R, generator=g) / R**0.5
-    y_aug = x @ torch.cat([w, a.reshape(-1, hidden)]).T
+    y_aug = x @ torch.cat([w, a.permute(2, 0, 1, 3).reshape(-1, hidden)]).T  # rank-major rows
     slots = _mapping(torch.tensor(SLOTS, dtype=torch.int32))
     out = torch.empty(t, inter)
     K.lora_silu_mul_torch(y_aug, b, slots, out)

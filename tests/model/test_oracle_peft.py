@@ -156,13 +156,14 @@ def hf_mixed_batch(
 
 def ours(
     model_dir, adapters, prompts, names, hf_tokens, dtype=torch.float32, device="cpu",
-    loaded=None, max_full=0, extra=0, **runner_kw,
+    loaded=None, max_full=0, extra=0, max_rank=16, **runner_kw,
 ):  # fmt: skip
     """``adapters``: name -> folder, or (``loaded``) name -> a LoRAAdapter in ``dtype`` (or
     ``loaded(model)`` -> such a dict). ``max_full``: full-table slots (lora/full.py), slots
     0..max_full-1 (the last adapters: slots are taken in reverse order); ``extra``: their rows
-    past the vocabulary (lora_extra_vocab_size, adapters that added tokens)."""
-    model = load_model(model_dir, dtype=dtype, device=device, max_loras=4, max_lora_rank=16)
+    past the vocabulary (lora_extra_vocab_size, adapters that added tokens); ``max_rank``: the
+    engine's max_lora_rank."""
+    model = load_model(model_dir, dtype=dtype, device=device, max_loras=4, max_lora_rank=max_rank)
     attach_full_modules(model, max_full, extra)
     mc = replace(model.cfg, lora_extra_vocab_size=extra) if extra else model.cfg
     if callable(loaded):
@@ -172,7 +173,7 @@ def ours(
     # NOTE: slots in reverse order so slot index != adapter order
     for slot, name in enumerate(reversed(list(loaded or adapters))):
         adapter = (loaded or {}).get(name) or load_adapter(
-            adapters[name], mc, max_lora_rank=16, name=name, dtype=dtype,
+            adapters[name], mc, max_lora_rank=max_rank, name=name, dtype=dtype,
             full_modules=max_full > 0,
         )  # fmt: skip
         write_slot(model, slot, adapter)

@@ -54,7 +54,7 @@ def _vocab_expand_kernel(
         c_mask = cols < N
         acc = tl.full((BLOCK_T, BLOCK_N), 0.0, tl.float32)
         acc = lora_delta(
-            acc, h_ptr, b_ptr, rows, slots, cols, c_mask, 0, 0, L, R,
+            acc, h_ptr, b_ptr, rows, slots, cols, c_mask, 0, R, 1, L, R,  # slot-major shrink
             stride_ht, stride_hn, stride_bl, stride_bn, stride_br, BLOCK_R, True,
         )  # fmt: skip
         ptrs = y_ptr + rows[:, None] * stride_yt + cols[None, :] * stride_yn

@@ -1,8 +1,9 @@
 """Fused decode kernels: the LoRA expand folded into the elementwise op after each projection.
 
 Each base projection is one "augmented" GEMM, ``y_aug = x @ [W; A].T`` of shape
-(T, N + S * L * R): base output in columns ``0 .. N``, then the LoRA shrink of every slice
-``s`` and slot ``l`` at ``y_aug[t, N + (s * L + l) * R + r]``. The op after the projection reads
+(T, N + Rb * S * L): base output in columns ``0 .. N``, then the LoRA shrink of every slice
+``s`` and slot ``l``, rank-major, at ``y_aug[t, N + (r * S + s) * L + l]`` for the step's
+``Rb = mapping.rank_rows(R)`` rank rows (lora/ranks.py). The op after the projection reads
 it, adds each token's delta ``hA @ B[slot].T`` (``lora_b``: (L, N, R), scale folded in; slot -1
 = base, no delta) and does its own work: residual add + RMSNorm, SiLU-and-mul, or rotary +
 KV-cache write. Semantics and roundings: ``reference.py``.
@@ -54,9 +55,9 @@ def _check_lora(
     if lora_b.dim() != 3 or lora_b.shape[1] != n_base:
         raise ValueError(f"lora_b {tuple(lora_b.shape)}, want (L, {n_base}, R)")
     num_slots, _, rank = lora_b.shape
-    want = n_base + num_slices * num_slots * rank
+    want = n_base + num_slices * num_slots * mapping.rank_rows(rank)
     if y_aug.shape[1] < want:
-        raise ValueError(f"y_aug {tuple(y_aug.shape)}: want >= {want} columns (N + S*L*R)")
+        raise ValueError(f"y_aug {tuple(y_aug.shape)}: want >= {want} columns (N + S*L*Rb)")
     if lora_b.dtype != y_aug.dtype:
         raise ValueError(f"lora_b dtype {lora_b.dtype} != y_aug dtype {y_aug.dtype}")
     if tuple(mapping.token_slots.shape) != (y_aug.shape[0],):

@@ -26,14 +26,24 @@ class NormConfig:
     block_t: int = 1
     block_h: int = 256
     num_warps: int = 4
+    split: bool = False  # rows split over column chunks (add_rmsnorm_split.py; LoRA only)
 
 
-def norm_config(num_tokens: int, hidden: int = 4096) -> NormConfig:
+SPLIT_RANK = 16  # steps reading more rank rows split their rows (add_rmsnorm_split.py)
+
+
+def norm_config(num_tokens: int, hidden: int = 4096, rank: int = 0) -> NormConfig:
     """Decode-sized batches: one row per program, the whole row in one chunk (up to 4096) so
     each pass is a single load/store round trip; on the H200 at hidden 4096 that is 2.0-2.5 µs
     plain / 5.0-5.7 µs with 8 LoRA slots, against 3.5-3.8 / 7.3-8.2 µs for 1024-wide chunks and
     ~10 / ~14 µs for 256-wide ones (benchmarks/norm_configs.py, BENCHMARKS.md). Larger batches:
-    4-row blocks (one B tile load per slot and block)."""
+    4-row blocks (one B tile load per slot and block).
+
+    Steps reading more than ``SPLIT_RANK`` rank rows (``rank``) at decode sizes split each row
+    over 512-column chunks: one program per row read all of a row's B slice (512 KB at rank
+    64 and hidden 4096) through one SM (add_rmsnorm_split.py). Not measured yet."""
+    if rank > SPLIT_RANK and num_tokens <= 256 and hidden <= 512 * 64:
+        return NormConfig(block_t=1, block_h=512, num_warps=4, split=True)
     if num_tokens <= 256:
         block_h = min(4096, triton.next_power_of_2(hidden))
         return NormConfig(block_t=1, block_h=block_h, num_warps=16 if block_h >= 4096 else 8)
@@ -91,7 +101,7 @@ def _add_rmsnorm_kernel(
             if HAS_LORA:
                 acc = tl.full((BLOCK_T, BLOCK_H), 0.0, tl.float32)
                 acc = lora_delta(
-                    acc, ya_ptr, b_ptr, tok, slots, cols, c_mask, 0, H, L, R,
+                    acc, ya_ptr, b_ptr, tok, slots, cols, c_mask, H, 1, L, L, R,
                     stride_yt, stride_yn, stride_bl, stride_bn, stride_br,
                     BLOCK_R, USE_DOT,
                 )  # fmt: skip
@@ -124,14 +134,27 @@ def _launch(
     eps: float,
     out: torch.Tensor,
     config: NormConfig | None,
+    rank_bound: int | None = None,
 ) -> None:
     t, h = residual.shape
     if t == 0:
         return
-    cfg = config or norm_config(t, h)
-    use_dot = cfg.block_t >= 16
     has_lora = lora_b is not None
     num_slots, rank = (lora_b.shape[0], lora_b.shape[2]) if lora_b is not None else (0, 1)
+    if rank_bound is not None:
+        rank = min(rank, rank_bound)  # the step's rank rows (lora/ranks.py)
+    cfg = config or norm_config(t, h, rank if has_lora and y_aug is not None else 0)
+    use_dot = cfg.block_t >= 16
+    if cfg.split:
+        from loraplex.engine.model.kernels.add_rmsnorm_split import add_rmsnorm_split
+
+        assert y_aug is not None and token_slots is not None
+        add_rmsnorm_split(
+            y_aug, residual, lora_b, token_slots, norm_weight, eps, out, rank=rank,
+            block_h=cfg.block_h, num_warps=cfg.num_warps,
+            block_r=block_r(rank, False, cfg.block_h, cfg.num_warps),
+        )  # fmt: skip
+        return
     ya = y_aug if y_aug is not None else residual
     b = lora_b if lora_b is not None else ya
     b_strides = lora_b.stride() if lora_b is not None else (0, 0, 0)
@@ -159,7 +182,7 @@ def _launch(
         out.stride(1),
         BLOCK_T=cfg.block_t,
         BLOCK_H=cfg.block_h,
-        BLOCK_R=block_r(rank, use_dot),
+        BLOCK_R=block_r(rank, use_dot, cfg.block_t * cfg.block_h, cfg.num_warps),
         ADD=y_aug is not None,
         HAS_LORA=has_lora,
         USE_DOT=use_dot,
@@ -179,7 +202,10 @@ def lora_add_rmsnorm_triton(
     config: NormConfig | None = None,
 ) -> None:
     """Triton ``lora_add_rmsnorm``; see ``reference.lora_add_rmsnorm_torch``."""
-    _launch(y_aug, residual, lora_b, mapping.token_slots, norm_weight, eps, out, config)
+    _launch(
+        y_aug, residual, lora_b, mapping.token_slots, norm_weight, eps, out, config,
+        mapping.rank_bound,
+    )  # fmt: skip
 
 
 def rmsnorm_triton(

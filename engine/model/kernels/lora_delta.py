@@ -1,16 +1,18 @@
 """Shared Triton helper: the LoRA expand of one (token block x column block) tile.
 
-``y_aug`` holds, right of its ``n_base`` base columns, the shrink of every slice and slot:
-``y_aug[t, n_base + (s * L + slot) * R + r] = x[t] . A[s, slot, r]``. The delta of column ``n``
-(a row of ``lora_b``, scale folded in) for token ``t`` is::
+``y_aug`` holds, right of its ``n_base`` base columns, the shrink of every slice and slot,
+rank-major (lora/layers.py): ``y_aug[t, n_base + (r * S + s) * L + slot] = x[t] . A[s, slot, r]``
+for the step's ``R`` rank rows (its rank bound, lora/ranks.py; zero past each adapter's rank).
+The delta of column ``n`` (a row of ``lora_b``, scale folded in) for token ``t`` is::
 
-    delta[t, n] = sum_r y_aug[t, n_base + (s * L + slot_t) * R + r] * lora_b[slot_t, n, r]
+    delta[t, n] = sum_{r < R} y_aug[t, n_base + (r * S + s) * L + slot_t] * lora_b[slot_t, n, r]
 
 and 0 for ``slot_t == -1``. Tokens of a block that share a slot share one load of its ``B`` tile:
 the helper loops over the slots present in the block (``min .. max`` of its slots, skipping the
-absent ones), masking ``hA`` rows of the other tokens to zero. With ``USE_DOT`` (blocks of >= 16
-tokens) each slot is one tensor-core dot; otherwise a broadcast multiply and a reduction. fp32
-accumulation either way; the products of 16-bit inputs are exact.
+absent ones), masking ``hA`` rows of the other tokens to zero, and over the rank in chunks of
+``BLOCK_R`` (so a rank-64 step keeps a rank-16 step's register tile instead of spilling). With
+``USE_DOT`` (blocks of >= 16 tokens) each chunk is one tensor-core dot; otherwise a broadcast
+multiply and a reduction. fp32 accumulation either way; the products of 16-bit inputs are exact.
 
 Only Triton builtins (``tl.reduce`` with the standard combine functions, not ``tl.sum``): the
 ``@triton.jit`` library helpers are decorated when Triton is first imported, so with
@@ -25,9 +27,16 @@ import triton.language as tl
 __all__ = ["lora_delta", "block_r"]
 
 
-def block_r(rank: int, use_dot: bool) -> int:
-    """Rank tile: a power of two >= ``rank``, at least 16 for ``tl.dot``."""
-    return max(16 if use_dot else 1, triton.next_power_of_2(rank))
+THREAD_ELEMS = 128  # fp32 products per thread of one broadcast chunk (R = 16 at 1 x 4096, 16 warps)
+
+
+def block_r(rank: int, use_dot: bool, tile: int = 0, num_warps: int = 16) -> int:
+    """Rank chunk: a power of two >= ``rank`` (at least 16 for ``tl.dot``); without dots, at
+    most ``THREAD_ELEMS * threads / tile`` where ``tile`` = tokens x columns of the block."""
+    full = max(16 if use_dot else 1, triton.next_power_of_2(max(rank, 1)))
+    if use_dot or tile <= 0:
+        return full
+    return max(1, min(full, THREAD_ELEMS * 32 * num_warps // tile))
 
 
 @triton.jit
@@ -39,8 +48,9 @@ def lora_delta(
     slots,
     cols,
     col_mask,
-    s,
-    n_base,
+    k_col,
+    step_l,
+    step_r,
     L,
     R,
     stride_yt,
@@ -52,62 +62,71 @@ def lora_delta(
     USE_DOT: tl.constexpr,
     BLOCK_K: tl.constexpr = 0,
 ):
-    """``acc[i, j] += delta[tok[i], cols[j]]`` of slice ``s``; returns ``acc`` (fp32).
+    """``acc[i, j] += delta[tok[i], cols[j]]``; returns ``acc`` (fp32).
 
     tok: (BT,) int64 rows of ``y_aug``; slots: (BT,) int32, -1 for base or masked rows;
-    cols: (BN,) rows of ``lora_b`` (= base columns of ``y_aug``), ``col_mask`` their validity.
+    cols: (BN,) rows of ``lora_b`` (= base columns of ``y_aug``), ``col_mask`` their validity;
+    R: the step's rank rows (<= lora_b's last dimension). The shrink of (slot, r) is column
+    ``k_col + slot * step_l + r * step_r`` of ``y_aug``: rank-major slice s of S (the fused
+    epilogues) is ``(n_base + s * L, 1, S * L)``; slot-major shrinks (the vocab
+    LoRA, lora/vocab.py) are ``(0, R, 1)``.
 
     ``BLOCK_K > 0`` (with ``USE_DOT``): "packed" form. The shrink columns of every slot of the
-    slice, ``k = slot * R + r``, are contiguous in ``y_aug``; each token keeps only its own
-    slot's columns (masked load) and the delta is a dot over ``k`` in chunks of ``BLOCK_K``
-    against ``lora_b`` viewed as (L * R, N): one dot per chunk instead of one per slot, the
-    slots a block spans only. Same products and fp32 sums as the per-slot loop (the masked
-    terms add exact zeros).
+    slice are indexed ``k = slot * R + r``; each token keeps only its own slot's columns
+    (masked load) and the delta is a dot over ``k`` in chunks of ``BLOCK_K`` against
+    ``lora_b`` gathered as (L * R, N): one dot per chunk instead of one per slot, the slots a
+    block spans only. Same products and fp32 sums as the per-slot loop (the masked terms add
+    exact zeros).
     """
     lo = tl.reduce(tl.where(slots >= 0, slots, L), 0, tl.standard._elementwise_min)
     hi = tl.reduce(slots, 0, tl.standard._elementwise_max) + 1
+    h_rows = ya_ptr + tok[:, None] * stride_yt  # (BT, 1)
     if BLOCK_K > 0:
-        h_rows = ya_ptr + tok[:, None] * stride_yt
-        k_base = n_base + s * L * R
         offs = tl.arange(0, BLOCK_K)
         k_start = (lo * R) // BLOCK_K * BLOCK_K
         for k0 in range(k_start, hi * R, BLOCK_K):
             k = k0 + offs
             k_slot = k // R
+            k_r = k % R
             k_ok = k < L * R
             h = tl.load(
-                h_rows + (k_base + k)[None, :] * stride_yn,
+                h_rows + (k_col + k_slot * step_l + k_r * step_r)[None, :] * stride_yn,
                 mask=(slots[:, None] == k_slot[None, :]) & k_ok[None, :],
                 other=0.0,
             )  # (BT, BLOCK_K)
             b = tl.load(
                 b_ptr
                 + k_slot[:, None] * stride_bl
-                + (k % R)[:, None] * stride_br
+                + k_r[:, None] * stride_br
                 + cols[None, :] * stride_bn,
                 mask=k_ok[:, None] & col_mask[None, :],
                 other=0.0,
             )  # (BLOCK_K, BN)
             acc += tl.dot(h, b.to(h.dtype), input_precision="ieee")
         return acc
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    h_rows = ya_ptr + tok[:, None] * stride_yt  # (BT, 1)
-    b_tile = cols[None, :] * stride_bn + offs_r[:, None] * stride_br  # (BLOCK_R, BN)
-    b_mask = r_mask[:, None] & col_mask[None, :]
     for slot in range(lo, hi):
         sel = slots == slot
         if tl.reduce(sel.to(tl.int32), 0, tl.standard._elementwise_max) > 0:
-            h_cols = n_base + (s * L + slot) * R + offs_r  # (BLOCK_R,)
-            h = tl.load(
-                h_rows + h_cols[None, :] * stride_yn,
-                mask=sel[:, None] & r_mask[None, :],
-                other=0.0,
-            )  # (BT, BLOCK_R)
-            b = tl.load(b_ptr + slot * stride_bl + b_tile, mask=b_mask, other=0.0)
-            if USE_DOT:
-                acc += tl.dot(h, b.to(h.dtype), input_precision="ieee")
-            else:
-                prod = h.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
-                acc += tl.reduce(prod, 1, tl.standard._sum_combine)
+            for r0 in range(0, R, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)
+                r_mask = offs_r < R
+                h_cols = k_col + slot * step_l + offs_r * step_r  # (BLOCK_R,)
+                h = tl.load(
+                    h_rows + h_cols[None, :] * stride_yn,
+                    mask=sel[:, None] & r_mask[None, :],
+                    other=0.0,
+                )  # (BT, BLOCK_R)
+                b = tl.load(
+                    b_ptr
+                    + slot * stride_bl
+                    + cols[None, :] * stride_bn
+                    + offs_r[:, None] * stride_br,
+                    mask=r_mask[:, None] & col_mask[None, :],
+                    other=0.0,
+                )  # (BLOCK_R, BN)
+                if USE_DOT:
+                    acc += tl.dot(h, b.to(h.dtype), input_precision="ieee")
+                else:
+                    prod = h.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
+                    acc += tl.reduce(prod, 1, tl.standard._sum_combine)
     return acc

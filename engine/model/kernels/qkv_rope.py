@@ -84,12 +84,12 @@ def _qkv_rope_kernel(
         slots = tl.load(slots_ptr + tok * stride_slot, mask=t_mask, other=-1).to(tl.int32)
         d1 = tl.full((BLOCK_T, BLOCK_HALF), 0.0, tl.float32)
         d1 = lora_delta(
-            d1, ya_ptr, b_ptr, tok, slots, c1, h_mask, s, n_base, L, R,
+            d1, ya_ptr, b_ptr, tok, slots, c1, h_mask, n_base + s * L, 1, 3 * L, L, R,
             stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
         )  # fmt: skip
         d2 = tl.full((BLOCK_T, BLOCK_HALF), 0.0, tl.float32)
         d2 = lora_delta(
-            d2, ya_ptr, b_ptr, tok, slots, c2, h_mask, s, n_base, L, R,
+            d2, ya_ptr, b_ptr, tok, slots, c2, h_mask, n_base + s * L, 1, 3 * L, L, R,
             stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
         )  # fmt: skip
         x1 = (x1 + d1).to(dt).to(tl.float32)
@@ -135,7 +135,7 @@ def _qkv_rope_kernel(
         if HAS_LORA:
             dv = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)
             dv = lora_delta(
-                dv, ya_ptr, b_ptr, tok, slots, cv, d_mask, 2, n_base, L, R,
+                dv, ya_ptr, b_ptr, tok, slots, cv, d_mask, n_base + 2 * L, 1, 3 * L, L, R,
                 stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
             )  # fmt: skip
             v = (v + dv).to(dt)
@@ -166,6 +166,7 @@ def lora_qkv_rope_triton(
     if t == 0:
         return
     num_slots, rank = (lora_b.shape[0], lora_b.shape[2]) if lora_b is not None else (0, 1)
+    rank = mapping.rank_rows(rank)  # the step's rank rows (lora/ranks.py)
     cfg = config or qkv_rope_config(t, num_slots)
     use_dot = cfg.block_t >= 16
     min_n = 16 if use_dot else 1
@@ -186,7 +187,9 @@ def lora_qkv_rope_triton(
         BLOCK_T=cfg.block_t,
         BLOCK_HALF=max(min_n, triton.next_power_of_2(head_dim // 2)),
         BLOCK_D=max(min_n, triton.next_power_of_2(head_dim)),
-        BLOCK_R=block_r(rank, use_dot),
+        BLOCK_R=block_r(
+            rank, use_dot, cfg.block_t * triton.next_power_of_2(head_dim), cfg.num_warps
+        ),
         HAS_LORA=lora_b is not None,
         USE_DOT=use_dot,
         BLOCK_K=cfg.block_k if use_dot else 0,

@@ -1,12 +1,13 @@
 """Torch twins of the fused decode kernels: the CPU path and the oracle of the Triton kernels.
 
-Shared inputs. ``y_aug`` (T, N + S * L * R) is the output of one augmented GEMM,
-``x @ [W; A].T``: base columns ``0 .. N`` then, for slice ``s`` and slot ``l``, the shrink
-``y_aug[t, N + (s * L + l) * R + r] = x[t] . A[s, l, r]``. ``lora_b`` (L, N, R), scale folded in,
-slice ``s`` owning rows ``lo_s .. hi_s``. ``mapping.token_slots`` (T,) int32, -1 = base (no
-delta)::
+Shared inputs. ``y_aug`` (T, N + Rb * S * L) is the output of one augmented GEMM,
+``x @ [W; A].T`` over the step's ``Rb = mapping.rank_rows(R)`` rank rows (lora/ranks.py): base
+columns ``0 .. N`` then, rank-major (lora/layers.py), for rank ``r``, slice ``s`` and slot ``l``
+the shrink ``y_aug[t, N + (r * S + s) * L + l] = x[t] . A[s, l, r]``. ``lora_b`` (L, N, R),
+scale folded in, slice ``s`` owning rows ``lo_s .. hi_s``. ``mapping.token_slots`` (T,) int32,
+-1 = base (no delta)::
 
-    delta_s[t, j] = sum_r y_aug[t, N + (s * L + slot_t) * R + r] * lora_b[slot_t, lo_s + j, r]
+    delta_s[t, j] = sum_{r < Rb} y_aug[t, N + (r * S + s) * L + slot_t] * lora_b[slot_t, lo_s + j, r]
 
 Rounding (``round`` = cast to the model dtype, ``y_aug``'s): the delta is summed in fp32 and
 added to the upcast base output, then rounded once -- exactly where a separate LoRA expand
@@ -41,18 +42,21 @@ def lora_delta_torch(
     s: int,
     lo: int,
     hi: int,
+    num_slices: int = 1,
 ) -> torch.Tensor:
-    """fp32 (T, hi - lo): ``delta_s`` of the module docstring for B rows ``lo .. hi``.
+    """fp32 (T, hi - lo): ``delta_s`` of the module docstring for B rows ``lo .. hi``, slice
+    ``s`` of ``num_slices``.
 
     One matmul over all slots: the shrink columns of other slots are masked to zero.
     """
     t = y_aug.shape[0]
-    num_slots, _, rank = lora_b.shape
-    c0 = n_base + s * num_slots * rank
-    h = y_aug[:, c0 : c0 + num_slots * rank].float().view(t, num_slots, rank)
+    num_slots = lora_b.shape[0]
+    rank = mapping.rank_rows(lora_b.shape[2])
+    cols = y_aug[:, n_base : n_base + rank * num_slices * num_slots].float()
+    h = cols.view(t, rank, num_slices, num_slots)[:, :, s].transpose(1, 2)  # (T, L, Rb)
     own = mapping.token_slots.long().unsqueeze(1) == torch.arange(num_slots, device=y_aug.device)
     h = (h * own.unsqueeze(2)).reshape(t, num_slots * rank)  # (T, L*R)
-    b = lora_b[:, lo:hi].float().permute(0, 2, 1).reshape(num_slots * rank, hi - lo)
+    b = lora_b[:, lo:hi, :rank].float().permute(0, 2, 1).reshape(num_slots * rank, hi - lo)
     return h @ b
 
 
@@ -64,12 +68,13 @@ def _projection(
     s: int,
     lo: int,
     hi: int,
+    num_slices: int,
 ) -> torch.Tensor:
     """``round(y_aug[:, lo:hi] + delta_s)`` in the model dtype (no delta without ``lora_b``)."""
     base = y_aug[:, lo:hi]
     if lora_b is None:
         return base
-    delta = lora_delta_torch(y_aug, n_base, lora_b, mapping, s, lo, hi)
+    delta = lora_delta_torch(y_aug, n_base, lora_b, mapping, s, lo, hi, num_slices)
     return (base.float() + delta).to(y_aug.dtype)
 
 
@@ -106,7 +111,7 @@ def lora_add_rmsnorm_torch(
         out[t] = weight * round(v * rsqrt(mean(v * v) + eps))
     """
     n_base = residual.shape[1]
-    y = _projection(y_aug, n_base, lora_b, mapping, 0, 0, n_base)
+    y = _projection(y_aug, n_base, lora_b, mapping, 0, 0, n_base, 1)
     residual.copy_((residual.float() + y.float()).to(residual.dtype))
     _rmsnorm(residual, norm_weight, eps, out)
 
@@ -125,8 +130,8 @@ def lora_silu_mul_torch(
         out[t] = round(round(silu(g)) * u)            # HF: act_fn(gate) * up, silu in fp32
     """
     i = out.shape[1]
-    g = _projection(y_aug, 2 * i, lora_b, mapping, 0, 0, i)
-    u = _projection(y_aug, 2 * i, lora_b, mapping, 1, i, 2 * i)
+    g = _projection(y_aug, 2 * i, lora_b, mapping, 0, 0, i, 2)
+    u = _projection(y_aug, 2 * i, lora_b, mapping, 1, i, 2 * i, 2)
     act = F.silu(g.float()).to(g.dtype)
     out.copy_((act.float() * u.float()).to(out.dtype))
 
@@ -165,7 +170,7 @@ def lora_qkv_rope_torch(
     n_base = q_size + 2 * kv_size
     bounds = (0, q_size, q_size + kv_size, n_base)
     q, k, v = (
-        _projection(y_aug, n_base, lora_b, mapping, s, lo, hi)
+        _projection(y_aug, n_base, lora_b, mapping, s, lo, hi, 3)
         for s, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False))
     )
     q = q.reshape(t, -1, head_dim)

@@ -84,12 +84,12 @@ def _silu_mul_kernel(
         slots = tl.load(slots_ptr + tok * stride_slot, mask=t_mask, other=-1).to(tl.int32)
         dg = tl.full((BLOCK_T, BLOCK_N), 0.0, tl.float32)
         dg = lora_delta(
-            dg, ya_ptr, b_ptr, tok, slots, cols, c_mask, 0, 2 * inter, L, R,
+            dg, ya_ptr, b_ptr, tok, slots, cols, c_mask, 2 * inter, 1, 2 * L, L, R,
             stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
         )  # fmt: skip
         du = tl.full((BLOCK_T, BLOCK_N), 0.0, tl.float32)
         du = lora_delta(
-            du, ya_ptr, b_ptr, tok, slots, inter + cols, c_mask, 1, 2 * inter, L, R,
+            du, ya_ptr, b_ptr, tok, slots, inter + cols, c_mask, 2 * inter + L, 1, 2 * L, L, R,
             stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
         )  # fmt: skip
         g = (g + dg).to(ya_ptr.dtype.element_ty).to(tl.float32)
@@ -115,6 +115,7 @@ def lora_silu_mul_triton(
     if t == 0:
         return
     num_slots, rank = (lora_b.shape[0], lora_b.shape[2]) if lora_b is not None else (0, 1)
+    rank = mapping.rank_rows(rank)  # the step's rank rows (lora/ranks.py)
     cfg = config or silu_mul_config(t, num_slots)
     use_dot = cfg.block_t >= 16
     inter = out.shape[1]
@@ -139,7 +140,7 @@ def lora_silu_mul_triton(
         out.stride(1),
         BLOCK_T=cfg.block_t,
         BLOCK_N=cfg.block_n,
-        BLOCK_R=block_r(rank, use_dot),
+        BLOCK_R=block_r(rank, use_dot, cfg.block_t * cfg.block_n, cfg.num_warps),
         HAS_LORA=lora_b is not None,
         USE_DOT=use_dot,
         BLOCK_K=cfg.block_k if use_dot else 0,

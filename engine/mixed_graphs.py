@@ -1,0 +1,232 @@
+"""CUDA graphs for steps that mix decode rows with short prefill chunks (``MixedGraphs``),
+per (sequences, tokens) bucket; they read every rank row of the LoRA slots (decode graphs:
+cuda_graph.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.engine.cuda_graph import BUCKETS, _logits, capture_graph
+from loraplex.engine.model.attention import AttentionMetadata
+from loraplex.engine.model.fused import fused_forward
+from loraplex.engine.model.gemm import tune
+from loraplex.engine.model.paged_attention import paged_decode_attention, paged_prefill_attention
+from loraplex.engine.model.protocol import CausalLM
+
+__all__ = ["MixedGraphs", "MIXED_QMAX", "MIXED_EXTRAS"]
+
+MIXED_QMAX = 64  # longest prefill chunk a mixed graph takes (its attention grid is fixed)
+MIXED_EXTRAS = (16, 32, 64, 128, 256)  # prefill tokens on top of the decode rows, per bucket
+
+
+class MixedGraphs:
+    """CUDA graphs for steps that mix decode rows with short prefill chunks.
+
+    A cold load ends with its requests' prefills: each one would otherwise turn the next step
+    into an eager forward (~20 ms of Python launches for the 8B shape on the H200, against a
+    6 ms graph replay), and every running stream would feel it. A mixed step of S sequences
+    and T tokens (every chunk <= ``MIXED_QMAX`` tokens) replays the graph of bucket
+    (S_b, T_b): S_b a decode bucket >= S, T_b = S_b + the smallest extra in ``MIXED_EXTRAS``
+    with T < T_b. The flat token rows are padded to T_b (no KV write, no adapter), the
+    sequences to S_b (no rows, no context). Every per-step value is read from static device
+    buffers, staged by one async copy from pinned memory.
+
+    Attention is split so the decode rows cost what they cost in a decode graph: rows are laid
+    out prefill chunks first, decode rows after (each part grouped by adapter slot). The
+    prefill kernel (``max_query_len`` fixed at ``MIXED_QMAX``) sees only the prefill
+    sequences; the decode kernel (split-K over long contexts) computes the last row of every
+    sequence, which overwrites those rows (a prefill chunk's last row twice, the same value).
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        block_size: int,
+        max_blocks_per_seq: int,
+        seq_buckets: tuple[int, ...],
+        max_tokens: int,
+        pool: object = None,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        buckets = []
+        for s in seq_buckets:
+            for e in MIXED_EXTRAS:
+                buckets.append((s, s + e))
+                if s + e >= max_tokens:
+                    break
+        self.buckets = tuple(buckets)
+        self.max_seqs = max(s for s, _ in buckets)
+        self.max_t = max(t for _, t in buckets)
+        dev = model.device
+        i32, i64 = torch.int32, torch.int64
+        n, m = self.max_t, self.max_seqs
+        self.ids = torch.zeros(n, dtype=i64, device=dev)
+        self.pos = torch.zeros(n, dtype=i64, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=i64, device=dev)
+        self.token_slots = torch.full((n,), -1, dtype=i32, device=dev)
+        self.qsl = torch.zeros(m + 1, dtype=i32, device=dev)  # prefill sequences only
+        self.ctx = torch.zeros(m, dtype=i32, device=dev)
+        self.last = torch.zeros(m, dtype=i64, device=dev)  # logits rows: need-logits items first
+        self.seq_last = torch.zeros(m, dtype=i64, device=dev)  # last row per sequence, layout order
+        self.tables = torch.zeros(m, max_blocks_per_seq, dtype=i32, device=dev)
+        # pipelined admission: token row i's input is feed[src[i]] where src[i] >= 0 (a decode
+        # row of a running request, fed the token the step in flight samples)
+        self.src = torch.full((n,), -1, dtype=i64, device=dev)
+        self.feed = torch.zeros(max(n, BUCKETS[-1]), dtype=i64, device=dev)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = pool
+        size = 5 * n + 4 * m + 1 + m * max_blocks_per_seq
+        self.hosts = [torch.zeros(size, dtype=i64).pin_memory() for _ in range(2)]
+        self.staged = [torch.cuda.Event(), torch.cuda.Event()]
+        self.turn = 0
+        self.last_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    def bucket(self, seqs: int, tokens: int) -> tuple[int, int] | None:
+        # NOTE: t > tokens: row t - 1 is always padding, where padded sequences' attention goes
+        for s, t in self.buckets:
+            if s >= seqs and t > tokens:
+                return s, t
+        return None
+
+    def fits(self, items: list, feed: torch.Tensor | None = None) -> bool:
+        """A step these graphs can run: every chunk short, a bucket large enough, and some
+        prefill (decode-only steps have their own graphs); rows fed from the step in flight
+        (``feed_row``) read ``feed`` on the device."""
+        tokens = 0
+        for it in items:
+            n = len(it.token_ids)
+            if n > MIXED_QMAX or (it.feed_row >= 0 and feed is None):
+                return False
+            tokens += n
+        if feed is not None and feed.shape[0] > self.feed.shape[0]:
+            return False
+        return tokens > len(items) and self.bucket(len(items), tokens) is not None
+
+    def _forward(self, sb: int, tb: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:tb],
+            block_tables=self.tables[:sb],
+            query_start_loc=[0] * (sb + 1),  # NOTE: host lists unused by the kernels
+            context_lens=[0] * sb,
+            block_size=self.block_size,
+            is_decode=False,
+            query_start_loc_t=self.qsl[: sb + 1],
+            context_lens_t=self.ctx[:sb],
+            max_query_len=MIXED_QMAX,
+        )
+        seq_last = self.seq_last[:sb]
+
+        def attention(q, k_cache, v_cache, meta, scale, window):  # noqa: ANN001
+            out = paged_prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc_t,
+                meta.context_lens_t, MIXED_QMAX, scale, window,
+            )  # fmt: skip
+            last = paged_decode_attention(
+                q.index_select(0, seq_last), k_cache, v_cache, meta.block_tables,
+                meta.context_lens_t, scale, window,
+            )  # fmt: skip
+            return out.index_copy_(0, seq_last, last)
+
+        src = self.src[:tb]
+        ids = torch.where(src >= 0, self.feed[src.clamp(min=0)], self.ids[:tb])
+        hidden = fused_forward(
+            self.model, ids, self.pos[:tb], self.kv_caches, meta, self.token_slots[:tb], attention
+        )  # fmt: skip
+        last = self.last[:sb]
+        rows = self.token_slots[:tb].index_select(0, last)
+        return _logits(self.model, hidden.index_select(0, last), rows)
+
+    def capture_all(self) -> None:
+        for key in self.buckets:
+            if key not in self.graphs:
+                self.capture(*key)
+
+    def capture(self, sb: int, tb: int) -> None:
+        layer = self.model.layers[0]
+        mods = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        tune([m.weight_aug for m in mods if m.float_base], tb)  # fp8 bases: CONFIGS
+        tune([self.model.lm_head], sb)
+        graph, logits = capture_graph(lambda: self._forward(sb, tb), self.model.device, self.pool)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[(sb, tb)] = (graph, logits)
+
+    def run(self, items: list, feed: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the bucket's graph for ``items`` (``fits`` must hold); returns the logits of
+        the items with ``need_logits``, in item order (a view: consume it before the next
+        replay). Rows are laid out grouped by adapter slot (the epilogues' B tiles). An item
+        with ``feed_row >= 0`` reads its one input token from ``feed[feed_row]`` (device)."""
+        seqs, tokens = len(items), sum(len(it.token_ids) for it in items)
+        key = self.bucket(seqs, tokens)
+        assert key is not None
+        sb, tb = key
+        width = self.tables.shape[1]
+        bs = self.block_size
+        self.turn ^= 1
+        self.staged[self.turn].synchronize()  # this buffer's previous copy has left it
+        n = 5 * tb + 4 * sb + 1 + sb * width
+        host_t = self.hosts[self.turn][:n]
+        host = host_t.numpy()
+        host[:] = 0
+        tok = host[: 5 * tb].reshape(5, tb)  # ids, pos, slot_mapping, token_slots, src
+        seq = host[5 * tb : 5 * tb + 4 * sb + 1]
+        qsl, ctx = seq[: sb + 1], seq[sb + 1 : 2 * sb + 1]
+        last, seq_last = seq[2 * sb + 1 : 3 * sb + 1], seq[3 * sb + 1 :]
+        rows = host[5 * tb + 4 * sb + 1 :].reshape(sb, width)
+        tok[2, :] = tok[3, :] = tok[4, :] = -1
+        # prefill chunks first, then decode rows; each part grouped by adapter slot
+        order = sorted(
+            range(seqs), key=lambda i: (len(items[i].token_ids) == 1, items[i].lora_slot)
+        )
+        end = [0] * seqs
+        row = prefills = 0
+        for k, i in enumerate(order):
+            it = items[i]
+            m, p0, table = len(it.token_ids), it.start_pos, it.block_table
+            tok[0, row : row + m] = it.token_ids
+            tok[1, row : row + m] = range(p0, p0 + m)
+            tok[2, row : row + m] = [table[p // bs] * bs + p % bs for p in range(p0, p0 + m)]
+            tok[3, row : row + m] = it.lora_slot
+            if it.feed_row >= 0:
+                tok[4, row] = it.feed_row
+            if m > 1:
+                qsl[k] = row
+                prefills = k + 1
+            ctx[k] = p0 + m
+            rows[k, : len(table)] = table
+            row += m
+            end[i] = seq_last[k] = row - 1
+        qsl[prefills:] = qsl[prefills - 1] + len(items[order[prefills - 1]].token_ids)
+        seq_last[seqs:] = tb - 1  # a padding row (see bucket)
+        need = [i for i in range(seqs) if items[i].need_logits]
+        rest = [i for i in range(seqs) if not items[i].need_logits]
+        last[:seqs] = [end[i] for i in need + rest]
+        dev = host_t.to(self.model.device, non_blocking=True)
+        self.staged[self.turn].record()
+        dtok = dev[: 5 * tb].view(5, tb)
+        self.ids[:tb].copy_(dtok[0])
+        self.pos[:tb].copy_(dtok[1])
+        self.slot_mapping[:tb].copy_(dtok[2])
+        self.token_slots[:tb].copy_(dtok[3])
+        self.src[:tb].copy_(dtok[4])
+        if feed is not None:
+            self.feed[: feed.shape[0]].copy_(feed)
+        dseq = dev[5 * tb : 5 * tb + 4 * sb + 1]
+        self.qsl[: sb + 1].copy_(dseq[: sb + 1])
+        self.ctx[:sb].copy_(dseq[sb + 1 : 2 * sb + 1])
+        self.last[:sb].copy_(dseq[2 * sb + 1 : 3 * sb + 1])
+        self.seq_last[:sb].copy_(dseq[3 * sb + 1 :])
+        self.tables[:sb].copy_(dev[5 * tb + 4 * sb + 1 :].view(sb, width))
+        if key not in self.graphs:
+            self.capture(*key)
+        graph, logits = self.graphs[key]
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        events[0].record()
+        graph.replay()
+        events[1].record()
+        self.last_events = events
+        return logits[: len(need)]

@@ -1,0 +1,145 @@
+"""Triton: ``lora_add_rmsnorm`` with each row split over column chunks (large LoRA ranks).
+
+The one-row-per-program kernel (add_rmsnorm.py) reads a row's whole B slice on one SM: at rank
+64 that is 4096 x 64 x 2 bytes = 512 KB per row and launch, which one SM pulls from L2 at a
+fraction of the chip's bandwidth (the fused epilogue got slower with rank, not the GEMMs). Here
+grid ``(T, cdiv(H, BLOCK_H))``: program ``(t, c)`` adds base + LoRA delta + residual for columns
+``c * BLOCK_H ..`` of row ``t``, stores the new residual and its chunk's sum of squares, then
+bumps the row's counter; the last chunk of the row to arrive sums the partials in chunk order
+(the same bits whatever the arrival order), normalises the whole row, and resets the counter
+to 0 for the next launch. Launches sharing the counters must not overlap (one stream runs the
+forward, as for the fp8 GEMM's split-K). Semantics: ``reference.lora_add_rmsnorm_torch``.
+Nothing but ``T`` shapes the launch (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.engine.model.kernels.lora_delta import lora_delta
+
+__all__ = ["MAX_ROWS", "MAX_CHUNKS", "prepare_split_norm", "add_rmsnorm_split"]
+
+MAX_ROWS = 256  # rows a split launch may have (decode batches)
+MAX_CHUNKS = 64  # column chunks per row
+_work: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def prepare_split_norm(device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row counters (MAX_ROWS,) int32, zero between launches; partial sums (MAX_ROWS,
+    MAX_CHUNKS) float32) of ``device``, allocated once outside any CUDA graph capture (the
+    warm-up call before each capture allocates them)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    work = _work.get(device)
+    if work is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("prepare_split_norm(device) must run before CUDA graph capture")
+        counts = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
+        parts = torch.zeros(MAX_ROWS, MAX_CHUNKS, dtype=torch.float32, device=device)
+        work = _work[device] = (counts, parts)
+    return work
+
+
+@triton.jit
+def _split_kernel(
+    ya_ptr, res_ptr, b_ptr, slots_ptr, w_ptr, out_ptr, count_ptr, part_ptr,
+    H, L, R, eps,
+    stride_yt, stride_yn, stride_rt, stride_rn, stride_bl, stride_bn, stride_br,
+    stride_slot, stride_w, stride_ot, stride_on,
+    NCHUNK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    tok = (row + tl.arange(0, 1)).to(tl.int64)  # (1,): lora_delta's token block
+    if HAS_LORA:
+        slots = tl.load(slots_ptr + tok * stride_slot).to(tl.int32)
+    else:
+        slots = tl.full((1,), -1, tl.int32)
+    cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+    c_mask = cols < H
+    r_rows = res_ptr + tok[:, None] * stride_rt
+    mask = c_mask[None, :]
+    r = tl.load(r_rows + cols[None, :] * stride_rn, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(
+        ya_ptr + tok[:, None] * stride_yt + cols[None, :] * stride_yn, mask=mask, other=0.0
+    ).to(tl.float32)
+    if HAS_LORA:
+        acc = tl.full((1, BLOCK_H), 0.0, tl.float32)
+        acc = lora_delta(
+            acc, ya_ptr, b_ptr, tok, slots, cols, c_mask, H, 1, L, L, R,
+            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, False,
+        )  # fmt: skip
+        y = (y + acc).to(ya_ptr.dtype.element_ty).to(tl.float32)
+    r = (r + y).to(res_ptr.dtype.element_ty)
+    tl.store(r_rows + cols[None, :] * stride_rn, r, mask=mask)
+    r = r.to(tl.float32)
+    ss = tl.reduce(tl.reduce(r * r, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
+    tl.store(part_ptr + row * NCHUNK + chunk, ss)
+    tl.debug_barrier()  # every thread's residual and the partial are written before the release
+    done = tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu")
+    if done == NCHUNK - 1:  # the last chunk of the row: its sum in chunk order, then the norm
+        offs_c = tl.arange(0, BLOCK_C)
+        parts = tl.load(
+            part_ptr + row * NCHUNK + offs_c, mask=offs_c < NCHUNK, other=0.0,
+            cache_modifier=".cg",
+        )  # fmt: skip
+        sumsq = tl.reduce(parts, 0, tl.standard._sum_combine)
+        tl.atomic_xchg(count_ptr + row, 0, sem="relaxed", scope="gpu")
+        inv = tl.rsqrt(sumsq / H + eps)
+        for h0 in range(0, H, BLOCK_H):
+            cc = h0 + tl.arange(0, BLOCK_H)
+            m = cc < H
+            v = tl.load(
+                res_ptr + row * stride_rt + cc * stride_rn, mask=m, other=0.0,
+                cache_modifier=".cg",
+            ).to(tl.float32)  # fmt: skip
+            normed = (v * inv).to(res_ptr.dtype.element_ty).to(tl.float32)
+            w = tl.load(w_ptr + cc * stride_w, mask=m, other=0.0).to(tl.float32)
+            o = (w * normed).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + row * stride_ot + cc * stride_on, o, mask=m)
+
+
+def add_rmsnorm_split(
+    y_aug: torch.Tensor,
+    residual: torch.Tensor,
+    lora_b: torch.Tensor | None,
+    token_slots: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    *,
+    rank: int,
+    block_h: int,
+    block_r: int,
+    num_warps: int,
+) -> None:
+    """The split launch (``T <= MAX_ROWS``, ``cdiv(H, block_h) <= MAX_CHUNKS``); ``rank``: the
+    step's rank rows, ``block_r`` its chunk."""
+    t, h = residual.shape
+    nchunk = triton.cdiv(h, block_h)
+    if t > MAX_ROWS or nchunk > MAX_CHUNKS:
+        raise ValueError(f"split norm: {t} rows x {nchunk} chunks over its workspace")
+    counts, parts = prepare_split_norm(residual.device)
+    b = lora_b if lora_b is not None else y_aug
+    b_strides = lora_b.stride() if lora_b is not None else (0, 0, 0)
+    num_slots = lora_b.shape[0] if lora_b is not None else 0
+    _split_kernel[(t, nchunk)](
+        y_aug, residual, b, token_slots, norm_weight, out, counts, parts,
+        h, num_slots, rank, eps,
+        y_aug.stride(0), y_aug.stride(1), residual.stride(0), residual.stride(1), *b_strides,
+        token_slots.stride(0), norm_weight.stride(0), out.stride(0), out.stride(1),
+        NCHUNK=nchunk,
+        BLOCK_C=triton.next_power_of_2(nchunk),
+        BLOCK_H=block_h,
+        BLOCK_R=block_r,
+        HAS_LORA=lora_b is not None,
+        num_warps=num_warps,
+    )  # fmt: skip
