@@ -1,4 +1,4 @@
-"""The CUDA-core fp8 GEMV of 1-4 tokens (kernels/fp8_linear.py, ``_fp8_gemv_kernel``) against
+"""The CUDA-core fp8 GEMV of 1-4 tokens (kernels/fp8_gemv.py, ``_fp8_gemv_kernel``) against
 the torch twin ``fp8_aug_linear_torch``: A rows, bias, group scales, split-K, ragged shapes,
 and the dispatch of ``fp8_aug_linear`` to it. On CPU the kernel runs in the Triton interpreter
 (float32 / float16, small shapes); bfloat16, the Llama-3-8B projections and CUDA graphs run
