@@ -13,6 +13,12 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from loraplex.engine.lora.adapter_files import (
+    CONFIG_FILE,
+    DEFAULT_MAX_HEADER_BYTES,
+    WEIGHTS_FILE,
+    read_safetensors_header,
+)
 from loraplex.engine.lora.errors import (
     AdapterConfigError,
     AdapterFormatError,
@@ -23,8 +29,7 @@ from loraplex.engine.lora.errors import (
     AdapterValueError,
 )
 from loraplex.engine.lora.peft_config import PeftLoRAConfig, parse_peft_config_json
-from loraplex.engine.lora.preflight import (
-    DEFAULT_MAX_HEADER_BYTES,
+from loraplex.engine.lora.preflight_checks import (
     check_added_rows,
     check_dora_pair,
     check_full_modules_allowed,
@@ -32,7 +37,6 @@ from loraplex.engine.lora.preflight import (
     check_full_tables_present,
     check_table_copy,
     is_table_copy,
-    read_safetensors_header,
 )
 from loraplex.engine.lora.targets import PARENT as _PARENT
 from loraplex.engine.lora.targets import base_module_name, check_targets, vocab_module
@@ -58,8 +62,6 @@ __all__ = [
     "CONFIG_FILE",
 ]
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _MODULE_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)")

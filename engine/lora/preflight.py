@@ -9,14 +9,18 @@ in a worker thread.
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from loraplex.engine.lora.adapter_files import (
+    CONFIG_FILE,
+    DEFAULT_MAX_HEADER_BYTES,
+    WEIGHTS_FILE,
+    SafetensorsHeader,
+    TensorEntry,
+    read_safetensors_header,
+)
 from loraplex.engine.lora.errors import (
     AdapterConfigError,
     AdapterFormatError,
@@ -27,6 +31,15 @@ from loraplex.engine.lora.errors import (
     AdapterTooLargeError,
 )
 from loraplex.engine.lora.peft_config import PeftLoRAConfig, parse_peft_config_json
+from loraplex.engine.lora.preflight_checks import (
+    check_added_rows,
+    check_dora_pair,
+    check_full_modules_allowed,
+    check_full_table,
+    check_full_tables_present,
+    check_table_copy,
+    is_table_copy,
+)
 from loraplex.engine.lora.targets import base_module_name, check_targets, vocab_module
 from loraplex.engine.model.config import (
     LORA_MODULES,
@@ -52,9 +65,6 @@ __all__ = [
     "check_full_tables_present",
 ]
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-DEFAULT_MAX_HEADER_BYTES = 8 << 20  # ~150 B per tensor: room for 50k tensors
 MAX_CONFIG_BYTES = 1 << 20
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _KEY_RE = re.compile(
@@ -66,33 +76,10 @@ _EMBED_RE = re.compile(r"model\.embed_tokens\.lora_embedding_(?P<ab>[AB])(?:\.[^
 _BASE_RE = re.compile(r"(?P<module>model\.embed_tokens|lm_head)\.base_layer\.weight")
 # a modules_to_save table (PEFT drops its ``modules_to_save.<adapter>`` part when saving)
 _FULL_RE = re.compile(r"(?P<module>model\.embed_tokens|lm_head)\.weight")
-# PEFT's extra copies of a resized table (``save_embedding_layers``: the adapter's again and
-# the resized base's); read only with lora_extra_vocab_size > 0, never used
-_COPY_RE = re.compile(
-    r"(?:base_model\.model\.)?(?P<module>model\.embed_tokens|lm_head)\."
-    r"(?:modules_to_save|original_module)\.weight"
-)
 _MODULE_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
-_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
 _PARENT = {
     m: "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn" for m in LORA_MODULES
 }
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int  # data_offsets, relative to the data section
-    end: int
-
-
-@dataclass(frozen=True)
-class SafetensorsHeader:
-    tensors: list[TensorEntry]
-    header_bytes: int  # the JSON's length (the file has 8 more bytes before it)
-    data_bytes: int
 
 
 @dataclass(frozen=True)
@@ -321,219 +308,3 @@ def _check_modules(
 
 
 _KIND = {"A": "lora_A", "B": "lora_B", "M": "lora_magnitude_vector"}
-
-
-def check_full_table(
-    key: str, module: str, shape: list[int], dtype: str, config: PeftLoRAConfig, mc: ModelConfig
-) -> None:
-    """A modules_to_save table: listed in the config, a supported dtype, the base's
-    (vocab, hidden) shape. A table with more rows (tokens the adapter added, resized
-    embeddings) is refused: the served vocabulary is the base's."""
-    if module not in config.modules_to_save:
-        raise AdapterTargetError(
-            f"{WEIGHTS_FILE}: tensor {key!r} is a full {base_module_name(VOCAB_LAYER, module)!r} "
-            "table (modules_to_save), which "
-            f"{CONFIG_FILE} does not list",
-            field=key,
-        )
-    if dtype not in _ITEMSIZE:
-        raise AdapterShapeError(
-            f"{WEIGHTS_FILE}: tensor {key!r} has dtype {dtype}; only {', '.join(_ITEMSIZE)} are "
-            "supported",
-            field=key,
-        )
-    want = [mc.vocab_size, mc.hidden_size]
-    extra = mc.lora_extra_vocab_size
-    if extra and len(shape) == 2 and shape[1] == mc.hidden_size:
-        if mc.vocab_size <= shape[0] <= mc.vocab_size + extra:
-            return  # tokens the adapter added (check_added_rows, added_tokens.py)
-        raise AdapterShapeError(
-            f"{WEIGHTS_FILE}: tensor {key!r} (modules_to_save) has {shape[0]} vocabulary rows; "
-            f"the base has {mc.vocab_size} and lora_extra_vocab_size allows "
-            f"{mc.vocab_size + extra} at most ({shape[0] - mc.vocab_size:+d} tokens)",
-            field=key,
-        )
-    if shape != want:
-        rows = shape[0] if len(shape) == 2 else None
-        why = (
-            f"{rows} vocabulary rows; the base has {mc.vocab_size} (an adapter that adds or "
-            "drops tokens does not fit this base)"
-            if rows is not None and rows != mc.vocab_size
-            else f"shape {tuple(shape)}; the base's {module} is {tuple(want)}"
-        )
-        raise AdapterShapeError(f"{WEIGHTS_FILE}: tensor {key!r} (modules_to_save) has {why}",
-                                field=key)  # fmt: skip
-
-
-def is_table_copy(key: str, mc: ModelConfig) -> bool:
-    """A copy PEFT saves next to a resized table (only read with lora_extra_vocab_size)."""
-    return bool(mc.lora_extra_vocab_size) and _COPY_RE.fullmatch(key) is not None
-
-
-def check_table_copy(key: str, shape: list[int], mc: ModelConfig) -> None:
-    v, extra = mc.vocab_size, mc.lora_extra_vocab_size
-    if len(shape) != 2 or shape[1] != mc.hidden_size:
-        raise AdapterShapeError(
-            f"{WEIGHTS_FILE}: tensor {key!r} has shape {tuple(shape)}; want ({v}..{v + extra}, "
-            f"{mc.hidden_size})",
-            field=key,
-        )
-    if not v <= shape[0] <= v + extra:
-        raise AdapterShapeError(
-            f"{WEIGHTS_FILE}: tensor {key!r} has {shape[0]} vocabulary rows; the base has {v} "
-            f"and lora_extra_vocab_size allows {v + extra} at most",
-            field=key,
-        )
-
-
-def check_added_rows(rows: dict[str, int], mc: ModelConfig) -> None:
-    """An adapter that added tokens (a table past the base's rows) carries both tables, of
-    one size: its new ids are embedded from its embed_tokens and scored by its lm_head."""
-    v = mc.vocab_size
-    if not any(n > v for n in rows.values()):
-        return
-    if set(rows) != {"embed_tokens", "lm_head"}:
-        have = ", ".join(f"{m} ({n} rows)" for m, n in sorted(rows.items()))
-        raise AdapterConfigError(
-            f"{WEIGHTS_FILE}: an adapter that adds tokens needs full embed_tokens and lm_head "
-            f"tables (modules_to_save); it has only {have} (the base has {v})",
-            field="modules_to_save",
-        )
-    if len(set(rows.values())) != 1:
-        raise AdapterShapeError(
-            f"{WEIGHTS_FILE}: embed_tokens has {rows['embed_tokens']} vocabulary rows but "
-            f"lm_head {rows['lm_head']}: an adapter that adds tokens has one vocabulary",
-            field="modules_to_save",
-        )
-
-
-def check_full_tables_present(seen: dict[str, object], config: PeftLoRAConfig) -> None:
-    """Every module modules_to_save lists has its table in the file."""
-    for module in config.modules_to_save:
-        if module not in seen:
-            raise AdapterFormatError(
-                f"{WEIGHTS_FILE}: {CONFIG_FILE} lists {module} in modules_to_save but the file "
-                f"has no {base_module_name(VOCAB_LAYER, module)}.weight",
-                field="modules_to_save",
-            )
-
-
-def check_full_modules_allowed(config: PeftLoRAConfig, full_modules: bool) -> None:
-    """modules_to_save is served only with full-table slots (``max_full_module_loras`` > 0),
-    and never next to a LoRA on the same module."""
-    if not config.modules_to_save:
-        return
-    if not full_modules:
-        raise AdapterConfigError(
-            f"{CONFIG_FILE}: modules_to_save is not supported (got "
-            f"{list(config.modules_to_save)}; the engine has no full-table slots: "
-            "max_full_module_loras is 0)",
-            field="modules_to_save",
-        )
-    both = [m for m in config.modules_to_save if config.targets(base_module_name(VOCAB_LAYER, m))]
-    if both:
-        raise AdapterConfigError(
-            f"{CONFIG_FILE}: {', '.join(both)} is both a LoRA target and in modules_to_save",
-            field="modules_to_save",
-        )
-
-
-def check_dora_pair(pair: dict[str, Any], config: PeftLoRAConfig, full: str, key: Any) -> None:
-    """A DoRA adapter has a magnitude vector for every module it targets, a plain one none
-    (``key(entry)`` names an entry of ``pair`` in the error)."""
-    if config.use_dora and "M" not in pair:
-        have = key(next(iter(pair.values())))
-        raise AdapterFormatError(
-            f"{WEIGHTS_FILE}: {full!r} has no lora_magnitude_vector, but {CONFIG_FILE} sets "
-            "use_dora (a DoRA adapter needs one per targeted module)",
-            field=have,
-        )
-    if not config.use_dora and "M" in pair:
-        raise AdapterFormatError(
-            f"{WEIGHTS_FILE}: tensor {key(pair['M'])!r} is a DoRA magnitude, but {CONFIG_FILE} "
-            "does not set use_dora",
-            field=key(pair["M"]),
-        )
-
-
-def read_safetensors_header(path: Path, *, max_header_bytes: int) -> SafetensorsHeader:
-    """Read and check only the header; the tensors must tile the data section exactly."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        n = int.from_bytes(f.read(8).ljust(8, b"\0"), "little") if size >= 8 else -1
-        if n > max_header_bytes:
-            raise _fmt(f"header length {n} is above the limit of {max_header_bytes} bytes")
-        if n < 2 or 8 + n > size:
-            raise _fmt(f"file of {size} bytes is too short for its header (truncated?)")
-        raw = f.read(n)
-    try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
-    except RecursionError:
-        raise _fmt("header is nested too deeply") from None
-    except (UnicodeDecodeError, ValueError) as e:
-        raise _fmt(f"header is not valid JSON: {str(e)[:200]}") from None
-    if not isinstance(obj, dict):
-        raise _fmt("header is not a JSON object")
-    data_bytes = size - 8 - n
-    tensors = [_entry(k, v, data_bytes) for k, v in obj.items() if k != "__metadata__"]
-    meta = obj.get("__metadata__", {})
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise _fmt("__metadata__ must map strings to strings", field="__metadata__")
-    pos, prev = 0, None
-    for t in sorted(tensors, key=lambda t: (t.begin, t.end)):
-        if t.begin > pos:
-            raise _fmt(f"gap of {t.begin - pos} bytes before tensor {t.key!r}", field=t.key)
-        if t.begin < pos:
-            raise _fmt(f"tensor {t.key!r} overlaps tensor {prev!r}", field=t.key)
-        pos, prev = t.end, t.key
-    if pos != data_bytes:
-        raise _fmt(f"data section has {data_bytes} bytes but tensors cover {pos} (trailing gap)")
-    return SafetensorsHeader(tensors=tensors, header_bytes=n, data_bytes=data_bytes)
-
-
-def _entry(key: str, v: Any, data_bytes: int) -> TensorEntry:
-    if not isinstance(v, dict):
-        raise _fmt(f"header entry {key!r} is not an object", field=key)
-    dtype, shape, offs = v.get("dtype"), v.get("shape"), v.get("data_offsets")
-    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
-        raise _fmt(f"tensor {key!r} has no valid shape (got {shape!r})", field=key)
-    if not isinstance(offs, list) or len(offs) != 2 or not all(_is_uint(o) for o in offs):
-        raise _fmt(f"tensor {key!r} has no valid data_offsets (got {offs!r})", field=key)
-    if dtype not in _ITEMSIZE:
-        raise AdapterShapeError(
-            f"{WEIGHTS_FILE}: tensor {key!r} has dtype {dtype!r}; only {', '.join(_ITEMSIZE)} "
-            "are supported",
-            field=key,
-        )
-    begin, end = offs
-    if begin > end or end > data_bytes:
-        raise _fmt(
-            f"tensor {key!r} data_offsets {offs} fall outside the data section of {data_bytes} "
-            "bytes (truncated?)",
-            field=key,
-        )
-    need = math.prod(shape) * _ITEMSIZE[dtype]
-    if end - begin != need:
-        raise _fmt(
-            f"tensor {key!r} spans {end - begin} bytes, but shape {tuple(shape)} of {dtype} "
-            f"needs {need}",
-            field=key,
-        )
-    return TensorEntry(key, dtype, tuple(shape), begin, end)
-
-
-def _is_uint(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
-def _fmt(msg: str, *, field: str = WEIGHTS_FILE) -> AdapterFormatError:
-    return AdapterFormatError(f"{WEIGHTS_FILE}: {msg}", field=field)

@@ -1,0 +1,133 @@
+"""The two files of a PEFT adapter, and the header of its safetensors file.
+
+``read_safetensors_header`` reads only the header (8-byte little-endian length, then JSON) and
+checks its structure: a length limit, known dtypes, shapes whose bytes match their data
+offsets, and tensors that tile the data section exactly (no gap, no overlap, nothing
+trailing). Every refusal is an ``AdapterFormatError`` (``AdapterShapeError`` for a dtype the
+engine does not serve) naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loraplex.engine.lora.errors import AdapterFormatError, AdapterShapeError
+
+__all__ = [
+    "CONFIG_FILE",
+    "WEIGHTS_FILE",
+    "ITEMSIZE",
+    "DEFAULT_MAX_HEADER_BYTES",
+    "TensorEntry",
+    "SafetensorsHeader",
+    "read_safetensors_header",
+]
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+DEFAULT_MAX_HEADER_BYTES = 8 << 20  # ~150 B per tensor: room for 50k tensors
+ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}  # the dtypes an adapter may use, in bytes
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # data_offsets, relative to the data section
+    end: int
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    tensors: list[TensorEntry]
+    header_bytes: int  # the JSON's length (the file has 8 more bytes before it)
+    data_bytes: int
+
+
+def read_safetensors_header(path: Path, *, max_header_bytes: int) -> SafetensorsHeader:
+    """Read and check only the header; the tensors must tile the data section exactly."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        n = int.from_bytes(f.read(8).ljust(8, b"\0"), "little") if size >= 8 else -1
+        if n > max_header_bytes:
+            raise _fmt(f"header length {n} is above the limit of {max_header_bytes} bytes")
+        if n < 2 or 8 + n > size:
+            raise _fmt(f"file of {size} bytes is too short for its header (truncated?)")
+        raw = f.read(n)
+    try:
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise _fmt("header is nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise _fmt(f"header is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(obj, dict):
+        raise _fmt("header is not a JSON object")
+    data_bytes = size - 8 - n
+    tensors = [_entry(k, v, data_bytes) for k, v in obj.items() if k != "__metadata__"]
+    meta = obj.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise _fmt("__metadata__ must map strings to strings", field="__metadata__")
+    pos, prev = 0, None
+    for t in sorted(tensors, key=lambda t: (t.begin, t.end)):
+        if t.begin > pos:
+            raise _fmt(f"gap of {t.begin - pos} bytes before tensor {t.key!r}", field=t.key)
+        if t.begin < pos:
+            raise _fmt(f"tensor {t.key!r} overlaps tensor {prev!r}", field=t.key)
+        pos, prev = t.end, t.key
+    if pos != data_bytes:
+        raise _fmt(f"data section has {data_bytes} bytes but tensors cover {pos} (trailing gap)")
+    return SafetensorsHeader(tensors=tensors, header_bytes=n, data_bytes=data_bytes)
+
+
+def _entry(key: str, v: Any, data_bytes: int) -> TensorEntry:
+    if not isinstance(v, dict):
+        raise _fmt(f"header entry {key!r} is not an object", field=key)
+    dtype, shape, offs = v.get("dtype"), v.get("shape"), v.get("data_offsets")
+    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+        raise _fmt(f"tensor {key!r} has no valid shape (got {shape!r})", field=key)
+    if not isinstance(offs, list) or len(offs) != 2 or not all(_is_uint(o) for o in offs):
+        raise _fmt(f"tensor {key!r} has no valid data_offsets (got {offs!r})", field=key)
+    if dtype not in ITEMSIZE:
+        raise AdapterShapeError(
+            f"{WEIGHTS_FILE}: tensor {key!r} has dtype {dtype!r}; only {', '.join(ITEMSIZE)} "
+            "are supported",
+            field=key,
+        )
+    begin, end = offs
+    if begin > end or end > data_bytes:
+        raise _fmt(
+            f"tensor {key!r} data_offsets {offs} fall outside the data section of {data_bytes} "
+            "bytes (truncated?)",
+            field=key,
+        )
+    need = math.prod(shape) * ITEMSIZE[dtype]
+    if end - begin != need:
+        raise _fmt(
+            f"tensor {key!r} spans {end - begin} bytes, but shape {tuple(shape)} of {dtype} "
+            f"needs {need}",
+            field=key,
+        )
+    return TensorEntry(key, dtype, tuple(shape), begin, end)
+
+
+def _is_uint(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _fmt(msg: str, *, field: str = WEIGHTS_FILE) -> AdapterFormatError:
+    return AdapterFormatError(f"{WEIGHTS_FILE}: {msg}", field=field)
