@@ -189,6 +189,8 @@ class AsyncEngine:
         if params.structured is not None:  # compiled in the grammar threads (cached)
             guide = await core.guide(params.structured)
             self._core()  # (closed meanwhile: EngineClosedError)
+        await core.load_before_tokenizing(adapter)  # (adapters that may add tokens)
+        core = self._core()
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use", field="request_id")
@@ -206,6 +208,13 @@ class AsyncEngine:
         finally:
             if not req.is_finished:
                 self.abort(rid)
+
+    async def load_before_tokenizing(self, adapter: AdapterChoice) -> None:
+        """Callers that tokenize prompts themselves (the server) await this first: where
+        adapters may add tokens (``lora_extra_vocab_size`` > 0) a name resolved at request
+        time is loaded now, so that ``tokenizer_for`` gives its own tokenizer; otherwise a
+        no-op. Raises the load's typed error (unknown name, refused adapter)."""
+        await self._core().load_before_tokenizing(adapter)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request; returns False if it is unknown or already finished."""

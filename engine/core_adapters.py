@@ -89,6 +89,34 @@ class AdapterOps:
         v = self.adapters.new_version(name, uri, dynamic=True)
         return self.adapters.register(v)
 
+    async def load_before_tokenizing(self, adapter: Any) -> None:
+        """Where adapters may add tokens (``lora_extra_vocab_size`` > 0), a name resolved at
+        request time is loaded before its request is tokenized, so that the request is
+        tokenized with the adapter's own tokenizer if it has one (the request would wait for
+        this load anyway). A no-op for the base, compositions, names loaded ahead and names
+        fetched before (their tokenizer is known). The load's typed error is raised here and
+        the name is forgotten, as when a request's load fails; the load counts as the miss of
+        the request that uses it next."""
+        if not self.config.lora_extra_vocab_size or not isinstance(adapter, str):
+            return
+        v = self._resolve_adapter(adapter)  # typed error when nothing resolves the name
+        if not v.dynamic or v.digest:
+            return
+        v.tokenize_after_load = True
+        self.adapters.hold(v)
+        try:
+            if v.load_task is not None:
+                await asyncio.wait({v.load_task})
+        finally:
+            self.adapters.drop_user(v)
+        if v.state is AdapterState.FAILED:
+            error = v.error or RuntimeError(f"adapter {v.name!r} failed to load")
+            if v.users == 0:
+                self.adapters.reset_failed(v)  # forgotten: the next request resolves it again
+            raise error
+        if v.state is AdapterState.CPU:
+            v.cold_pending = True
+
     def _resolve_composition(self, parts: Sequence[tuple[str, float]]) -> AdapterVersion:
         """The combination version of ``parts`` (made and cached by the manager); every
         refusal is an AdapterCompositionError and leaves nothing registered or loaded."""

@@ -223,11 +223,12 @@ class AdapterLoader:
             v.tokenizer = None
             return
         try:
-            if v.dynamic:
+            if v.dynamic and not v.tokenize_after_load:
                 raise AdapterConfigError(
-                    f"adapter {v.name!r} adds {v.vocab_rows - vocab} tokens: load it ahead "
-                    "(load_lora_adapter, --lora-modules) so that its requests are tokenized "
-                    "with its tokenizer; names resolved at request time cannot add tokens",
+                    f"adapter {v.name!r} adds {v.vocab_rows - vocab} tokens, but its request "
+                    "was tokenized before its load: load it ahead (load_lora_adapter, "
+                    "--lora-modules), or send requests through AsyncEngine.generate or the "
+                    "server, which load such names before tokenizing",
                     field="model",
                 )
             await asyncio.to_thread(

@@ -93,6 +93,11 @@ class AdapterVersion:
     full: bool = False  # carries modules_to_save tables (preflight): a full-table slot only
     vocab_rows: int = 0  # rows of those tables (preflight); > the base's: it added tokens
     tokenizer: Any = None  # its own Tokenizer when it added tokens (added_tokens.py), else None
+    # a name resolved at request time whose requests are tokenized after its load (it may add
+    # tokens: ``AdapterOps.load_before_tokenizing``); ``cold_pending``: that load counts as the
+    # miss of the next request to use it
+    tokenize_after_load: bool = False
+    cold_pending: bool = False
     # a combination: (component version, weight) in request order (empty: a plain adapter)
     parts: tuple[tuple[AdapterVersion, float], ...] = ()
 
@@ -286,13 +291,22 @@ class AdapterManager:
         """A request starts using ``v``; returns the tier that serves it: gpu, cpu or cold."""
         v.users += 1
         v.last_used = time.monotonic()
-        if v.state is AdapterState.CPU:
+        if v.cold_pending:  # loaded for this request before it was tokenized
+            v.cold_pending = False
+            tier = "cold"
+        elif v.state is AdapterState.CPU:
             tier = "gpu" if v.slot is not None and v.slot_ready else "cpu"
         else:
             tier = "cold"
         self.stats[{"gpu": "gpu_hits", "cpu": "cpu_hits", "cold": "misses"}[tier]] += 1
         self.ensure_loaded(v)
         return tier
+
+    def hold(self, v: AdapterVersion) -> None:
+        """Keep ``v`` (and its load) alive for a request not submitted yet, without counting
+        a hit or a miss; ``drop_user`` lets it go."""
+        v.users += 1
+        self.ensure_loaded(v)
 
     def drop_user(self, v: AdapterVersion) -> None:
         """A request of ``v`` ended; the last one cancels a load still running (and lets a

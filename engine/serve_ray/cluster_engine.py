@@ -140,6 +140,9 @@ class ClusterEngine:
         ``--lora-extra-vocab-size``)."""
         return self.tokenizer
 
+    async def load_before_tokenizing(self, adapter: AdapterChoice) -> None:
+        """Nothing to load first: no adapter here adds tokens (see ``tokenizer_for``)."""
+
     def capacity_report(self) -> dict[str, Any]:
         """One replica's capacity (every replica runs the same config)."""
         return dict(self._got()["capacity"])

@@ -159,6 +159,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     limits = request.app[LIMITS_KEY].for_context(engine.max_model_len)
     req = parse_chat(await read_json(request), limits)
     adapter = adapter_for(engine, req.model, req.adapters)
+    await engine.load_before_tokenizing(adapter)  # its own tokenizer, if it adds tokens
     reply_id = new_id("chatcmpl")
     prompt = await off_loop(request, render_chat, engine, req, adapter)
     jobs = make_jobs(engine, req, [prompt], reply_id)

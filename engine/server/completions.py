@@ -117,6 +117,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     limits = request.app[LIMITS_KEY].for_context(engine.max_model_len)
     req = parse_completion(await read_json(request), limits)
     adapter = adapter_for(engine, req.model, req.adapters)
+    await engine.load_before_tokenizing(adapter)  # its own tokenizer, if it adds tokens
     reply_id = new_id("cmpl")
     prompts = await off_loop(request, encode_prompts, engine, req.prompts, adapter)
     jobs = make_jobs(engine, req, prompts, reply_id)

@@ -6,6 +6,7 @@ as PEFT on the resized base; typed refusals that leave nothing loaded."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import aiohttp
 import pytest
@@ -174,3 +175,50 @@ async def test_added_tokens_over_http(tiny, added):
     compare(out["choices"][0]["token_ids"], *ref.greedy(ids, "added", 6))
     assert out["choices"][0]["text"] == tok.decode(out["choices"][0]["token_ids"])
     compare(via_client, *ref.greedy([V + 2, 40, V, 7], "added", 6))
+
+
+async def test_a_name_resolved_at_request_time_that_adds_tokens(tiny, added):
+    """With lora_extra_vocab_size > 0 a name resolved at request time is loaded before its
+    request is tokenized: the request gets the adapter's tokenizer, as if loaded ahead, and
+    counts as one miss; a refused one is a typed error and its name is forgotten."""
+    model_dir, _ = tiny
+    root, folder, resized = added
+    copy_adapter(folder, root / "bare3")  # (no tokenizer.json: refused)
+    text = "<sql>select <tbl></sql>"
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    conf = cfg(model_dir, local_roots=(str(root),), lora_name_template=f"file://{root}/{{name}}")
+    async with AsyncEngine(conf) as engine:
+        assert engine.list_adapters() == []
+        first, second = await asyncio.gather(
+            collect(engine, text, greedy, "added"), collect(engine, text, greedy, "added")
+        )
+        tok = engine.tokenizer_for("added")
+        assert tok is not engine.tokenizer
+        s = engine.stats()["adapters"]
+        assert s["loads"] == 1 and s["misses"] >= 1, s
+        with pytest.raises(AdapterConfigError, match="no tokenizer.json"):
+            await collect(engine, text, greedy, "bare3")
+        assert [a["name"] for a in engine.list_adapters()] == ["added"]  # bare3 forgotten
+        runner, port = await start_server(create_app(engine))
+        try:
+            url = f"http://127.0.0.1:{port}/v1"
+            req = {"model": "chat-added", "prompt": text, "max_tokens": 6, "temperature": 0.0,
+                   "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+            shutil.copytree(folder, root / "chat-added", dirs_exist_ok=True)
+            status, out = await _post(url + "/completions", req)
+            assert status == 200, out
+            assert engine.tokenizer_for("chat-added") is not engine.tokenizer
+            status, err = await _post(url + "/completions", {**req, "model": "bare3"})
+            # (a generation request's adapter that fails to load is a 500, as for any load)
+            assert status == 500 and err["error"]["type"] == "AdapterConfigError", err
+            assert "no tokenizer.json" in err["error"]["message"]
+        finally:
+            await runner.cleanup()
+        assert_idle(engine)
+    ids = tok.encode(text)
+    assert {V, V + 1, V + 2} <= set(ids)  # tokenized with the adapter's own tokenizer
+    ref = HFReference(resized, {"added": folder})
+    for tokens, out_text, _ in (first, second):
+        compare(tokens, *ref.greedy(ids, "added", 6))
+        assert out_text == tok.decode(tokens)
+    compare(out["choices"][0]["token_ids"], *ref.greedy(ids, "added", 6))

@@ -244,3 +244,42 @@ async def test_adapter_refs_list_every_live_version(tiny, tmp_path):
         (a, _, _), (b, _, _) = await asyncio.wait_for(asyncio.gather(first, second), 30)
         assert a == b and plugin.opens == ["poem", "poem"]
         assert_idle(engine)
+
+
+async def test_cancelled_while_loaded_before_tokenizing_leaks_nothing(tiny, tmp_path):
+    """Where adapters may add tokens (lora_extra_vocab_size > 0) a name resolved at request
+    time is loaded before the request is tokenized (``load_before_tokenizing``): requests
+    cancelled in that wait cancel the load and forget the name, as waiters of a request's
+    load do; the next request loads it and counts as the one miss."""
+    model_dir, adapters = tiny
+    plugin = HeldPlugin({"chat": adapters["chat"]})
+    conf = held_config(model_dir, tmp_path, max_full_module_loras=1, lora_extra_vocab_size=4)
+    async with AsyncEngine(conf) as engine:
+        engine.testing.loader.plugins.register(plugin, "held")
+        tasks = [
+            asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="chat")) for _ in range(5)
+        ]
+        await asyncio.wait_for(plugin.started.wait(), 30)
+        v = engine.testing.adapters.get("chat")
+        await wait_until(lambda: v.users == 5, "every request holding the load")
+        assert engine.stats()["waiting"] == 0  # none submitted: they wait to be tokenized
+        load = v.load_task
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with pytest.raises(asyncio.CancelledError):
+                await t
+        await asyncio.wait({load}, timeout=30)
+        assert load.cancelled() and plugin.cancelled == 1
+        assert v.users == 0 and v.adapter is None
+        assert "chat" not in engine.testing.adapters.names()
+        assert_idle(engine)
+        await wait_until(lambda: not staged_leftovers(engine), "cancelled staging removed")
+
+        plugin.gate.set()
+        tokens, _, _ = await collect(engine, PROMPT, GREEDY, adapter="chat")
+        stats = engine.stats()["adapters"]
+        assert stats["misses"] == 1 and stats["cpu_hits"] == 0 and stats["loads"] == 2, stats
+        assert_idle(engine)
+    hf = HFReference(model_dir, {"chat": adapters["chat"]})
+    compare(tokens, *hf.greedy(PROMPT, "chat", GREEDY.max_tokens))
