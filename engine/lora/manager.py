@@ -21,17 +21,19 @@ issues them on a side stream; requests of that adapter are admitted once the wri
 from __future__ import annotations
 
 import asyncio
-import enum
-import hashlib
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from loraplex.engine.lora.adapter import LoRAAdapter
 from loraplex.engine.lora.errors import AdapterNotFoundError, LoRAError
+from loraplex.engine.lora.version import (
+    AdapterState,
+    AdapterVersion,
+    _combination_digest,
+    _has_full,
+    combination_name,
+)
 
 __all__ = [
     "AdapterManager",
@@ -49,81 +51,6 @@ MAX_COMBINATIONS = 64
 
 class SlotFullError(LoRAError):
     """Every GPU slot is pinned: a request that needs a new slot cannot be served."""
-
-
-class AdapterState(enum.Enum):
-    REGISTERED = "registered"  # known, not in memory
-    LOADING = "loading"
-    CPU = "cpu"  # tensors in the CPU tier
-    FAILED = "failed"
-
-
-@dataclass(eq=False)
-class AdapterVersion:
-    name: str
-    uri: str
-    digest: str
-    version: int
-    local_dir: Path | None = None
-    state: AdapterState = AdapterState.REGISTERED
-    adapter: LoRAAdapter | None = None
-    error: BaseException | None = None
-    slot: int | None = None
-    slot_ready: bool = False
-    # rows joined the step that issued the slot write (that step waits for it on the device,
-    # later steps run behind it): its rows may read the slot before ``slot_ready``
-    slot_joined: bool = False
-    slot_event: Any = None  # torch.cuda.Event of the pending slot write
-    slot_timing: Any = None  # (start, host->device copy done) events of that write
-    slot_refs: int = 0  # running requests reading the slot
-    users: int = 0  # requests in flight (waiting or running) on this version
-    pinned: bool = False  # operator pin: never evicted from its slot
-    dynamic: bool = False  # resolved from a name at request time (forgotten if its load fails)
-    trusted: bool = False  # an operator-configured source (a fetch again uses the same policy)
-    pinned_uri: str | None = None  # the source at the exact revision fetched
-    nbytes: int = 0
-    progress: dict[str, tuple[int, int | None]] = field(default_factory=dict)
-    last_used: float = field(default_factory=time.monotonic)
-    timings: dict[str, float] = field(default_factory=dict)
-    load_task: asyncio.Task | None = None
-    region: Any = None  # host-pool Region holding the CPU-tier tensors (pool.py)
-    region_event: Any = None  # torch.cuda.Event after the last slot write out of the region
-    lora_rank: int = 0  # largest module rank, from the preflight (0: not fetched yet)
-    dora: bool = False  # a DoRA adapter (preflight)
-    full: bool = False  # carries modules_to_save tables (preflight): a full-table slot only
-    vocab_rows: int = 0  # rows of those tables (preflight); > the base's: it added tokens
-    tokenizer: Any = None  # its own Tokenizer when it added tokens (added_tokens.py), else None
-    # a name resolved at request time whose requests are tokenized after its load (it may add
-    # tokens: ``AdapterOps.load_before_tokenizing``); ``cold_pending``: that load counts as the
-    # miss of the next request to use it
-    tokenize_after_load: bool = False
-    cold_pending: bool = False
-    # a combination: (component version, weight) in request order (empty: a plain adapter)
-    parts: tuple[tuple[AdapterVersion, float], ...] = ()
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.name, self.digest)
-
-    @property
-    def rank(self) -> int:
-        return self.adapter.rank if self.adapter is not None else 0
-
-
-def _has_full(v: AdapterVersion) -> bool:
-    """``v``'s adapter replaces full embed_tokens / lm_head tables (modules_to_save)."""
-    return v.full or bool(getattr(v.adapter, "full", None))
-
-
-def combination_name(parts: list[tuple[str, float]]) -> str:
-    """Display name of a combination, e.g. ``sql*0.7+pirate*0.3``: ``*`` and ``+`` are never
-    in an adapter name, so it cannot collide with one."""
-    return "+".join(f"{n}*{float(w)!r}" for n, w in parts)
-
-
-def _combination_digest(parts: tuple[tuple[AdapterVersion, float], ...]) -> str:
-    text = "".join(f"{v.name}\n{v.digest}\n{float(w)!r}\n" for v, w in parts)
-    return hashlib.sha256(b"combination\n" + text.encode()).hexdigest()
 
 
 Loader = Callable[[AdapterVersion], "Any"]  # async: fills version.adapter (and timings)
