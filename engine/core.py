@@ -12,7 +12,6 @@ import asyncio
 import collections
 import contextlib
 import itertools
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +21,10 @@ import structlog
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core_adapters import MAX_COMPOSITION, AdapterOps
+from loraplex.engine.core_steps import Planned, StepOps
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.errors import InvalidRequestError
-from loraplex.engine.executor import InFlightStep, StepExecutor, StepRecord
+from loraplex.engine.executor import StepExecutor, StepRecord
 from loraplex.engine.kv import BlockManager
 from loraplex.engine.loop_lag import LoopLag
 from loraplex.engine.lora.errors import AdapterNotFoundError
@@ -34,13 +34,13 @@ from loraplex.engine.lora.pool import HostPool
 from loraplex.engine.mixed_graphs import MixedGraphs
 from loraplex.engine.model.protocol import CausalLM
 from loraplex.engine.model.tp import full_config
-from loraplex.engine.model_runner import ModelRunner, StepItem
+from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.observe import request_summary
-from loraplex.engine.output import append_token, final_output
+from loraplex.engine.output import final_output
 from loraplex.engine.request import Request
-from loraplex.engine.sampler import SamplerOutput, make_generator
+from loraplex.engine.sampler import make_generator
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.structured.grammars import GrammarCache, Guide
 from loraplex.engine.structured.spec import StructuredOutput
 from loraplex.engine.tokenizer import Tokenizer
@@ -53,9 +53,6 @@ __all__ = ["EngineCore", "EngineInternals", "Planned", "AdapterChoice", "MAX_COM
 AdapterChoice = str | Sequence[tuple[str, float]] | None
 
 log = structlog.get_logger("loraplex.engine")
-
-# A planned step: the scheduler's plan and its step items (the executor's inputs).
-Planned = tuple[SchedulerOutput, list[StepItem]]
 
 
 @dataclass(frozen=True)
@@ -79,7 +76,7 @@ class EngineInternals:
         return self.executor.step_log
 
 
-class EngineCore(AdapterOps):
+class EngineCore(AdapterOps, StepOps):
     """The engine's state: scheduler, KV blocks, adapters, requests; ``executor`` runs steps.
 
     ``AsyncEngine`` uses only this API, on the event loop unless noted:
@@ -342,104 +339,6 @@ class EngineCore(AdapterOps):
         self.emit(
             "request_finished", **summary, itl_s=[b - a for a, b in itertools.pairwise(times)]
         )
-
-    # -- steps ----------------------------------------------------------------------------------
-
-    def plan(self) -> Planned | None:
-        """The next step (its requests are in flight from here), or None: nothing can run.
-
-        First: landed slot writes, requests whose adapter failed to load, and requests the
-        scheduler rejects are dealt with."""
-        self._poll_slot_events()
-        for req, err in self._drain_failed_adapters():
-            self.fail(req, err)
-        plan = self.scheduler.schedule()
-        for req, err in plan.failed:
-            self.fail(req, err)
-        if plan.empty:
-            return None
-        self.in_flight |= {c.req for c in plan.chunks}
-        return plan, self.executor.prepare(plan)
-
-    def chain(self, step: InFlightStep) -> Planned | None:
-        """The step to queue behind ``step`` while it is in flight (pipelined decode and
-        admission), if ``Scheduler.chain`` allows one."""
-        self._poll_slot_events()
-        if not self.config.async_scheduling or not step.sampled:
-            return None
-        plan = self.scheduler.chain(step.plan, self.max_model_len)
-        if plan is None:
-            return None
-        for req, err in plan.failed:  # (every GPU slot pinned: as from ``plan``)
-            self.fail(req, err)
-        self.in_flight |= {c.req for c in plan.chunks}
-        return plan, self.executor.prepare(plan, step)
-
-    def launch(
-        self, plan: SchedulerOutput, items: list[StepItem], prev: InFlightStep | None = None
-    ) -> InFlightStep:
-        """Step thread: slot writes, then queue the forward and sampling (behind ``prev``)."""
-        return self.executor.launch(plan, items, prev)
-
-    def collect(self, step: InFlightStep) -> SamplerOutput | None:
-        """Step thread: wait for ``step``'s sampled tokens."""
-        return self.executor.collect(step)
-
-    def apply(
-        self,
-        step: InFlightStep,
-        result: SamplerOutput | None,
-        behind: InFlightStep | None = None,
-    ) -> None:
-        """Apply a collected step (tokens, finishes, streamed outputs). ``behind``: the step
-        launched behind it and still in flight; its requests stay in flight, no others do."""
-        if behind is None:
-            self.in_flight.clear()
-        else:
-            self.in_flight = {c.req for c in behind.plan.chunks}
-        self._postprocess(step.plan, result)
-
-    def end_steps(self) -> None:
-        """The loop left its steps (collected, failed or cancelled): none is in flight."""
-        self.in_flight.clear()
-
-    def fail_steps(self, plans: list[SchedulerOutput], error: BaseException) -> None:
-        """Fail the requests of steps that raised (pipelined steps share requests)."""
-        for plan in plans:
-            for chunk in plan.chunks:
-                if not chunk.req.is_finished:
-                    self.fail(chunk.req, error)
-
-    def _postprocess(self, plan: SchedulerOutput, result: SamplerOutput | None) -> None:
-        self.counters["steps"] += 1
-        if self._sync_slot_writes:
-            for v, slot, _ in plan.slot_jobs:
-                if v.slot == slot and self.adapters.slot_owner(slot) is v:  # not dropped meanwhile
-                    self._slot_landed(v)
-        row = -1
-        now = time.monotonic()
-        for chunk in plan.chunks:
-            req = chunk.req
-            row += chunk.need_logits
-            if req.is_finished:
-                continue  # e.g. a pipelined row of a request that ended the step before
-            self.scheduler.mark_computed(chunk)
-            if req.aborted:
-                self.finish(req, "abort")
-                continue
-            if not chunk.need_logits:
-                continue
-            assert result is not None
-            tok = result.token_ids[row]
-            out = append_token(
-                req, tok, result.logprobs[row], result.top_logprobs[row], self.max_model_len
-            )
-            req.token_times.append(now)
-            if out.finished:
-                self.scheduler.finish(req, out.finish_reason or "stop")
-                self.counters["finished"] += 1
-                self._log(req)
-            req.queue.put_nowait(out)
 
     # -- introspection --------------------------------------------------------------------------
 
