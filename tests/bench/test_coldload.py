@@ -9,6 +9,7 @@ import csv
 import importlib.util
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -285,3 +286,31 @@ def test_warm_yardstick_serves_the_same_trace_without_cold_loads(tmp_path: Path)
         assert side["n"] > 0 and side["tokens_max"] >= side["tokens_p50"] > 0
         assert side["p99_s"] >= side["p50_s"] > 0
     assert "prefill steps cold/warm: n " in study.text
+    lo, hi = y["ratio_p99_interval"]
+    assert 0 < lo <= hi
+    assert "95 % interval" in study.text
+
+
+def test_ratio_interval_brackets_the_ratio_and_moves_with_it() -> None:
+    from loraplex.engine.bench.coldload.metrics import ratio_interval
+
+    g = random.Random(3)
+    # 60 s of steps: ~6 ms decodes, a slow prefill step now and then, 8 streams per step
+    warm, t = [], 0.0
+    while t < 60:
+        d = 0.006 if g.random() > 0.03 else g.uniform(0.02, 0.04)
+        t += d
+        warm += [(t, d, False)] * 8
+    same = ratio_interval(warm, warm)
+    assert same == (1.0, 1.0)
+    slower = [(t, d * 1.2, w) for t, d, w in warm]
+    lo, hi = ratio_interval(slower, warm)
+    assert lo == pytest.approx(1.2) and hi == pytest.approx(1.2)
+    other, t = [], 0.0  # the same process, other coincidences: an interval around 1
+    while t < 60:
+        d = 0.006 if g.random() > 0.03 else g.uniform(0.02, 0.04)
+        t += d
+        other += [(t, d, False)] * 8
+    lo, hi = ratio_interval(other, warm)
+    assert lo < 1.0 < hi and hi - lo < 0.6
+    assert ratio_interval([], warm) is None

@@ -112,6 +112,10 @@ def sweep_row(res: PointResult) -> dict[str, Any]:
         itl_p99_s=s["itl"]["all"]["p99_s"],
         warm_itl_p99_s=(s.get("yardstick") or {}).get("warm_itl", {}).get("p99_s"),
         cold_warm_ratio=(s.get("yardstick") or {}).get("ratio_p99"),
+        cold_warm_ratio_lo=((s.get("yardstick") or {}).get("ratio_p99_interval") or (None,))[0],
+        cold_warm_ratio_hi=((s.get("yardstick") or {}).get("ratio_p99_interval") or (None, None))[
+            1
+        ],
         loads=s["loads"]["count"],
         bytes_fetched=s["loads"]["bytes_fetched"],
         gpu_evictions=s["engine"]["adapters"].get("gpu_evictions"),
@@ -197,6 +201,12 @@ def point_line(res: PointResult) -> str:
             f"ITL p99 cold/warm {_ms(y['cold_itl']['p99_s'])}/{_ms(y['warm_itl']['p99_s'])} ms "
             f"-> {_num(y['ratio_p99'])} (with a load in flight: {_num(y['with_load_ratio_p99'])})"
         )
+        ci = y.get("ratio_p99_interval")
+        if ci:
+            lines.append(
+                f"  cold / warm ITL p99, 95 % interval (paired 2 s block bootstrap): "
+                f"{_num(ci[0])}-{_num(ci[1])}"
+            )
         pc, pw = (
             (y.get("prefill_steps") or {}).get("cold"),
             (y.get("prefill_steps") or {}).get("warm"),

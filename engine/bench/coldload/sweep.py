@@ -19,6 +19,7 @@ from typing import Any
 
 from loraplex.engine.bench.coldload.adapters import AdapterSet, model_config, write_adapter_set
 from loraplex.engine.bench.coldload.config import PointConfig, grid, label_of
+from loraplex.engine.bench.coldload.metrics import ratio_interval
 from loraplex.engine.bench.coldload.report import point_line, write_point, write_sweep
 from loraplex.engine.bench.coldload.run import PointResult, run_point
 from loraplex.engine.bench.coldload.servers import hf_cache_env
@@ -106,6 +107,9 @@ async def _run_all(
                         warm=True,
                     )
                     res.summary["yardstick"] = yardstick(res.summary, warm.summary)
+                    res.summary["yardstick"]["ratio_p99_interval"] = ratio_interval(
+                        res.itl, warm.itl
+                    )
                     files += write_point(warm, dest / "warm")
             if point.source == "hub":
                 shutil.rmtree(work / f"hf-cache-{i}", ignore_errors=True)
