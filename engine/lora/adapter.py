@@ -5,7 +5,6 @@ Only safetensors are read: pickle-based weight files are refused, never opened.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,6 @@ from loraplex.engine.lora.errors import (
     AdapterRankError,
     AdapterShapeError,
     AdapterTargetError,
-    AdapterValueError,
 )
 from loraplex.engine.lora.peft_config import PeftLoRAConfig, parse_peft_config_json
 from loraplex.engine.lora.preflight_checks import (
@@ -38,13 +36,14 @@ from loraplex.engine.lora.preflight_checks import (
     check_table_copy,
     is_table_copy,
 )
-from loraplex.engine.lora.targets import PARENT as _PARENT
-from loraplex.engine.lora.targets import base_module_name, check_targets, vocab_module
+from loraplex.engine.lora.targets import base_module_name, check_targets
+from loraplex.engine.lora.tensor_checks import (
+    MAX_ADAPTER_WEIGHT,
+    check_weight_values,
+    parse_key,
+)
 from loraplex.engine.model.config import (
-    LORA_MODULES,
     MODULE_ORDER,
-    VOCAB_LAYER,
-    VOCAB_LORA_MODULES,
     ModelConfig,
 )
 
@@ -64,13 +63,6 @@ __all__ = [
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-_MODULE_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
-# Largest |w| accepted in lora_A and in lora_B with the LoRA scale folded in. Trained adapters
-# sit orders of magnitude below: PEFT starts A at U(+-1/sqrt(in)) and B at 0, trained entries
-# stay O(0.01-1) and scales (alpha/r, alpha/sqrt(r)) are O(1-100). It is also below float16's
-# largest value (65504), so the cast to a half serving dtype cannot overflow to Inf. Values
-# past it only come from broken or hostile files (NaN / Inf / 3e38 made empty outputs).
-MAX_ADAPTER_WEIGHT = 1e4
 
 
 @dataclass(frozen=True)
@@ -116,92 +108,6 @@ class LoRAAdapter:
         return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values()) + full
 
 
-def _resolve_module(name: str, num_layers: int) -> tuple[int, str]:
-    short = vocab_module(name)
-    if short is not None:
-        return VOCAB_LAYER, short
-    m = _MODULE_RE.fullmatch(name)
-    if m is None or m.group(3) not in LORA_MODULES or _PARENT[m.group(3)] != m.group(2):
-        raise AdapterTargetError(
-            f"adapter weights target module {name!r}, which is not a LoRA module of the base "
-            f"(supported: {', '.join(LORA_MODULES + VOCAB_LORA_MODULES)})",
-            field=name,
-        )
-    layer = int(m.group(1))
-    if layer >= num_layers:
-        raise AdapterTargetError(
-            f"adapter weights target {name!r}: layer {layer} >= num_layers {num_layers}", field=name
-        )
-    return layer, m.group(3)
-
-
-def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
-    """``base_model.model.<module>.lora_A[.<adapter>].weight`` -> (layer, module, "A" or "B");
-    ``<module>.lora_magnitude_vector[.<adapter>][.weight]`` (DoRA) -> "M";
-    ``model.embed_tokens.lora_embedding_A[.<adapter>]`` -> "A" (``_B``: "B");
-    ``model.embed_tokens`` / ``lm_head`` ``.base_layer.weight`` -> "BASE" (PEFT saves the base
-    table next to a LoRA on it; never read: the served base is the model's);
-    ``model.embed_tokens.weight`` / ``lm_head.weight`` -> "FULL" (a modules_to_save table)."""
-    parts = key.removeprefix("base_model.model.").split(".")
-    i = next((j for j, p in enumerate(parts) if p.startswith("lora_")), None)
-    if i is None and parts[-2:] == ["base_layer", "weight"]:
-        layer, short = _resolve_module(".".join(parts[:-2]), num_layers)
-        if layer == VOCAB_LAYER:
-            return layer, short, "BASE"
-    if i is None:  # a full weight, e.g. modules_to_save's lm_head.weight
-        module = ".".join(parts[:-1] if parts[-1] in ("weight", "bias") else parts)
-    else:
-        module = ".".join(parts[:i])
-    layer, short = _resolve_module(module, num_layers)
-    if i is None and layer == VOCAB_LAYER and parts[-1] == "weight":
-        return layer, short, "FULL"  # modules_to_save's table (checked against the config)
-    if i is None and layer == VOCAB_LAYER:
-        raise AdapterFormatError(
-            f"{WEIGHTS_FILE}: tensor {key!r} is not a full {short} table or a LoRA weight",
-            field=key,
-        )
-    rest = parts[i + 1 :] if i is not None else []
-    if i is not None and short == "embed_tokens":
-        if parts[i] in ("lora_embedding_A", "lora_embedding_B") and len(rest) < 2:
-            return layer, short, parts[i][-1]
-        raise AdapterFormatError(
-            f"{WEIGHTS_FILE}: tensor {key!r} is not a lora_embedding_A / lora_embedding_B",
-            field=key,
-        )
-    magnitude = i is not None and parts[i] == "lora_magnitude_vector"
-    if magnitude and (len(rest) < 2 or (len(rest) == 2 and rest[-1] == "weight")):
-        return layer, short, "M"
-    if (
-        i is None
-        or parts[i] not in ("lora_A", "lora_B")
-        or rest[-1:] != ["weight"]
-        or len(rest) > 2
-    ):
-        raise AdapterFormatError(
-            f"{WEIGHTS_FILE}: tensor {key!r} is not a LoRA A/B weight or DoRA magnitude",
-            field=key,
-        )
-    return layer, short, parts[i][-1]
-
-
-def check_weight_values(t: torch.Tensor, key: str, *, scale: float | None = None) -> None:
-    """Raise AdapterValueError if ``t`` holds NaN, +-Inf or an entry above
-    ``MAX_ADAPTER_WEIGHT`` in magnitude. One reduction pass (NaN propagates through amax);
-    the finiteness pass runs only to word the error. ``scale``: already folded into ``t``."""
-    if t.numel() == 0:
-        return
-    peak = float(t.abs().amax())
-    if peak <= MAX_ADAPTER_WEIGHT:
-        return
-    folded = "" if scale is None else f" (LoRA scale {scale:g} folded in)"
-    if not bool(torch.isfinite(t).all()):
-        n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
-        why = f"holds {n_nan} NaN and {n_inf} infinite values{folded}"
-    else:
-        why = f"has an entry of magnitude {peak:.3g}{folded}, above {MAX_ADAPTER_WEIGHT:g}"
-    raise AdapterValueError(f"{WEIGHTS_FILE}: tensor {key!r} {why}", field=key)
-
-
 def _read_config(folder: Path) -> PeftLoRAConfig:
     p = folder / CONFIG_FILE
     if not p.is_file():
@@ -239,7 +145,7 @@ def _index(
         if is_table_copy(key, mc):
             check_table_copy(key, list(f.get_slice(key).get_shape()), mc)
             continue
-        layer, module, ab = _parse_key(key, mc.num_layers)
+        layer, module, ab = parse_key(key, mc.num_layers)
         full = base_module_name(layer, module)
         if ab == "BASE":
             _check_base_table(key, list(f.get_slice(key).get_shape()), module, mc)
