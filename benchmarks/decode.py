@@ -28,30 +28,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.floor import base_bytes, copy_bandwidth, kv_bytes, pct
 from benchmarks.synthetic import LLAMA3_8B, random_model, write_adapter, write_model_config
 from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
-
-
-def copy_bandwidth() -> float:
-    if not torch.cuda.is_available():
-        return 1e11  # nominal, for --smoke on CPU
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(20):
-        y.copy_(x)
-    e1.record()
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 20 / (e0.elapsed_time(e1) / 1e3)
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 async def run_batch(engine, batch: int, names: list[str | None], ctx: int, steps: int, seed: int):
@@ -76,32 +55,6 @@ async def run_batch(engine, batch: int, names: list[str | None], ctx: int, steps
     host = [e.host_s for e in full]
     steps = [e.seconds for e in full]
     return {"wall": wall, "tokens": produced, "steps": steps, "gpu": gpu, "host": host, "log": log}
-
-
-def kv_bytes(cfg: dict, batch: int, ctx: int) -> int:
-    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_tok = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2
-    return batch * ctx * per_tok
-
-
-def base_bytes(model) -> int:
-    """Bytes of base weights one decode step reads (an fp8 projection: its fp8 rows and
-    float32 scales; call after the engine started, which frees the float rows)."""
-    total = 0
-    for name, p in model.named_parameters():
-        if name == "embed_tokens":
-            continue  # decode gathers a few rows only
-        if name.endswith("weight_aug"):
-            mod = model.get_submodule(name.rsplit(".", 1)[0])
-            if not mod.float_base:
-                total += mod.weight_fp8.numel() + mod.weight_scale.numel() * 4
-                continue
-            total += mod.out_features * mod.in_features * p.element_size()
-        elif name.endswith("bias_aug"):
-            continue
-        else:
-            total += p.numel() * p.element_size()
-    return total
 
 
 async def engine_cases(args, bw, adapters: list[Path], model_dir: Path, rows: list[dict]):
@@ -318,7 +271,7 @@ def main() -> None:
         args.cfg = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
         args.device, args.no_hf, args.kv_gb = "cpu", True, 1
-        args.adapters, args.batches, args.ctx, args.steps = [0, 2], [1, 4], 16, 6
+        args.adapters, args.batches, args.ctx, args.steps = [0, 2], [1, 4], 16, 16
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="loraplex-bench-")
     work = Path(args.workdir)
     model_dir = write_model_config(work / "model", args.cfg)
