@@ -71,24 +71,29 @@ def lora_delta(
     epilogues) is ``(n_base + s * L, 1, S * L)``; slot-major shrinks (the vocab
     LoRA, lora/vocab.py) are ``(0, R, 1)``.
 
-    ``BLOCK_K > 0`` (with ``USE_DOT``): "packed" form. The shrink columns of every slot of the
-    slice are indexed ``k = slot * R + r``; each token keeps only its own slot's columns
-    (masked load) and the delta is a dot over ``k`` in chunks of ``BLOCK_K`` against
-    ``lora_b`` gathered as (L * R, N): one dot per chunk instead of one per slot, the slots a
-    block spans only. Same products and fp32 sums as the per-slot loop (the masked terms add
-    exact zeros).
+    ``BLOCK_K > 0`` (with ``USE_DOT``): "packed" form. The shrink columns of the slots a block
+    spans (``lo .. hi``) are indexed rank-major, ``k = r * (hi - lo) + slot - lo``; each token
+    keeps only its own slot's columns (masked load) and the delta is a dot over ``k`` in chunks
+    of ``BLOCK_K`` against ``lora_b`` gathered as (R * span, N): one dot per chunk instead of
+    one per slot. The same products as the per-slot loop; the fp32 sums in another order.
+
+    Otherwise one gather per rank chunk loads every token's own shrinks; the loop over the
+    slots present masks them per slot (the masked terms add exact zeros: the same sums, bit
+    for bit, as a load per slot).
     """
     lo = tl.reduce(tl.where(slots >= 0, slots, L), 0, tl.standard._elementwise_min)
     hi = tl.reduce(slots, 0, tl.standard._elementwise_max) + 1
     h_rows = ya_ptr + tok[:, None] * stride_yt  # (BT, 1)
     if BLOCK_K > 0:
+        # k = r * span + (slot - lo): one rank's shrinks of the block's slots are adjacent
+        # columns of a rank-major y_aug (step_l = 1), so the loads of a chunk coalesce
+        span = hi - lo
         offs = tl.arange(0, BLOCK_K)
-        k_start = (lo * R) // BLOCK_K * BLOCK_K
-        for k0 in range(k_start, hi * R, BLOCK_K):
+        for k0 in range(0, R * span, BLOCK_K):
             k = k0 + offs
-            k_slot = k // R
-            k_r = k % R
-            k_ok = k < L * R
+            k_r = k // span
+            k_slot = lo + k % span
+            k_ok = k < R * span
             h = tl.load(
                 h_rows + (k_col + k_slot * step_l + k_r * step_r)[None, :] * stride_yn,
                 mask=(slots[:, None] == k_slot[None, :]) & k_ok[None, :],
@@ -104,18 +109,19 @@ def lora_delta(
             )  # (BLOCK_K, BN)
             acc += tl.dot(h, b.to(h.dtype), input_precision="ieee")
         return acc
-    for slot in range(lo, hi):
-        sel = slots == slot
-        if tl.reduce(sel.to(tl.int32), 0, tl.standard._elementwise_max) > 0:
-            for r0 in range(0, R, BLOCK_R):
-                offs_r = r0 + tl.arange(0, BLOCK_R)
-                r_mask = offs_r < R
-                h_cols = k_col + slot * step_l + offs_r * step_r  # (BLOCK_R,)
-                h = tl.load(
-                    h_rows + h_cols[None, :] * stride_yn,
-                    mask=sel[:, None] & r_mask[None, :],
-                    other=0.0,
-                )  # (BT, BLOCK_R)
+    for r0 in range(0, R, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < R
+        # every token's own shrinks of this rank chunk, in one gather (not one per slot)
+        h_all = tl.load(
+            h_rows + (k_col + slots[:, None] * step_l + offs_r[None, :] * step_r) * stride_yn,
+            mask=(slots[:, None] >= 0) & r_mask[None, :],
+            other=0.0,
+        )  # (BT, BLOCK_R)
+        for slot in range(lo, hi):
+            sel = slots == slot
+            if tl.reduce(sel.to(tl.int32), 0, tl.standard._elementwise_max) > 0:
+                h = tl.where(sel[:, None], h_all, tl.zeros_like(h_all))
                 b = tl.load(
                     b_ptr
                     + slot * stride_bl
