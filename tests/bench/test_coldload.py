@@ -289,6 +289,9 @@ def test_warm_yardstick_serves_the_same_trace_without_cold_loads(tmp_path: Path)
     lo, hi = y["ratio_p99_interval"]
     assert 0 < lo <= hi
     assert "95 % interval" in study.text
+    b = cold["summary"]["backlog"]
+    assert len(b["windows"]) == 3 and b["loads_per_s"] > 0
+    assert "load path: " in study.text
 
 
 def test_ratio_interval_brackets_the_ratio_and_moves_with_it() -> None:
@@ -314,3 +317,47 @@ def test_ratio_interval_brackets_the_ratio_and_moves_with_it() -> None:
     lo, hi = ratio_interval(other, warm)
     assert lo < 1.0 < hi and hi - lo < 0.6
     assert ratio_interval([], warm) is None
+
+
+def _cold_rows(times: list[float], waits: list[float]) -> list[dict[str, Any]]:
+    return [
+        {"t_arrival": t, "tier": "cold", "ttft_s": w + 0.01, "prefill_s": 0.01, "error": None}
+        for t, w in zip(times, waits, strict=True)
+    ]
+
+
+def test_backlog_tells_a_load_path_that_keeps_up_from_a_growing_queue() -> None:
+    from loraplex.engine.bench.coldload.collect import LoadRecord
+    from loraplex.engine.bench.coldload.metrics import backlog
+
+    t0 = 100.0
+    times = [0.1 * i for i in range(300)]  # 10 cold requests/s for 30 s
+
+    def loads(waits: list[float]) -> list[LoadRecord]:
+        return [
+            LoadRecord(f"a{i}", "d", True, t0 + t + w, w, 1, True, {"stage": w})
+            for i, (t, w) in enumerate(zip(times, waits, strict=True))
+        ]
+
+    steady = [0.05] * len(times)  # every load 50 ms: about half a request waiting at a time
+    b = backlog(_cold_rows(times, steady), loads(steady), t0, 30.0)
+    assert b["sustained"] is True
+    assert b["loads_per_s"] == pytest.approx(10.0, abs=0.2)
+    assert [w["cold_arrived"] for w in b["windows"]] == [100, 100, 100]
+    assert all(w["waiting_mean"] == pytest.approx(0.5, abs=0.1) for w in b["windows"])
+
+    # loads served one at a time at 8/s against 10 arrivals/s: the queue grows all along
+    growing, free = [], 0.0
+    for t in times:
+        free = max(free, t) + 0.125
+        growing.append(free - t)
+    b = backlog(_cold_rows(times, growing), loads(growing), t0, 30.0)
+    assert b["sustained"] is False
+    w = b["windows"]
+    assert w[0]["waiting_mean"] < w[1]["waiting_mean"] < w[2]["waiting_mean"]
+    assert w[2]["cold_ttft_p50_s"] > 2 * w[0]["cold_ttft_p50_s"]
+
+    # a cold request that never got its token is not a sustained rate, whatever the means say
+    rows = _cold_rows(times, steady)
+    rows[-1]["ttft_s"] = None
+    assert backlog(rows, loads(steady), t0, 30.0)["sustained"] is False

@@ -28,6 +28,7 @@ __all__ = [
     "itl_samples",
     "split_stats",
     "ratio_interval",
+    "backlog",
 ]
 
 PARTS = ("queue", *STAGES, "slot_wait", "h2d", "prefill")
@@ -197,3 +198,63 @@ def ratio_interval(
     if not ratios:
         return None
     return float(np.quantile(ratios, 0.025)), float(np.quantile(ratios, 0.975))
+
+
+def backlog(
+    rows: Sequence[dict[str, Any]],
+    loads: Sequence[LoadRecord],
+    t0: float,
+    span_s: float,
+    *,
+    parts: int = 3,
+) -> dict[str, Any]:
+    """Does the load path keep up with the arrivals? The arrival span is cut into ``parts``
+    equal windows; for each: cold requests arrived, loads ended, the mean number of cold
+    requests waiting on a load (arrived, not yet admitted), and the cold requests' TTFT p50.
+    A load path that keeps up has the same waiting count and TTFT in the last window as in the
+    first; a growing queue shows as both rising window by window.
+
+    ``sustained``: every cold request finished, and the last window's waiting count is at most
+    2 x the first's + 1 and its cold TTFT p50 at most 2 x the first's. ``loads_per_s``: ended
+    loads per second of the span (the rate the run sustained when ``sustained`` holds).
+    ``rows``: ``request_rows`` (times relative to ``t0``); ``loads``: monotonic times."""
+    ends = [ld.t_end - t0 for ld in loads if ld.ok]
+    cold = [r for r in rows if r["tier"] == "cold"]
+    width = span_s / parts if span_s > 0 else 0.0
+    windows = []
+    for k in range(parts):
+        lo, hi = k * width, (k + 1) * width
+        mine = [r for r in cold if lo <= r["t_arrival"] < hi]
+        # waiting: sampled every 10 ms of the window, a cold request counts from its arrival
+        # to its admission (queue + load + slot); one never admitted counts to the end
+        ts = np.arange(lo, hi, 0.01) if width > 0 else np.empty(0)
+        waiting = np.zeros(len(ts))
+        for r in cold:
+            a = r["t_arrival"]
+            w = (r["ttft_s"] - (r["prefill_s"] or 0.0)) if r["ttft_s"] is not None else np.inf
+            waiting += (ts >= a) & (ts < a + w)
+        ttft = [r["ttft_s"] for r in mine if r["ttft_s"] is not None]
+        windows.append({
+            "t0_s": lo,
+            "cold_arrived": len(mine),
+            "loads_ended": sum(1 for t in ends if lo <= t < hi),
+            "waiting_mean": float(waiting.mean()) if len(waiting) else None,
+            "cold_ttft_p50_s": pct(ttft, 0.5),
+        })  # fmt: skip
+    first, last = windows[0], windows[-1]
+    done = all(r["ttft_s"] is not None and r["error"] is None for r in cold)
+    grow_ok = (
+        first["waiting_mean"] is not None and last["waiting_mean"] <= 2 * first["waiting_mean"] + 1
+    )
+    ttft_ok = (
+        first["cold_ttft_p50_s"] is None
+        or last["cold_ttft_p50_s"] is None
+        or last["cold_ttft_p50_s"] <= 2 * first["cold_ttft_p50_s"]
+    )
+    ended = sum(1 for t in ends if 0 <= t < span_s)
+    return {
+        "windows": windows,
+        "loads_per_s": ended / span_s if span_s > 0 else None,
+        "cold_per_s": len(cold) / span_s if span_s > 0 else None,
+        "sustained": bool(cold) and done and grow_ok and ttft_ok,
+    }

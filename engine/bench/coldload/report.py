@@ -117,6 +117,8 @@ def sweep_row(res: PointResult) -> dict[str, Any]:
             1
         ],
         loads=s["loads"]["count"],
+        loads_per_s=(s.get("backlog") or {}).get("loads_per_s"),
+        load_path_sustained=(s.get("backlog") or {}).get("sustained"),
         bytes_fetched=s["loads"]["bytes_fetched"],
         gpu_evictions=s["engine"]["adapters"].get("gpu_evictions"),
         cpu_evictions=s["engine"]["adapters"].get("cpu_evictions"),
@@ -194,6 +196,16 @@ def point_line(res: PointResult) -> str:
             else ""
         ),
     ]
+    b = s.get("backlog")
+    if b and b["windows"]:
+        lines.append(
+            f"  load path: {_num(b['loads_per_s'], '.1f')} loads/s ended over the arrivals "
+            f"({_num(b['cold_per_s'], '.1f')} cold requests/s); by thirds, cold requests waiting "
+            + " / ".join(_num(w["waiting_mean"], ".1f") for w in b["windows"])
+            + ", cold TTFT p50 ms "
+            + " / ".join(_ms(w["cold_ttft_p50_s"]) for w in b["windows"])
+            + (" -> keeps up" if b["sustained"] else " -> does NOT keep up (queue grows)")
+        )
     y = s.get("yardstick")
     if y:
         lines.append(

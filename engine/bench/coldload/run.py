@@ -205,6 +205,8 @@ async def run_point(
         copy_gbps=copy,
         measured_s=t_end - t0,
         lag=lag,
+        t0=t0,
+        span_s=max((a.t for a in arrivals), default=0.0),
     )
     result = PointResult(
         label=label,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from loraplex.engine.bench.coldload.collect import STAGES, LoadRecord, WriteRecord
-from loraplex.engine.bench.coldload.metrics import PARTS, TIERS, pct, split_stats
+from loraplex.engine.bench.coldload.metrics import PARTS, TIERS, backlog, pct, split_stats
 
 if TYPE_CHECKING:
     from loraplex.engine.executor import StepRecord
@@ -157,6 +157,8 @@ def summarize(
     copy_gbps: float | None,
     measured_s: float,
     lag: list[float],
+    t0: float = 0.0,
+    span_s: float | None = None,
 ) -> dict[str, Any]:
     """Everything the text summary, the sweep table and the plots need of one run."""
     done = [r for r in rows if r["finish_reason"] in ("stop", "length")]
@@ -188,6 +190,7 @@ def summarize(
         "prefill_steps": _prefill_steps(step_log),
         "loads": _loads(loads, folder_bytes),
         "h2d": _h2d(writes, pinned_gbps, copy_gbps),
+        "backlog": backlog(rows, loads, t0, span_s if span_s is not None else measured_s),
     }
 
 
