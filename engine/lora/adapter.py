@@ -39,7 +39,9 @@ from loraplex.engine.lora.preflight_checks import (
 from loraplex.engine.lora.targets import base_module_name, check_targets
 from loraplex.engine.lora.tensor_checks import (
     MAX_ADAPTER_WEIGHT,
+    check_folded_values,
     check_weight_values,
+    fold_scale,
     parse_key,
 )
 from loraplex.engine.model.config import (
@@ -241,12 +243,14 @@ def load_adapter(
     dtype: torch.dtype = torch.float32,
     full_modules: bool = False,
     read_full: bool = True,
+    keep: bool = True,
 ) -> LoRAAdapter:
     """Read, check and load an adapter folder; tensors come back on CPU in ``dtype``.
 
     ``full_modules``: the engine serves modules_to_save tables (else such an adapter is an
     AdapterConfigError); ``read_full``: read them into ``adapter.full`` (else only their
-    headers are checked, see ``load_full_tables``)."""
+    headers are checked, see ``load_full_tables``); ``keep=False``: every check, values
+    included, and no weights kept (``check_adapter_values``)."""
     folder = Path(path)
     if not folder.is_dir():
         raise AdapterNotFoundError(f"adapter folder {str(path)!r} does not exist")
@@ -274,13 +278,15 @@ def load_adapter(
                 full, pair = base_module_name(layer, module), found[(layer, module)]
                 scale = config.scale_for(full)
                 a = f.get_tensor(pair["A"])
-                b = f.get_tensor(pair["B"]).float() * scale  # fold in f32
-                # NOTE: before the cast, so that no NaN/Inf/huge value reaches a slot
+                b = f.get_tensor(pair["B"])
+                # NOTE: the values as folded in f32, before the cast to ``dtype``, so that no
+                # NaN/Inf/huge value reaches a slot
                 check_weight_values(a, pair["A"])
-                check_weight_values(b, pair["B"], scale=scale)
-                weights[(layer, module)] = LoRAWeights(
-                    a=a.to(dtype).contiguous(), b=b.to(dtype).contiguous()
-                )
+                check_folded_values(b, pair["B"], scale)
+                if keep:
+                    weights[(layer, module)] = LoRAWeights(
+                        a=a.to(dtype).contiguous(), b=fold_scale(b, scale, dtype).contiguous()
+                    )
             if read_full:
                 full_tables = _read_tables(f, tables, dtype)
     except (SafetensorError, OSError) as e:
@@ -344,6 +350,6 @@ def check_adapter_values(
     nothing: a registration refuses garbage weights before any request can ask for them."""
     load_adapter(
         path, model_config, max_lora_rank=max_lora_rank, dtype=torch.float32,
-        full_modules=full_modules,
+        full_modules=full_modules, keep=False,
     )  # fmt: skip
     load_magnitudes(path, model_config)

@@ -15,7 +15,13 @@ from loraplex.engine.lora.targets import PARENT as _PARENT
 from loraplex.engine.lora.targets import vocab_module
 from loraplex.engine.model.config import LORA_MODULES, VOCAB_LAYER, VOCAB_LORA_MODULES
 
-__all__ = ["MAX_ADAPTER_WEIGHT", "check_weight_values", "parse_key"]
+__all__ = [
+    "MAX_ADAPTER_WEIGHT",
+    "check_folded_values",
+    "check_weight_values",
+    "fold_scale",
+    "parse_key",
+]
 
 _MODULE_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
 # Largest |w| accepted in lora_A and in lora_B with the LoRA scale folded in. Trained adapters
@@ -100,7 +106,7 @@ def check_weight_values(t: torch.Tensor, key: str, *, scale: float | None = None
     the finiteness pass runs only to word the error. ``scale``: already folded into ``t``."""
     if t.numel() == 0:
         return
-    peak = float(t.abs().amax())
+    peak = float(_peak(t))
     if peak <= MAX_ADAPTER_WEIGHT:
         return
     folded = "" if scale is None else f" (LoRA scale {scale:g} folded in)"
@@ -110,3 +116,30 @@ def check_weight_values(t: torch.Tensor, key: str, *, scale: float | None = None
     else:
         why = f"has an entry of magnitude {peak:.3g}{folded}, above {MAX_ADAPTER_WEIGHT:g}"
     raise AdapterValueError(f"{WEIGHTS_FILE}: tensor {key!r} {why}", field=key)
+
+
+def _peak(t: torch.Tensor) -> torch.Tensor:
+    """max |t| as a float32 0-dim tensor, NaN if ``t`` holds one: one min/max pass in the
+    tensor's own dtype, no |t| copy."""
+    lo, hi = torch.aminmax(t)
+    return torch.maximum(lo.float().abs(), hi.float().abs())
+
+
+def check_folded_values(t: torch.Tensor, key: str, scale: float) -> None:
+    """``check_weight_values`` of ``t.float() * scale`` without making it: rounding is
+    monotonic, so the largest folded magnitude is round32(max |t| * |scale|). Only a failing
+    tensor is folded (to word the error)."""
+    if t.numel() == 0:
+        return
+    if float(_peak(t) * abs(scale)) <= MAX_ADAPTER_WEIGHT:
+        return
+    check_weight_values(t.float() * scale, key, scale=scale)
+
+
+def fold_scale(b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``(b.float() * scale).to(dtype)``, bit for bit, with fewer passes: a tensor already in
+    ``dtype`` is multiplied in place of a float32 round trip (torch computes a half / bfloat16
+    product in float32 and rounds once, the same two roundings), a scale of 1 is no work."""
+    if b.dtype == dtype:
+        return b if scale == 1.0 else b * scale
+    return (b.float() * scale).to(dtype)

@@ -246,6 +246,16 @@ def test_sweep_parsing() -> None:
         "source": ["s3"],
     }
     assert parse_sweep(["prompt_len=8-16,32"]) == {"prompt_len": [Lengths(8, 16), Lengths(32, 32)]}
+    # the load path's concurrency: the engine's defaults unless swept
+    from loraplex.engine.bench.coldload.run import engine_config
+
+    default = engine_config(PointConfig(device="cpu"), {})
+    assert default.max_concurrent_loads == 4 and default.loader_processes is None
+    ((_, p),) = grid(
+        PointConfig(device="cpu"), parse_sweep(["max_concurrent_loads=8", "loader_processes=0"])
+    )
+    cfg = engine_config(p, {})
+    assert cfg.max_concurrent_loads == 8 and cfg.loader_processes == 0
     points = grid(PointConfig(max_cpu_loras=16), {"max_loras": [8, 32]})
     assert [p.max_cpu_loras for _, p in points] == [16, 32]  # bumped to back every slot
     assert (

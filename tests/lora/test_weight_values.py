@@ -95,3 +95,37 @@ def test_check_is_one_reduction_on_good_tensors(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(AdapterValueError):
         check_weight_values(torch.tensor([[1.0, float("nan")]]), "k")
     assert calls == [1]
+
+
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dst", [torch.bfloat16, torch.float16, torch.float32])
+def test_fold_scale_and_folded_check_match_the_float32_fold_bit_for_bit(src, dst) -> None:
+    from loraplex.engine.lora.tensor_checks import check_folded_values, fold_scale
+
+    g = torch.Generator().manual_seed(0)
+    b = (torch.randn(512, 16, generator=g) * torch.logspace(-8, 2, 16)).to(src)
+    for scale in (1.0, 2.0, 0.5, 2**-0.5, 1 / 3, 16 / 7, -0.75, 100.0):
+        ref = (b.float() * scale).to(dst)
+        got = fold_scale(b, scale, dst)
+        assert got.dtype == dst and torch.equal(got, ref)
+        # the check bounds the folded values without making them: same verdict either way
+        peak = float((b.float() * scale).abs().amax())
+        if peak <= MAX_ADAPTER_WEIGHT:
+            check_folded_values(b, "k", scale)
+        else:
+            with pytest.raises(AdapterValueError, match="LoRA scale"):
+                check_folded_values(b, "k", scale)
+
+
+def test_folded_check_refuses_nan_inf_and_the_scale_that_crosses_the_bound() -> None:
+    from loraplex.engine.lora.tensor_checks import check_folded_values
+
+    b = torch.full((8, 4), 5e3, dtype=torch.bfloat16)
+    check_folded_values(b, "k", 2.0)  # 1e4: at the bound
+    with pytest.raises(AdapterValueError, match="above"):
+        check_folded_values(b, "k", 2.5)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        c = b.clone()
+        c[3, 1] = bad
+        with pytest.raises(AdapterValueError, match="NaN|infinite"):
+            check_folded_values(c, "k", 1.0)

@@ -65,6 +65,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-batched-tokens", type=int, default=_D.max_num_batched_tokens)
     e.add_argument("--kv-cache-gb", type=float, default=_D.kv_cache_gb, help="0: engine default")
     e.add_argument("--no-cuda-graphs", action="store_true")
+    e.add_argument(
+        "--max-concurrent-loads", type=int, default=_D.max_concurrent_loads,
+        help="cold loads at once (0: the engine's default)",
+    )  # fmt: skip
+    e.add_argument(
+        "--loader-processes", type=int, default=_D.loader_processes,
+        help="loader helper processes (-1: the engine's default)",
+    )  # fmt: skip
     r = p.add_argument_group("run")
     r.add_argument(
         "--sweep",
@@ -122,6 +130,8 @@ def point_from_args(args: argparse.Namespace) -> PointConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_gb=args.kv_cache_gb,
         cuda_graphs=not args.no_cuda_graphs,
+        max_concurrent_loads=args.max_concurrent_loads,
+        loader_processes=args.loader_processes,
         warmup=not args.no_warmup,
         drain_timeout=args.drain_timeout,
         warm_yardstick=args.warm_yardstick,

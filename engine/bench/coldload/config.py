@@ -63,6 +63,8 @@ class PointConfig:
     max_num_batched_tokens: int = 2048
     kv_cache_gb: float = 0.0  # 0: the engine's default sizing
     cuda_graphs: bool = True
+    max_concurrent_loads: int = 0  # 0: the engine's default
+    loader_processes: int = -1  # -1: the engine's default (helpers on CUDA, none on CPU)
     # run
     warmup: bool = True
     drain_timeout: float = 60.0

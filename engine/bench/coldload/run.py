@@ -69,6 +69,12 @@ def engine_config(
         kv_cache_bytes=int(point.kv_cache_gb * (1 << 30)) or None,
         cuda_graphs=point.cuda_graphs,
         seed=point.seed,
+        **(
+            {"max_concurrent_loads": point.max_concurrent_loads}
+            if point.max_concurrent_loads
+            else {}
+        ),
+        **({"loader_processes": point.loader_processes} if point.loader_processes >= 0 else {}),
         **source_kwargs,
     )
 
