@@ -21,7 +21,6 @@ import asyncio
 import gc
 import random
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.floor import base_bytes, copy_bandwidth, kv_bytes, pct
+from benchmarks.record import git_commit
 from benchmarks.synthetic import LLAMA3_8B, random_model, write_adapter, write_model_config
 from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
 
@@ -298,15 +298,7 @@ def main() -> None:
 
 
 def report(rows: list[dict], bw: float, commit: str | None = None) -> str:
-    try:
-        commit = (
-            commit
-            or subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-            ).stdout.strip()
-        )
-    except OSError:
-        commit = "unknown"
+    commit = commit or git_commit()  # LORAPLEX_COMMIT names a copy without .git
     lines = [
         f"\n## Engine decode: {time.strftime('%Y-%m-%d %H:%M')}, commit {commit or 'unknown'}, "
         f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import random
-import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 import aiohttp
 
+from benchmarks.record import git_commit
 from loraplex.engine import AsyncEngine, EngineConfig
 from loraplex.engine.demo import demo_adapters, register_demo_adapters
 from loraplex.engine.logging import configure_logging
@@ -209,15 +209,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=Path(__file__).parent, check=True)  # fmt: skip
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of traffic")
@@ -227,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json", type=Path, help="also write the report here")
     args = ap.parse_args(argv)
     configure_logging("warning")  # one log line per request would drown the report
-    report = {"commit": _commit(), **asyncio.run(run(args))}
+    report = {"commit": git_commit() or "unknown", **asyncio.run(run(args))}
     print(f"soak {args.duration:g} s, {args.streams} clients, commit {report['commit']}")
     rows = [
         ("RSS after warm-up (MiB)", report["rss_mib_after_warmup"]),
