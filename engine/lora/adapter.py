@@ -5,7 +5,9 @@ Only safetensors are read: pickle-based weight files are refused, never opened.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import ctypes
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from loraplex.engine.lora.adapter_files import (
     CONFIG_FILE,
     DEFAULT_MAX_HEADER_BYTES,
     WEIGHTS_FILE,
+    SafetensorsHeader,
     read_safetensors_header,
 )
 from loraplex.engine.lora.errors import (
@@ -65,6 +68,12 @@ __all__ = [
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+# (layer, module) -> (r, in, out) of every targeted module, and what receives each module's
+# checked tensors: (layer, module), A (r, in), B (out, r) unscaled, the LoRA scale. The tensors
+# are views of the mapped file, valid during the call only.
+ModuleDims = dict[tuple[int, str], tuple[int, int, int]]
+PairSink = Callable[[tuple[int, str], torch.Tensor, torch.Tensor, float], None]
 
 
 @dataclass(frozen=True)
@@ -244,13 +253,17 @@ def load_adapter(
     full_modules: bool = False,
     read_full: bool = True,
     keep: bool = True,
+    sink_for: Callable[[ModuleDims], PairSink] | None = None,
 ) -> LoRAAdapter:
     """Read, check and load an adapter folder; tensors come back on CPU in ``dtype``.
 
     ``full_modules``: the engine serves modules_to_save tables (else such an adapter is an
     AdapterConfigError); ``read_full``: read them into ``adapter.full`` (else only their
     headers are checked, see ``load_full_tables``); ``keep=False``: every check, values
-    included, and no weights kept (``check_adapter_values``)."""
+    included, and no weights kept (``check_adapter_values``); ``sink_for``: called once every
+    header is checked with the modules' dims, returns what receives each module's checked
+    tensors in place of ``adapter.weights`` (``staging.stage_file`` packs them straight into a
+    slot image). Tensor data is read from a private mapping of the file, each byte once."""
     folder = Path(path)
     if not folder.is_dir():
         raise AdapterNotFoundError(f"adapter folder {str(path)!r} does not exist")
@@ -262,7 +275,7 @@ def load_adapter(
     # parser accepts no file the preflight would refuse (safetensors keeps the last of two
     # duplicate keys)
 
-    read_safetensors_header(wfile, max_header_bytes=DEFAULT_MAX_HEADER_BYTES)
+    header = read_safetensors_header(wfile, max_header_bytes=DEFAULT_MAX_HEADER_BYTES)
     shapes = model_config.adapter_module_shapes()
     weights: dict[tuple[int, str], LoRAWeights] = {}
     tables: dict[str, str] = {}
@@ -271,29 +284,61 @@ def load_adapter(
         with safe_open(str(wfile), framework="pt") as f:
             found = _index(f, config, model_config, tables)
             order = sorted(found, key=lambda lm: (lm[0], MODULE_ORDER[lm[1]]))
+            dims: ModuleDims = {}
             for key in order:  # check every header first, then read data
                 r = config.rank_for(base_module_name(*key))
                 _check_pair(f, found[key], r, shapes[key], max_lora_rank)
-            for layer, module in order:
-                full, pair = base_module_name(layer, module), found[(layer, module)]
-                scale = config.scale_for(full)
-                a = f.get_tensor(pair["A"])
-                b = f.get_tensor(pair["B"])
-                # NOTE: the values as folded in f32, before the cast to ``dtype``, so that no
-                # NaN/Inf/huge value reaches a slot
-                check_weight_values(a, pair["A"])
-                check_folded_values(b, pair["B"], scale)
-                if keep:
-                    weights[(layer, module)] = LoRAWeights(
-                        a=a.to(dtype).contiguous(), b=fold_scale(b, scale, dtype).contiguous()
-                    )
+                dims[key] = (r, *shapes[key])
+            sink = sink_for(dims) if sink_for is not None else None
+            data = _FileTensors(wfile, header)
+            if True:
+                for layer, module in order:
+                    full, pair = base_module_name(layer, module), found[(layer, module)]
+                    scale = config.scale_for(full)
+                    a, b = data[pair["A"]], data[pair["B"]]
+                    # NOTE: the values as folded in f32, before the cast to ``dtype``, so that
+                    # no NaN/Inf/huge value reaches a slot
+                    check_weight_values(a, pair["A"])
+                    check_folded_values(b, pair["B"], scale)
+                    if sink is not None:
+                        sink((layer, module), a, b, scale)
+                    elif keep:  # own copies: nothing may point into the mapping
+                        fb = fold_scale(b, scale, dtype)
+                        weights[(layer, module)] = LoRAWeights(
+                            a=a.to(dtype) if a.dtype != dtype else a.clone(),
+                            b=fb.clone() if fb is b else fb,
+                        )
+                del a, b
             if read_full:
                 full_tables = _read_tables(f, tables, dtype)
-    except (SafetensorError, OSError) as e:
+    except (SafetensorError, OSError, ValueError) as e:
         raise AdapterFormatError(f"{wfile} cannot be read: {e}", field=WEIGHTS_FILE) from None
     return LoRAAdapter(
         name=name or folder.name, path=str(folder), config=config, weights=weights, full=full_tables
     )
+
+
+class _FileTensors:
+    """Tensors of a checked safetensors file as views of its data section, read once into one
+    buffer (``read_safetensors_header`` has checked that every tensor lies inside it)."""
+
+    def __init__(self, path: Path, header: SafetensorsHeader) -> None:
+        self.entries = {t.key: t for t in header.tensors}
+        # a torch allocation, not a bytearray: no zero-fill pass before the read
+        self.buf = torch.empty(header.data_bytes, dtype=torch.uint8)
+        self.data = (ctypes.c_char * header.data_bytes).from_address(self.buf.data_ptr())
+        with open(path, "rb") as fh:
+            fh.seek(8 + header.header_bytes)
+            got = fh.readinto(self.data)
+        if got != header.data_bytes:
+            raise OSError(f"short read: {got} of {header.data_bytes} data bytes (file changed?)")
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        t = self.entries[key]
+        dtype, count = _DTYPES[t.dtype], math.prod(t.shape)
+        if count == 0:
+            return torch.empty(t.shape, dtype=dtype)
+        return torch.frombuffer(self.data, dtype=dtype, count=count, offset=t.begin).view(t.shape)
 
 
 def _read_tables(

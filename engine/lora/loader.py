@@ -45,6 +45,7 @@ from loraplex.engine.lora.staging import (
     PackedAdapter,
     PackEntry,
     adopt_packed,
+    stage_file,
     stage_packed,
 )
 from loraplex.engine.model.config import ModelConfig
@@ -348,10 +349,17 @@ class AdapterLoader:
         self, v: AdapterVersion, dtype: torch.dtype, region: Region | None, pin: bool
     ) -> LoRAAdapter:
         t0 = time.perf_counter()
-        adapter = self._parse(v, dtype)
         out = self.pool.view(region, dtype) if region is not None and self.pool else None
         # one contiguous (pinned) slot image; write_slot copies it in one H2D transfer
-        stage_packed(adapter, self.config.max_lora_rank, pin=pin, out=out)
+        if v.parts:  # a combination: made from its components' tensors, then packed
+            adapter = self._parse(v, dtype)
+            stage_packed(adapter, self.config.max_lora_rank, pin=pin, out=out)
+        else:  # straight from the file into the image
+            assert v.local_dir is not None
+            adapter = stage_file(
+                v.local_dir, self.model_config, self.config.max_lora_rank, dtype=dtype,
+                name=v.name, full_modules=self.config.max_full_module_loras > 0, pin=pin, out=out,
+            )  # fmt: skip
         v.timings["stage"] = time.perf_counter() - t0
         return adapter
 

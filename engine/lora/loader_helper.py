@@ -153,23 +153,19 @@ class _Helper:
     def _stage_sync(self, p: dict) -> dict:
         import torch
 
-        from loraplex.engine.lora.adapter import load_adapter
-        from loraplex.engine.lora.staging import pack_adapter
+        from loraplex.engine.lora.staging import packed_for, stage_file
 
         t0 = time.perf_counter()
         dtype = getattr(torch, p["dtype"])
-        adapter = load_adapter(
-            p["local_dir"],
-            self.init.model_config,
-            max_lora_rank=p["max_lora_rank"],
-            name=p["name"],
-            dtype=dtype,
-            full_modules=p["full_modules"],
-            read_full=False,  # the engine reads the full tables (not in the region)
-        )
         offset, nbytes = p["region"]
-        out = self.pool[offset : offset + nbytes].view(dtype)
-        packed = pack_adapter(adapter, p["max_lora_rank"], out=out)
+        adapter = stage_file(
+            p["local_dir"], self.init.model_config, p["max_lora_rank"], dtype=dtype,
+            name=p["name"], full_modules=p["full_modules"],
+            read_full=False,  # the engine reads the full tables (not in the region)
+            out=self.pool[offset : offset + nbytes].view(dtype),
+        )  # fmt: skip
+        packed = packed_for(adapter)
+        assert packed is not None
         return {
             "config": adapter.config,
             "path": adapter.path,

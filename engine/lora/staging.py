@@ -26,7 +26,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.engine.lora.adapter import LoRAWeights, WeightsView
+from loraplex.engine.lora.adapter import (
+    LoRAWeights,
+    ModuleDims,
+    PairSink,
+    WeightsView,
+    load_adapter,
+)
+from loraplex.engine.lora.tensor_checks import fold_scale_into
 from loraplex.engine.model.config import MODULE_ORDER, ModelConfig
 
 if TYPE_CHECKING:
@@ -38,6 +45,7 @@ __all__ = [
     "PackedAdapter",
     "pack_adapter",
     "stage_packed",
+    "stage_file",
     "attach_packed",
     "packed_for",
     "model_max_rank",
@@ -215,6 +223,52 @@ def stage_packed(
     packed = pack_adapter(adapter, max_rank, pin=pin, out=out)
     adopt_packed(adapter, packed)
     return packed
+
+
+@torch.no_grad()
+def stage_file(
+    path: str,
+    model_config: ModelConfig,
+    max_rank: int,
+    *,
+    dtype: torch.dtype,
+    name: str | None = None,
+    full_modules: bool = False,
+    read_full: bool = True,
+    pin: bool = False,
+    out: torch.Tensor | None = None,
+) -> LoRAAdapter:
+    """``stage_packed(load_adapter(path, ...))`` without the adapter's own tensors: every
+    check of ``load_adapter``, then each module's A and scaled B written straight from the
+    file's bytes into the slot image (one pass per tensor, the same values bit for bit)."""
+    made: list[PackedAdapter] = []
+
+    def sink_for(dims: ModuleDims) -> PairSink:
+        entries, numel = _layout(dims, max_rank)
+        made.append(PackedAdapter(_buffer(numel, dtype, pin, out), entries, max_rank))
+        packed = made[0]
+
+        def put(key: tuple[int, str], a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+            e = entries[key]
+            packed.a(e).copy_(a)
+            fold_scale_into(packed.b(e), b, scale)
+
+        return put
+
+    adapter = load_adapter(
+        path, model_config, max_lora_rank=max_rank, name=name, dtype=dtype,
+        full_modules=full_modules, read_full=read_full, sink_for=sink_for,
+    )  # fmt: skip
+    adopt_packed(adapter, made[0])
+    return adapter
+
+
+def _buffer(numel: int, dtype: torch.dtype, pin: bool, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty(numel, dtype=dtype, pin_memory=pin)
+    if out.dim() != 1 or out.numel() < numel or out.dtype != dtype:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} cannot hold {numel} elements")
+    return out[:numel]
 
 
 class PackedWeights(WeightsView):

@@ -143,3 +143,15 @@ def fold_scale(b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tenso
     if b.dtype == dtype:
         return b if scale == 1.0 else b * scale
     return (b.float() * scale).to(dtype)
+
+
+def fold_scale_into(dst: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+    """``dst.copy_((b.float() * scale).to(dst.dtype))`` in one pass, bit for bit: the product is
+    rounded to float32 and then to ``dst``'s dtype either way (``dst`` may be a strided view,
+    e.g. the transposed B block of a packed slot image)."""
+    if b.dtype == dst.dtype:  # exact copy, then one float32 product rounded once, in place
+        dst.copy_(b)  # (a product written through a transposed view runs ~2 x slower)
+        if scale != 1.0:
+            dst.mul_(scale)
+    else:
+        torch.mul(b.float(), scale, out=dst)

@@ -129,3 +129,39 @@ def test_folded_check_refuses_nan_inf_and_the_scale_that_crosses_the_bound() -> 
         c[3, 1] = bad
         with pytest.raises(AdapterValueError, match="NaN|infinite"):
             check_folded_values(c, "k", 1.0)
+
+
+@pytest.mark.parametrize("file_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_stage_file_packs_the_same_image_as_load_then_pack(
+    tmp_path: Path, file_dtype: torch.dtype, dtype: torch.dtype
+) -> None:
+    """The loader's stage writes each tensor from the file straight into the slot image; the
+    image must equal, bit for bit, parsing the adapter and packing it (the path the CPU oracle
+    tests cover), for a scale that is not a power of two and a rank below the slots'."""
+    from loraplex.engine.lora.staging import pack_adapter, packed_for, stage_file
+
+    config = {"r": 4, "lora_alpha": 7, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    folder = write_adapter(tmp_path / "a", dtype=file_dtype, config=config)
+    ref = pack_adapter(load_adapter(folder, MC, max_lora_rank=8, dtype=dtype), 8)
+    out = torch.full((ref.buffer.numel() + 100,), 7.0, dtype=dtype)
+    adapter = stage_file(str(folder), MC, 8, dtype=dtype, out=out)
+    got = packed_for(adapter)
+    assert got is not None and got.entries == ref.entries
+    n = ref.buffer.numel()
+    assert got.buffer.data_ptr() == out.data_ptr() and got.buffer.numel() == n
+    for e in ref.entries.values():  # (alignment gaps are never read)
+        assert torch.equal(got.a(e), ref.a(e)) and torch.equal(got.b(e), ref.b(e))
+    assert torch.equal(out[n:], torch.full((100,), 7.0, dtype=dtype))
+    w = adapter.weights[(0, "q_proj")]  # the adapter reads the image
+    assert w.a.data_ptr() == got.a(got.entries[(0, "q_proj")]).data_ptr()
+
+
+def test_stage_file_refuses_a_poisoned_file_like_the_parser(tmp_path: Path) -> None:
+    from loraplex.engine.lora.staging import stage_file
+
+    out = torch.zeros(1 << 16)
+    for which in ("A", "B"):
+        bad = poisoned(tmp_path / which, which, float("nan"))
+        with pytest.raises(AdapterValueError, match="NaN"):
+            stage_file(str(bad), MC, 8, dtype=torch.float32, out=out)
