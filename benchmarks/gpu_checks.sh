@@ -3,7 +3,8 @@
 # then benchmarks. Results land in $OUT (or ./out). Wheels missing on the GPU machine can be
 # placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|decode|mixed_rank|rank_epilogues|storm ARGS...]
 # A copy of the tree without its .git (git archive) stamps results with $LORAPLEX_COMMIT:
-# export it (benchmarks/record.py).
+# export it (benchmarks/record.py). Several commits side by side in one call (A/B, bisect):
+# benchmarks/ab_snapshots.sh.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
