@@ -9,7 +9,6 @@ in a worker thread.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,11 +39,9 @@ from loraplex.engine.lora.preflight_checks import (
     check_table_copy,
     is_table_copy,
 )
-from loraplex.engine.lora.targets import base_module_name, check_targets, vocab_module
+from loraplex.engine.lora.targets import base_module_name, check_targets
+from loraplex.engine.lora.tensor_checks import parse_key
 from loraplex.engine.model.config import (
-    LORA_MODULES,
-    VOCAB_LAYER,
-    VOCAB_LORA_MODULES,
     ModelConfig,
 )
 
@@ -67,19 +64,6 @@ __all__ = [
 
 MAX_CONFIG_BYTES = 1 << 20
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-_KEY_RE = re.compile(
-    r"(?P<module>.+?)\.(?:lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight"
-    r"|lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?)"
-)
-# the embedding's LoRA (PEFT: ParameterDicts, no ".weight"), and PEFT's copy of the base table
-_EMBED_RE = re.compile(r"model\.embed_tokens\.lora_embedding_(?P<ab>[AB])(?:\.[^.]+)?")
-_BASE_RE = re.compile(r"(?P<module>model\.embed_tokens|lm_head)\.base_layer\.weight")
-# a modules_to_save table (PEFT drops its ``modules_to_save.<adapter>`` part when saving)
-_FULL_RE = re.compile(r"(?P<module>model\.embed_tokens|lm_head)\.weight")
-_MODULE_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
-_PARENT = {
-    m: "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn" for m in LORA_MODULES
-}
 
 
 @dataclass(frozen=True)
@@ -166,49 +150,6 @@ def _read_config(path: Path, size: int) -> PeftLoRAConfig:
     return parse_peft_config_json(path.read_bytes())
 
 
-def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
-    """``base_model.model.<module>.lora_A[.<adapter>].weight`` -> (layer, module, "A"/"B");
-    ``<module>.lora_magnitude_vector[.<adapter>][.weight]`` (DoRA) -> "M"."""
-    name = key.removeprefix("base_model.model.")
-    e = _EMBED_RE.fullmatch(name)
-    if e is not None:
-        return VOCAB_LAYER, "embed_tokens", e.group("ab")
-    b = _BASE_RE.fullmatch(name)
-    if b is not None:
-        return VOCAB_LAYER, vocab_module(b.group("module")) or "", "BASE"
-    t = _FULL_RE.fullmatch(name)
-    if t is not None:
-        return VOCAB_LAYER, vocab_module(t.group("module")) or "", "FULL"
-    m = _KEY_RE.fullmatch(name)
-    if m is not None and m.group("module") == "lm_head" and m.group("ab"):
-        return VOCAB_LAYER, "lm_head", m.group("ab")
-    if m is not None:
-        module = m.group("module")
-    else:
-        parts = name.split(".")
-        i = next((j for j, p in enumerate(parts) if p.startswith("lora_")), None)
-        module = ".".join(parts[:i] if i is not None else parts[:-1])
-    mm = _MODULE_RE.fullmatch(module)
-    if mm is None or _PARENT.get(mm.group(3)) != mm.group(2):
-        raise AdapterTargetError(
-            f"{WEIGHTS_FILE}: tensor {key!r} targets {module!r}, which is not a LoRA module of "
-            f"the base (supported: {', '.join(LORA_MODULES + VOCAB_LORA_MODULES)})",
-            field=key,
-        )
-    layer, short = int(mm.group(1)), mm.group(3)
-    if layer >= num_layers:
-        raise AdapterTargetError(
-            f"{WEIGHTS_FILE}: tensor {key!r} targets layer {layer} >= num_layers {num_layers}",
-            field=key,
-        )
-    if m is None:
-        raise AdapterFormatError(
-            f"{WEIGHTS_FILE}: tensor {key!r} is not a LoRA A/B weight or DoRA magnitude",
-            field=key,
-        )
-    return layer, short, m.group("ab") or "M"
-
-
 def _check_modules(
     tensors: list[TensorEntry],
     config: PeftLoRAConfig,
@@ -223,7 +164,7 @@ def _check_modules(
         if is_table_copy(t.key, mc):
             check_table_copy(t.key, list(t.shape), mc)
             continue
-        layer, module, ab = _parse_key(t.key, mc.num_layers)
+        layer, module, ab = parse_key(t.key, mc.num_layers)
         full = base_module_name(layer, module)
         if ab == "FULL":
             check_full_table(t.key, module, list(t.shape), t.dtype, config, mc)

@@ -227,3 +227,29 @@ def test_config_targets_checked(tmp_path: Path) -> None:
     cfg["target_modules"] = ["q_proj", "norm"]
     (d / "adapter_config.json").write_text(json.dumps(cfg))
     _fails(d, AdapterTargetError, "names 'norm'")
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_a_magnitude_on_the_lm_head_is_refused_at_preflight_and_by_the_parser(
+    tmp_path: Path, dora: bool
+) -> None:
+    """preflight and the parser read tensor names with the one parse_key: a DoRA magnitude on
+    lm_head (which the parser once read as a magnitude where preflight refused the name) is a
+    typed refusal in both."""
+    from safetensors.torch import load_file
+
+    from loraplex.engine.lora.adapter import load_adapter
+    from loraplex.engine.lora.errors import AdapterConfigError, AdapterFormatError
+    from tests.resolvers.tiny_adapter import tiny_model_config, write_adapter
+
+    mc = tiny_model_config()
+    good = write_adapter(tmp_path / "good", targets=("q_proj",))
+    tensors = load_file(good / "adapter_model.safetensors")
+    tensors["base_model.model.lm_head.lora_magnitude_vector"] = torch.ones(mc.vocab_size)
+    cfg = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "lm_head"], "use_dora": dora}
+    bad = write_adapter(tmp_path / "bad", targets=("q_proj",), tensors=tensors, config=cfg)
+    want = AdapterConfigError if dora else AdapterFormatError
+    with pytest.raises(want):
+        preflight(bad, mc, max_lora_rank=8, max_bytes=1 << 30)
+    with pytest.raises(want):
+        load_adapter(bad, mc, max_lora_rank=8)
