@@ -290,25 +290,25 @@ def load_adapter(
                 _check_pair(f, found[key], r, shapes[key], max_lora_rank)
                 dims[key] = (r, *shapes[key])
             sink = sink_for(dims) if sink_for is not None else None
-            data = _FileTensors(wfile, header)
-            if True:
-                for layer, module in order:
-                    full, pair = base_module_name(layer, module), found[(layer, module)]
-                    scale = config.scale_for(full)
-                    a, b = data[pair["A"]], data[pair["B"]]
-                    # NOTE: the values as folded in f32, before the cast to ``dtype``, so that
-                    # no NaN/Inf/huge value reaches a slot
-                    check_weight_values(a, pair["A"])
-                    check_folded_values(b, pair["B"], scale)
-                    if sink is not None:
-                        sink((layer, module), a, b, scale)
-                    elif keep:  # own copies: nothing may point into the mapping
-                        fb = fold_scale(b, scale, dtype)
-                        weights[(layer, module)] = LoRAWeights(
-                            a=a.to(dtype) if a.dtype != dtype else a.clone(),
-                            b=fb.clone() if fb is b else fb,
-                        )
-                del a, b
+            data = _FileTensors(
+                wfile, header, [k for p in found.values() for k in (p["A"], p["B"])]
+            )
+            for layer, module in order:
+                full, pair = base_module_name(layer, module), found[(layer, module)]
+                scale = config.scale_for(full)
+                a, b = data[pair["A"]], data[pair["B"]]
+                # NOTE: the values as folded in f32, before the cast to ``dtype``, so that
+                # no NaN/Inf/huge value reaches a slot
+                check_weight_values(a, pair["A"])
+                check_folded_values(b, pair["B"], scale)
+                if sink is not None:
+                    sink((layer, module), a, b, scale)
+                elif keep:  # own copies: nothing may point into the read buffer
+                    fb = fold_scale(b, scale, dtype)
+                    weights[(layer, module)] = LoRAWeights(
+                        a=a.to(dtype) if a.dtype != dtype else a.clone(),
+                        b=fb.clone() if fb is b else fb,
+                    )
             if read_full:
                 full_tables = _read_tables(f, tables, dtype)
     except (SafetensorError, OSError, ValueError) as e:
@@ -319,26 +319,41 @@ def load_adapter(
 
 
 class _FileTensors:
-    """Tensors of a checked safetensors file as views of its data section, read once into one
-    buffer (``read_safetensors_header`` has checked that every tensor lies inside it)."""
+    """The named tensors of a checked safetensors file (``read_safetensors_header`` has checked
+    that every tensor lies inside the data section), read into one buffer with one read per run
+    of adjacent tensors; views of it must not outlive this object. Other tensors (e.g. a
+    modules_to_save table) are not read."""
 
-    def __init__(self, path: Path, header: SafetensorsHeader) -> None:
-        self.entries = {t.key: t for t in header.tensors}
+    def __init__(self, path: Path, header: SafetensorsHeader, keys: list[str]) -> None:
+        every = {t.key: t for t in header.tensors}
+        wanted = sorted((every[k] for k in keys), key=lambda t: t.begin)
+        total = sum(t.end - t.begin for t in wanted)
         # a torch allocation, not a bytearray: no zero-fill pass before the read
-        self.buf = torch.empty(header.data_bytes, dtype=torch.uint8)
-        self.data = (ctypes.c_char * header.data_bytes).from_address(self.buf.data_ptr())
+        self.buf = torch.empty(total, dtype=torch.uint8)
+        raw = memoryview((ctypes.c_char * total).from_address(self.buf.data_ptr())).cast("B")
+        self.raw, self.at = raw, {}
+        base, pos = 8 + header.header_bytes, 0
         with open(path, "rb") as fh:
-            fh.seek(8 + header.header_bytes)
-            got = fh.readinto(self.data)
-        if got != header.data_bytes:
-            raise OSError(f"short read: {got} of {header.data_bytes} data bytes (file changed?)")
+            i = 0
+            while i < len(wanted):
+                j, start = i, pos
+                while j + 1 < len(wanted) and wanted[j + 1].begin == wanted[j].end:
+                    j += 1
+                for t in wanted[i : j + 1]:
+                    self.at[t.key] = (t, pos)
+                    pos += t.end - t.begin
+                fh.seek(base + wanted[i].begin)
+                got = fh.readinto(raw[start:pos])
+                if got != pos - start:
+                    raise OSError(f"short read: {got} of {pos - start} bytes (file changed?)")
+                i = j + 1
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        t = self.entries[key]
+        t, pos = self.at[key]
         dtype, count = _DTYPES[t.dtype], math.prod(t.shape)
         if count == 0:
             return torch.empty(t.shape, dtype=dtype)
-        return torch.frombuffer(self.data, dtype=dtype, count=count, offset=t.begin).view(t.shape)
+        return torch.frombuffer(self.raw, dtype=dtype, count=count, offset=pos).view(t.shape)
 
 
 def _read_tables(

@@ -165,3 +165,25 @@ def test_stage_file_refuses_a_poisoned_file_like_the_parser(tmp_path: Path) -> N
         bad = poisoned(tmp_path / which, which, float("nan"))
         with pytest.raises(AdapterValueError, match="NaN"):
             stage_file(str(bad), MC, 8, dtype=torch.float32, out=out)
+
+
+def test_the_parser_reads_only_the_lora_tensors_of_a_file(tmp_path: Path) -> None:
+    """A/B are read with one read per run of adjacent tensors; a table between them (e.g. a
+    modules_to_save embedding of ~1 GB at 8B scale) is never read with them."""
+    from safetensors.torch import save_file
+
+    from loraplex.engine.lora.adapter import _FileTensors
+    from loraplex.engine.lora.adapter_files import read_safetensors_header
+
+    tensors = {
+        "a1": torch.randn(4, 16),
+        "a2": torch.randn(4, 8).to(torch.bfloat16),
+        "m_table": torch.randn(1000, 16),  # sorts between the a* and b* keys
+        "z1": torch.randn(16, 4).to(torch.float16),
+    }
+    save_file(tensors, str(tmp_path / W))
+    header = read_safetensors_header(tmp_path / W, max_header_bytes=1 << 20)
+    data = _FileTensors(tmp_path / W, header, ["z1", "a1", "a2"])
+    assert data.buf.numel() == sum(tensors[k].nbytes for k in ("a1", "a2", "z1"))
+    for k in ("a1", "a2", "z1"):
+        assert torch.equal(data[k], tensors[k])
