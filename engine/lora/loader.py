@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -48,6 +49,7 @@ from loraplex.engine.lora.staging import (
     stage_file,
     stage_packed,
 )
+from loraplex.engine.lora.thread_jobs import run_to_end
 from loraplex.engine.model.config import ModelConfig
 from loraplex.plugins import PluginManager
 from loraplex.resolvers import TOKENIZER_FILES, ResolverSettings, SourcePolicy
@@ -111,6 +113,7 @@ class AdapterLoader:
             pool_nbytes=self.pool.nbytes if self.pool is not None else 0,
             threads=max(2, -(-self.config.max_concurrent_loads // count)),
             test_delay_s=float(self.config.extra.get("loader_test_delay_s", 0.0)),
+            test_stage_hold_s=float(self.config.extra.get("loader_test_stage_hold_s", 0.0)),
         )
         self.procs = LoaderProcesses(count, init, self.pool.fd if self.pool else None)
         self._helper_plugins = self.plugins.plugin_names
@@ -268,13 +271,7 @@ class AdapterLoader:
             return await asyncio.to_thread(self._stage_here, v, dtype, None, pin)
         region = await self._region()
         if self.procs is None:
-            try:
-                adapter = await asyncio.to_thread(self._stage_here, v, dtype, region, False)
-            except BaseException:
-                self.pool.release(region)
-                raise
-            v.region = region
-            return adapter
+            return await self._stage_into(v, dtype, region)
         ended: list[bool] = []  # [ok] once no helper writes into the region any more
 
         def end(ok: bool) -> None:
@@ -321,9 +318,16 @@ class AdapterLoader:
                 )
         if self.pool is None:
             return await asyncio.to_thread(self._stage_here, v, dtype, None, pin)
-        region = await self._region()
+        return await self._stage_into(v, dtype, await self._region())
+
+    async def _stage_into(
+        self, v: AdapterVersion, dtype: torch.dtype, region: Region
+    ) -> LoRAAdapter:
+        """Stage ``v`` into ``region`` in a thread of this process. Cancelled, the thread is
+        stopped and waited for before the region goes back to the pool (it writes into it)."""
+        assert self.pool is not None
         try:
-            adapter = await asyncio.to_thread(self._stage_here, v, dtype, region, False)
+            adapter = await run_to_end(lambda stop: self._stage_here(v, dtype, region, False, stop))
         except BaseException:
             self.pool.release(region)
             raise
@@ -346,7 +350,12 @@ class AdapterLoader:
         return combine_adapters(parts, name=v.name, max_lora_rank=R, dtype=dtype)
 
     def _stage_here(
-        self, v: AdapterVersion, dtype: torch.dtype, region: Region | None, pin: bool
+        self,
+        v: AdapterVersion,
+        dtype: torch.dtype,
+        region: Region | None,
+        pin: bool,
+        stop: threading.Event | None = None,
     ) -> LoRAAdapter:
         t0 = time.perf_counter()
         out = self.pool.view(region, dtype) if region is not None and self.pool else None
@@ -359,6 +368,7 @@ class AdapterLoader:
             adapter = stage_file(
                 v.local_dir, self.model_config, self.config.max_lora_rank, dtype=dtype,
                 name=v.name, full_modules=self.config.max_full_module_loras > 0, pin=pin, out=out,
+                stop=stop,
             )  # fmt: skip
         v.timings["stage"] = time.perf_counter() - t0
         return adapter

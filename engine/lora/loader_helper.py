@@ -64,6 +64,11 @@ class _Helper:
         self.loop.set_default_executor(ThreadPoolExecutor(init.threads))
         self.tasks: dict[int, asyncio.Task] = {}
         self.send_lock = threading.Lock()
+        # one job at a time in the GIL-bound parts (header and value checks, parse and pack):
+        # jobs interleaved on one interpreter's GIL ran slower in sum than one after the other
+        # (16 loads at once on 4 helpers: 19.9 loads/s against 37.8 with 8, BENCHMARKS.md);
+        # fetch and sha256 (which releases the GIL) still overlap
+        self.cpu_gate = threading.Lock()
 
     def serve(self) -> None:
         threading.Thread(target=self._read, daemon=True).start()
@@ -133,6 +138,7 @@ class _Helper:
             expect_digest=p["expect_digest"], model_config=self.init.model_config,
             max_lora_rank=p["max_lora_rank"], max_bytes=p["max_bytes"],
             full_modules=p["full_modules"], extra_files=tuple(p.get("extra_files", ())),
+            cpu_gate=self.cpu_gate,
         )  # fmt: skip
         t = {"resolve": t1 - t0, **stages}
         return {
@@ -148,9 +154,13 @@ class _Helper:
         }
 
     async def _stage(self, p: dict) -> dict:
-        return await asyncio.to_thread(self._stage_sync, p)
+        from loraplex.engine.lora.thread_jobs import run_to_end
 
-    def _stage_sync(self, p: dict) -> dict:
+        # NOTE: the "cancelled" reply frees the region on the engine's side: it may only go
+        # once this thread has stopped writing into it
+        return await run_to_end(lambda stop: self._stage_sync(p, stop))
+
+    def _stage_sync(self, p: dict, stop: threading.Event) -> dict:
         import torch
 
         from loraplex.engine.lora.staging import packed_for, stage_file
@@ -158,12 +168,15 @@ class _Helper:
         t0 = time.perf_counter()
         dtype = getattr(torch, p["dtype"])
         offset, nbytes = p["region"]
-        adapter = stage_file(
-            p["local_dir"], self.init.model_config, p["max_lora_rank"], dtype=dtype,
-            name=p["name"], full_modules=p["full_modules"],
-            read_full=False,  # the engine reads the full tables (not in the region)
-            out=self.pool[offset : offset + nbytes].view(dtype),
-        )  # fmt: skip
+        if self.init.test_stage_hold_s:  # tests: a long write into the region, not stoppable
+            time.sleep(self.init.test_stage_hold_s)
+        with self.cpu_gate:
+            adapter = stage_file(
+                p["local_dir"], self.init.model_config, p["max_lora_rank"], dtype=dtype,
+                name=p["name"], full_modules=p["full_modules"],
+                read_full=False,  # the engine reads the full tables (not in the region)
+                out=self.pool[offset : offset + nbytes].view(dtype), stop=stop,
+            )  # fmt: skip
         packed = packed_for(adapter)
         assert packed is not None
         return {

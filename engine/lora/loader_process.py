@@ -64,6 +64,7 @@ class LoaderInit:
     pool_nbytes: int
     threads: int = 4
     test_delay_s: float = 0.0  # tests only: each job sleeps first (to kill a helper mid-load)
+    test_stage_hold_s: float = 0.0  # tests only: a stage holds its region this long, writing
 
 
 def describe_error(e: BaseException) -> tuple[str, str, str, str | None]:

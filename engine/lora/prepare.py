@@ -5,8 +5,10 @@ and, for a re-fetch, the version's own), header preflight, value check of every 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +35,14 @@ async def fetch_and_check(
     progress: Any = None,
     full_modules: bool = False,
     extra_files: tuple[str, ...] = (),
+    cpu_gate: AbstractContextManager[Any] | None = None,
 ) -> tuple[Any, str, dict[str, float], PreflightReport]:
     """Fetch ``uri`` into ``dest`` (removed again on any failure) and check it; returns the
     resolver's FetchResult, the digest, the seconds of fetch / verify / preflight and the
     preflight's report (rank, config). ``full_modules``: modules_to_save tables are served;
-    ``extra_files``: optional files fetched too (an adapter's tokenizer, added_tokens.py)."""
+    ``extra_files``: optional files fetched too (an adapter's tokenizer, added_tokens.py);
+    ``cpu_gate``: held around the header and value checks (a loader helper's one-at-a-time
+    gate for GIL-bound work)."""
     t1 = time.perf_counter()
     try:
         more = {"extra_files": extra_files} if extra_files else {}  # (plugin resolvers)
@@ -57,14 +62,20 @@ async def fetch_and_check(
                 field="sha256",
             )
         t3 = time.perf_counter()
-        report = await asyncio.to_thread(
-            preflight, result.local_dir, model_config, max_lora_rank=max_lora_rank,
-            max_bytes=max_bytes, full_modules=full_modules,
-        )  # fmt: skip
-        await asyncio.to_thread(
-            check_adapter_values, result.local_dir, model_config, max_lora_rank=max_lora_rank,
-            full_modules=full_modules,
-        )  # fmt: skip
+
+        def checks() -> PreflightReport:
+            with cpu_gate or contextlib.nullcontext():
+                report = preflight(
+                    result.local_dir, model_config, max_lora_rank=max_lora_rank,
+                    max_bytes=max_bytes, full_modules=full_modules,
+                )  # fmt: skip
+                check_adapter_values(
+                    result.local_dir, model_config, max_lora_rank=max_lora_rank,
+                    full_modules=full_modules,
+                )  # fmt: skip
+            return report
+
+        report = await asyncio.to_thread(checks)
         t4 = time.perf_counter()
     except BaseException:
         await asyncio.to_thread(shutil.rmtree, dest, True)

@@ -19,6 +19,7 @@ tensors at views of it (no second copy) and remembers the packed form for ``writ
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from loraplex.engine.lora.adapter import (
     load_adapter,
 )
 from loraplex.engine.lora.tensor_checks import fold_scale_into
+from loraplex.engine.lora.thread_jobs import StageStopped
 from loraplex.engine.model.config import MODULE_ORDER, ModelConfig
 
 if TYPE_CHECKING:
@@ -237,10 +239,12 @@ def stage_file(
     read_full: bool = True,
     pin: bool = False,
     out: torch.Tensor | None = None,
+    stop: threading.Event | None = None,
 ) -> LoRAAdapter:
     """``stage_packed(load_adapter(path, ...))`` without the adapter's own tensors: every
     check of ``load_adapter``, then each module's A and scaled B written straight from the
-    file's bytes into the slot image (one pass per tensor, the same values bit for bit)."""
+    file's bytes into the slot image (one pass per tensor, the same values bit for bit).
+    ``stop``: checked before each module is written; set, the stage raises StageStopped."""
     made: list[PackedAdapter] = []
 
     def sink_for(dims: ModuleDims) -> PairSink:
@@ -249,6 +253,8 @@ def stage_file(
         packed = made[0]
 
         def put(key: tuple[int, str], a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+            if stop is not None and stop.is_set():
+                raise StageStopped(f"staging {name or path!r} stopped: its load was cancelled")
             e = entries[key]
             packed.a(e).copy_(a)
             fold_scale_into(packed.b(e), b, scale)

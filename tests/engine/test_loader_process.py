@@ -11,6 +11,7 @@ import os
 import random
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -339,3 +340,30 @@ async def test_gpu_pool_loads_mixed_graphs_and_no_compiles_while_serving(tiny, l
             assert engine.stats()["kernel_compiles_while_serving"] == before
             pool_idle(engine)
             assert_idle(engine)
+
+
+async def test_cancelled_stage_keeps_its_region_until_the_helper_stopped_writing(
+    tiny, lib, tmp_path
+):
+    """The helper's stage thread writes into the engine's host-pool region: a cancelled load
+    gets its region back only once that thread has returned (before, the helper replied
+    "cancelled" at once and the region could go to the next load while still being written)."""
+    model_dir, _ = tiny
+    hold = 1.0
+    cfg = proc_config(model_dir, tmp_path, extra={"loader_test_stage_hold_s": hold})
+    async with AsyncEngine(cfg) as engine:
+        await engine.add_adapter("poem", str(lib["poem"]))
+        procs = engine.testing.loader.procs
+        pool = engine.testing.loader.pool
+        task = asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="poem"))
+        await wait_until(lambda: any(p.jobs for p in procs.procs), "a stage job in flight")
+        t0 = time.monotonic()
+        await asyncio.sleep(0.1)  # the helper's thread is inside its write now
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(lambda: pool.in_use() == 0, "region released")
+        assert time.monotonic() - t0 >= hold * 0.8  # not before the thread returned
+        v = engine.testing.adapters.get("poem")
+        assert v.state is AdapterState.REGISTERED and v.region is None
+        assert_idle(engine)

@@ -1,0 +1,61 @@
+"""A cancelled stage hands its host-pool region back only once its thread has stopped writing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex.engine.lora.staging import stage_file
+from loraplex.engine.lora.thread_jobs import StageStopped, run_to_end
+from tests.resolvers.tiny_adapter import tiny_model_config, write_adapter
+
+
+async def test_a_cancelled_caller_waits_for_the_thread_and_asks_it_to_stop() -> None:
+    started, finished = threading.Event(), threading.Event()
+    seen_stop: list[bool] = []
+
+    def work(stop: threading.Event) -> int:
+        started.set()
+        for _ in range(100):  # "writes" until asked to stop
+            if stop.is_set():
+                break
+            time.sleep(0.005)
+        time.sleep(0.05)  # the last write in flight when the stop comes
+        seen_stop.append(stop.is_set())
+        finished.set()
+        raise StageStopped("stopped")
+
+    task = asyncio.create_task(run_to_end(work))
+    while not started.is_set():
+        await asyncio.sleep(0.001)
+    task.cancel()
+    await asyncio.sleep(0)
+    task.cancel()  # a second cancel while it waits changes nothing
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert finished.is_set() and seen_stop == [True]  # returned before the cancellation did
+
+
+async def test_run_to_end_returns_the_work_and_raises_its_error() -> None:
+    assert await run_to_end(lambda stop: 7) == 7
+
+    def bad(stop: threading.Event) -> None:
+        raise ValueError("broken")
+
+    with pytest.raises(ValueError, match="broken"):
+        await run_to_end(bad)
+
+
+def test_stage_file_stops_before_writing_when_asked(tmp_path: Path) -> None:
+    folder = write_adapter(tmp_path / "a")
+    out = torch.full((1 << 14,), 3.0)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(StageStopped, match="cancelled"):
+        stage_file(str(folder), tiny_model_config(), 8, dtype=torch.float32, out=out, stop=stop)
+    assert torch.equal(out, torch.full((1 << 14,), 3.0))  # nothing written
