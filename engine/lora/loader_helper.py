@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.engine.lora.loader_process import LoaderInit, describe_error
+from loraplex.engine.lora.thread_jobs import PriorityGate
 
 __all__ = ["main"]
 
@@ -68,7 +69,8 @@ class _Helper:
         # jobs interleaved on one interpreter's GIL ran slower in sum than one after the other
         # (16 loads at once on 4 helpers: 19.9 loads/s against 37.8 with 8, BENCHMARKS.md);
         # fetch and sha256 (which releases the GIL) still overlap
-        self.cpu_gate = threading.Lock()
+        # and a stage (a request waits on it) goes before registration checks
+        self.cpu_gate = PriorityGate()
 
     def serve(self) -> None:
         threading.Thread(target=self._read, daemon=True).start()
@@ -138,7 +140,7 @@ class _Helper:
             expect_digest=p["expect_digest"], model_config=self.init.model_config,
             max_lora_rank=p["max_lora_rank"], max_bytes=p["max_bytes"],
             full_modules=p["full_modules"], extra_files=tuple(p.get("extra_files", ())),
-            cpu_gate=self.cpu_gate,
+            cpu_gate=self.cpu_gate.hold(urgent=False),
         )  # fmt: skip
         t = {"resolve": t1 - t0, **stages}
         return {
@@ -170,7 +172,7 @@ class _Helper:
         offset, nbytes = p["region"]
         if self.init.test_stage_hold_s:  # tests: a long write into the region, not stoppable
             time.sleep(self.init.test_stage_hold_s)
-        with self.cpu_gate:
+        with self.cpu_gate.hold(urgent=True):
             adapter = stage_file(
                 p["local_dir"], self.init.model_config, p["max_lora_rank"], dtype=dtype,
                 name=p["name"], full_modules=p["full_modules"],

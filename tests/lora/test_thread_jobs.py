@@ -59,3 +59,34 @@ def test_stage_file_stops_before_writing_when_asked(tmp_path: Path) -> None:
     with pytest.raises(StageStopped, match="cancelled"):
         stage_file(str(folder), tiny_model_config(), 8, dtype=torch.float32, out=out, stop=stop)
     assert torch.equal(out, torch.full((1 << 14,), 3.0))  # nothing written
+
+
+def test_priority_gate_lets_one_in_and_urgent_waiters_first() -> None:
+    from loraplex.engine.lora.thread_jobs import PriorityGate
+
+    gate, order, inside = PriorityGate(), [], []
+    first_in = threading.Event()
+
+    def job(name: str, urgent: bool, hold: float = 0.0) -> None:
+        with gate.hold(urgent=urgent):
+            inside.append(name)
+            assert len(inside) == 1  # one holder at a time
+            order.append(name)
+            if name == "first":
+                first_in.set()
+            time.sleep(hold)
+            inside.remove(name)
+
+    t0 = threading.Thread(target=job, args=("first", False, 0.3))
+    t0.start()
+    first_in.wait()
+    waiters = [threading.Thread(target=job, args=(f"check{i}", False)) for i in range(3)]
+    for t in waiters:
+        t.start()
+    time.sleep(0.05)  # the checks wait first
+    urgent = threading.Thread(target=job, args=("stage", True))
+    urgent.start()
+    for t in [t0, *waiters, urgent]:
+        t.join(5)
+    assert order[0] == "first" and order[1] == "stage"  # ahead of the checks that waited longer
+    assert sorted(order[2:]) == ["check0", "check1", "check2"]
