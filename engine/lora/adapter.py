@@ -5,8 +5,6 @@ Only safetensors are read: pickle-based weight files are refused, never opened.
 
 from __future__ import annotations
 
-import ctypes
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +15,9 @@ from safetensors import SafetensorError, safe_open
 from loraplex.engine.lora.adapter_files import (
     CONFIG_FILE,
     DEFAULT_MAX_HEADER_BYTES,
+    TORCH_DTYPES,
     WEIGHTS_FILE,
-    SafetensorsHeader,
+    FileTensors,
     read_safetensors_header,
 )
 from loraplex.engine.lora.errors import (
@@ -67,7 +66,7 @@ __all__ = [
 ]
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_DTYPES = TORCH_DTYPES
 
 # (layer, module) -> (r, in, out) of every targeted module, and what receives each module's
 # checked tensors: (layer, module), A (r, in), B (out, r) unscaled, the LoRA scale. The tensors
@@ -290,9 +289,7 @@ def load_adapter(
                 _check_pair(f, found[key], r, shapes[key], max_lora_rank)
                 dims[key] = (r, *shapes[key])
             sink = sink_for(dims) if sink_for is not None else None
-            data = _FileTensors(
-                wfile, header, [k for p in found.values() for k in (p["A"], p["B"])]
-            )
+            data = FileTensors(wfile, header, [k for p in found.values() for k in (p["A"], p["B"])])
             for layer, module in order:
                 full, pair = base_module_name(layer, module), found[(layer, module)]
                 scale = config.scale_for(full)
@@ -316,44 +313,6 @@ def load_adapter(
     return LoRAAdapter(
         name=name or folder.name, path=str(folder), config=config, weights=weights, full=full_tables
     )
-
-
-class _FileTensors:
-    """The named tensors of a checked safetensors file (``read_safetensors_header`` has checked
-    that every tensor lies inside the data section), read into one buffer with one read per run
-    of adjacent tensors; views of it must not outlive this object. Other tensors (e.g. a
-    modules_to_save table) are not read."""
-
-    def __init__(self, path: Path, header: SafetensorsHeader, keys: list[str]) -> None:
-        every = {t.key: t for t in header.tensors}
-        wanted = sorted((every[k] for k in keys), key=lambda t: t.begin)
-        total = sum(t.end - t.begin for t in wanted)
-        # a torch allocation, not a bytearray: no zero-fill pass before the read
-        self.buf = torch.empty(total, dtype=torch.uint8)
-        raw = memoryview((ctypes.c_char * total).from_address(self.buf.data_ptr())).cast("B")
-        self.raw, self.at = raw, {}
-        base, pos = 8 + header.header_bytes, 0
-        with open(path, "rb") as fh:
-            i = 0
-            while i < len(wanted):
-                j, start = i, pos
-                while j + 1 < len(wanted) and wanted[j + 1].begin == wanted[j].end:
-                    j += 1
-                for t in wanted[i : j + 1]:
-                    self.at[t.key] = (t, pos)
-                    pos += t.end - t.begin
-                fh.seek(base + wanted[i].begin)
-                got = fh.readinto(raw[start:pos])
-                if got != pos - start:
-                    raise OSError(f"short read: {got} of {pos - start} bytes (file changed?)")
-                i = j + 1
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        t, pos = self.at[key]
-        dtype, count = _DTYPES[t.dtype], math.prod(t.shape)
-        if count == 0:
-            return torch.empty(t.shape, dtype=dtype)
-        return torch.frombuffer(self.raw, dtype=dtype, count=count, offset=pos).view(t.shape)
 
 
 def _read_tables(

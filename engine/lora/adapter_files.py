@@ -9,12 +9,15 @@ engine does not serve) naming the tensor.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from loraplex.engine.lora.errors import AdapterFormatError, AdapterShapeError
 
@@ -26,12 +29,15 @@ __all__ = [
     "TensorEntry",
     "SafetensorsHeader",
     "read_safetensors_header",
+    "FileTensors",
+    "TORCH_DTYPES",
 ]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 DEFAULT_MAX_HEADER_BYTES = 8 << 20  # ~150 B per tensor: room for 50k tensors
 ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}  # the dtypes an adapter may use, in bytes
+TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -131,3 +137,41 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _fmt(msg: str, *, field: str = WEIGHTS_FILE) -> AdapterFormatError:
     return AdapterFormatError(f"{WEIGHTS_FILE}: {msg}", field=field)
+
+
+class FileTensors:
+    """The named tensors of a checked safetensors file (``read_safetensors_header`` has checked
+    that every tensor lies inside the data section), read into one buffer with one read per run
+    of adjacent tensors; views of it must not outlive this object. Other tensors (e.g. a
+    modules_to_save table) are not read."""
+
+    def __init__(self, path: Path, header: SafetensorsHeader, keys: list[str]) -> None:
+        every = {t.key: t for t in header.tensors}
+        wanted = sorted((every[k] for k in keys), key=lambda t: t.begin)
+        total = sum(t.end - t.begin for t in wanted)
+        # a torch allocation, not a bytearray: no zero-fill pass before the read
+        self.buf = torch.empty(total, dtype=torch.uint8)
+        raw = memoryview((ctypes.c_char * total).from_address(self.buf.data_ptr())).cast("B")
+        self.raw, self.at = raw, {}
+        base, pos = 8 + header.header_bytes, 0
+        with open(path, "rb") as fh:
+            i = 0
+            while i < len(wanted):
+                j, start = i, pos
+                while j + 1 < len(wanted) and wanted[j + 1].begin == wanted[j].end:
+                    j += 1
+                for t in wanted[i : j + 1]:
+                    self.at[t.key] = (t, pos)
+                    pos += t.end - t.begin
+                fh.seek(base + wanted[i].begin)
+                got = fh.readinto(raw[start:pos])
+                if got != pos - start:
+                    raise OSError(f"short read: {got} of {pos - start} bytes (file changed?)")
+                i = j + 1
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        t, pos = self.at[key]
+        dtype, count = TORCH_DTYPES[t.dtype], math.prod(t.shape)
+        if count == 0:
+            return torch.empty(t.shape, dtype=dtype)
+        return torch.frombuffer(self.raw, dtype=dtype, count=count, offset=pos).view(t.shape)

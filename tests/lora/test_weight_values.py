@@ -172,8 +172,7 @@ def test_the_parser_reads_only_the_lora_tensors_of_a_file(tmp_path: Path) -> Non
     modules_to_save embedding of ~1 GB at 8B scale) is never read with them."""
     from safetensors.torch import save_file
 
-    from loraplex.engine.lora.adapter import _FileTensors
-    from loraplex.engine.lora.adapter_files import read_safetensors_header
+    from loraplex.engine.lora.adapter_files import FileTensors, read_safetensors_header
 
     tensors = {
         "a1": torch.randn(4, 16),
@@ -183,7 +182,7 @@ def test_the_parser_reads_only_the_lora_tensors_of_a_file(tmp_path: Path) -> Non
     }
     save_file(tensors, str(tmp_path / W))
     header = read_safetensors_header(tmp_path / W, max_header_bytes=1 << 20)
-    data = _FileTensors(tmp_path / W, header, ["z1", "a1", "a2"])
+    data = FileTensors(tmp_path / W, header, ["z1", "a1", "a2"])
     assert data.buf.numel() == sum(tensors[k].nbytes for k in ("a1", "a2", "z1"))
     for k in ("a1", "a2", "z1"):
         assert torch.equal(data[k], tensors[k])
