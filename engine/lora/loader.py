@@ -334,15 +334,9 @@ class AdapterLoader:
         v.region = region
         return adapter
 
-    def _parse(self, v: AdapterVersion, dtype: torch.dtype) -> LoRAAdapter:
-        """``v``'s adapter from its staged files (a combination: from its components')."""
+    def _combine(self, v: AdapterVersion, dtype: torch.dtype) -> LoRAAdapter:
+        """A combination (``v.parts``) from its components' staged files."""
         R = self.config.max_lora_rank
-        if not v.parts:
-            assert v.local_dir is not None
-            return load_adapter(
-                v.local_dir, self.model_config, max_lora_rank=R, name=v.name, dtype=dtype,
-                full_modules=self.config.max_full_module_loras > 0,
-            )  # fmt: skip
         parts = [
             (load_adapter(c.local_dir, self.model_config, max_lora_rank=R, name=c.name), w)  # type: ignore[arg-type]
             for c, w in v.parts
@@ -361,7 +355,7 @@ class AdapterLoader:
         out = self.pool.view(region, dtype) if region is not None and self.pool else None
         # one contiguous (pinned) slot image; write_slot copies it in one H2D transfer
         if v.parts:  # a combination: made from its components' tensors, then packed
-            adapter = self._parse(v, dtype)
+            adapter = self._combine(v, dtype)
             stage_packed(adapter, self.config.max_lora_rank, pin=pin, out=out)
         else:  # straight from the file into the image
             assert v.local_dir is not None
