@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.engine.lora.loader_process import LoaderInit, describe_error
-from loraplex.engine.lora.thread_jobs import PriorityGate
+from loraplex.engine.lora.thread_jobs import PriorityGate, run_to_end
 
 __all__ = ["main"]
 
@@ -65,11 +65,11 @@ class _Helper:
         self.loop.set_default_executor(ThreadPoolExecutor(init.threads))
         self.tasks: dict[int, asyncio.Task] = {}
         self.send_lock = threading.Lock()
-        # one job at a time in the GIL-bound parts (header and value checks, parse and pack):
-        # jobs interleaved on one interpreter's GIL ran slower in sum than one after the other
-        # (16 loads at once on 4 helpers: 19.9 loads/s against 37.8 with 8, BENCHMARKS.md);
-        # fetch and sha256 (which releases the GIL) still overlap
-        # and a stage (a request waits on it) goes before registration checks
+        # one job at a time in the GIL-bound parts (header and value checks, parse and pack),
+        # a waiting stage (a request waits on it) before waiting registration checks: jobs
+        # interleaved on one interpreter's GIL ran slower in sum than one after the other (16
+        # loads at once on 4 helpers: 19.9 loads/s against 37.8 with 8, BENCHMARKS.md); fetch
+        # and sha256 (which releases the GIL) still overlap
         self.cpu_gate = PriorityGate()
 
     def serve(self) -> None:
@@ -156,8 +156,6 @@ class _Helper:
         }
 
     async def _stage(self, p: dict) -> dict:
-        from loraplex.engine.lora.thread_jobs import run_to_end
-
         # NOTE: the "cancelled" reply frees the region on the engine's side: it may only go
         # once this thread has stopped writing into it
         return await run_to_end(lambda stop: self._stage_sync(p, stop))
