@@ -70,7 +70,7 @@ _DTYPES = TORCH_DTYPES
 
 # (layer, module) -> (r, in, out) of every targeted module, and what receives each module's
 # checked tensors: (layer, module), A (r, in), B (out, r) unscaled, the LoRA scale. The tensors
-# are views of the mapped file, valid during the call only.
+# are views of the file's read buffer: copy what is kept.
 ModuleDims = dict[tuple[int, str], tuple[int, int, int]]
 PairSink = Callable[[tuple[int, str], torch.Tensor, torch.Tensor, float], None]
 

@@ -142,8 +142,8 @@ def _fmt(msg: str, *, field: str = WEIGHTS_FILE) -> AdapterFormatError:
 class FileTensors:
     """The named tensors of a checked safetensors file (``read_safetensors_header`` has checked
     that every tensor lies inside the data section), read into one buffer with one read per run
-    of adjacent tensors; views of it must not outlive this object. Other tensors (e.g. a
-    modules_to_save table) are not read."""
+    of adjacent tensors; tensors are views of that buffer (they keep it alive). Other tensors
+    (e.g. a modules_to_save table) are not read."""
 
     def __init__(self, path: Path, header: SafetensorsHeader, keys: list[str]) -> None:
         every = {t.key: t for t in header.tensors}
@@ -152,7 +152,7 @@ class FileTensors:
         # a torch allocation, not a bytearray: no zero-fill pass before the read
         self.buf = torch.empty(total, dtype=torch.uint8)
         raw = memoryview((ctypes.c_char * total).from_address(self.buf.data_ptr())).cast("B")
-        self.raw, self.at = raw, {}
+        self.at: dict[str, tuple[TensorEntry, int]] = {}
         base, pos = 8 + header.header_bytes, 0
         with open(path, "rb") as fh:
             i = 0
@@ -171,7 +171,7 @@ class FileTensors:
 
     def __getitem__(self, key: str) -> torch.Tensor:
         t, pos = self.at[key]
-        dtype, count = TORCH_DTYPES[t.dtype], math.prod(t.shape)
-        if count == 0:
-            return torch.empty(t.shape, dtype=dtype)
-        return torch.frombuffer(self.raw, dtype=dtype, count=count, offset=pos).view(t.shape)
+        raw = self.buf[pos : pos + t.end - t.begin]
+        if pos % ITEMSIZE[t.dtype]:  # not aligned in the buffer: its own (aligned) copy
+            raw = raw.clone()
+        return raw.view(TORCH_DTYPES[t.dtype]).view(t.shape)

@@ -186,3 +186,28 @@ def test_the_parser_reads_only_the_lora_tensors_of_a_file(tmp_path: Path) -> Non
     assert data.buf.numel() == sum(tensors[k].nbytes for k in ("a1", "a2", "z1"))
     for k in ("a1", "a2", "z1"):
         assert torch.equal(data[k], tensors[k])
+
+
+def test_file_tensors_views_keep_their_buffer_and_misaligned_ones_are_copied(
+    tmp_path: Path,
+) -> None:
+    import gc
+
+    from loraplex.engine.lora.adapter_files import FileTensors, read_safetensors_header
+    from tests.resolvers.tiny_adapter import write_raw_safetensors
+
+    # bf16 "a" (3 values, 6 bytes) first: the float32 "b" after it starts 2 bytes off alignment
+    a, b = torch.randn(3).to(torch.bfloat16), torch.randn(5, 2)
+    header = {
+        "a": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 6]},
+        "b": {"dtype": "F32", "shape": [5, 2], "data_offsets": [6, 46]},
+    }
+    raw = a.view(torch.uint8).numpy().tobytes() + b.view(torch.uint8).numpy().tobytes()
+    write_raw_safetensors(tmp_path / W, header, raw)
+    data = FileTensors(
+        tmp_path / W, read_safetensors_header(tmp_path / W, max_header_bytes=1 << 20), ["a", "b"]
+    )
+    views = {"a": data["a"], "b": data["b"]}
+    del data
+    gc.collect()
+    assert torch.equal(views["a"], a) and torch.equal(views["b"], b)
