@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one call: GPU-marked tests (kernels, PEFT oracle in bf16/fp16, CUDA graphs),
 # then benchmarks. Results land in $OUT (or ./out). Wheels missing on the GPU machine can be
-# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|decode|mixed_rank|rank_epilogues|storm ARGS...]
+# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|decode|mixed_rank|rank_epilogues|storm ARGS...|load_rate]
 # A copy of the tree without its .git (git archive) stamps results with $LORAPLEX_COMMIT:
 # export it (benchmarks/record.py). Several commits side by side in one call (A/B, bisect):
 # benchmarks/ab_snapshots.sh.
@@ -41,4 +41,13 @@ fi
 if [[ $what == storm ]]; then
   python3 -m benchmarks.storm --out "$OUT/storm.json" --plot "$OUT/storm.png" "$@" 2>&1 | grep -v -E "^\[|\[(info|warn)" \
     | tee "$OUT/storm.log" | tail -30
+fi
+if [[ $what == load_rate ]]; then  # issue 11: the cold-load rate one engine sustains (~4 min)
+  # light requests so that loads, not the GPU, set the limit; 27 MB rank-16 q/k/v/o adapters
+  python3 -m loraplex.engine.bench.coldload --synthetic llama3-8b --num-adapters 1000 --rank 16 \
+    --targets q_proj,k_proj,v_proj,o_proj --distinct 16 --source local --duration 15 --rate 80 \
+    --prompt-len 16-64 --output-len 8-16 --base-fraction 0.1 --max-cpu-loras 128 --kv-cache-gb 16 \
+    --drain-timeout 10 --max-loras 32 --alpha 0.8 --no-plots --max-concurrent-loads 8 \
+    --sweep loader_processes=2,4 --out "$OUT/load_rate" "$@" 2>&1 | grep -v -E "\[(info|warn)|req/s\]" \
+    | tee "$OUT/load_rate.log" | grep -E "^\[|load path" | tail -12
 fi
