@@ -43,7 +43,7 @@ from loraplex.engine.lora.tensor_checks import (
     MAX_ADAPTER_WEIGHT,
     check_folded_values,
     check_weight_values,
-    fold_scale,
+    fold_scale_into,
     parse_key,
 )
 from loraplex.engine.model.config import (
@@ -301,11 +301,9 @@ def load_adapter(
                 if sink is not None:
                     sink((layer, module), a, b, scale)
                 elif keep:  # own copies: nothing may point into the read buffer
-                    fb = fold_scale(b, scale, dtype)
-                    weights[(layer, module)] = LoRAWeights(
-                        a=a.to(dtype) if a.dtype != dtype else a.clone(),
-                        b=fb.clone() if fb is b else fb,
-                    )
+                    fb = torch.empty(b.shape, dtype=dtype)
+                    fold_scale_into(fb, b, scale)
+                    weights[(layer, module)] = LoRAWeights(a=a.to(dtype, copy=True), b=fb)
             if read_full:
                 full_tables = _read_tables(f, tables, dtype)
     except (SafetensorError, OSError, ValueError) as e:

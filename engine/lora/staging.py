@@ -181,16 +181,11 @@ def pack_adapter(
             )
         shapes[k] = (r, d_in, w.b.shape[0])
     entries, numel = _layout(shapes, max_rank)
-    if out is not None:
-        if out.dim() != 1 or out.numel() < numel or (dtype is not None and out.dtype != dtype):
-            raise ValueError(f"out {tuple(out.shape)} {out.dtype} cannot hold {numel} elements")
-        buffer = out[:numel]
-    else:
-        if dtype is None:
-            first = next(iter(adapter.weights.values()), None)
-            dtype = first.a.dtype if first is not None else torch.float32
-        buffer = torch.empty(numel, dtype=dtype, pin_memory=pin)
-    packed = PackedAdapter(buffer, entries, max_rank)
+    if dtype is None:
+        first = next(iter(adapter.weights.values()), None)
+        fallback = first.a.dtype if first is not None else torch.float32
+        dtype = out.dtype if out is not None else fallback
+    packed = PackedAdapter(_buffer(numel, dtype, pin, out), entries, max_rank)
     # NOTE: alignment gaps are never read
     for k, e in entries.items():
         w = adapter.weights[k]

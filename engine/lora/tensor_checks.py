@@ -19,7 +19,7 @@ __all__ = [
     "MAX_ADAPTER_WEIGHT",
     "check_folded_values",
     "check_weight_values",
-    "fold_scale",
+    "fold_scale_into",
     "parse_key",
 ]
 
@@ -134,15 +134,6 @@ def check_folded_values(t: torch.Tensor, key: str, scale: float) -> None:
     if float(_peak(t) * abs(scale)) <= MAX_ADAPTER_WEIGHT:
         return
     check_weight_values(t.float() * scale, key, scale=scale)
-
-
-def fold_scale(b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """``(b.float() * scale).to(dtype)``, bit for bit, with fewer passes: a tensor already in
-    ``dtype`` is multiplied in place of a float32 round trip (torch computes a half / bfloat16
-    product in float32 and rounds once, the same two roundings), a scale of 1 is no work."""
-    if b.dtype == dtype:
-        return b if scale == 1.0 else b * scale
-    return (b.float() * scale).to(dtype)
 
 
 def fold_scale_into(dst: torch.Tensor, b: torch.Tensor, scale: float) -> None:
