@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loraplex.engine.lora.mapping import LoRAMapping
+from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
 from loraplex.engine.lora.ops import add_lora
 from loraplex.engine.lora.ops.dora import apply_dora
 from loraplex.engine.lora.ops.runs import add_lora_runs
@@ -93,9 +93,12 @@ class LoRALinear(torch.nn.Module):
         lora_b = _b_buffer(max_loras, n, max_rank, kw) if max_loras > 0 else None
         self.register_buffer("lora_b", lora_b)
         # DoRA row scales per slot (L + 1, N_total): ones but where a DoRA adapter's slot
-        # holds g; row L (index -1, base rows) stays ones. Read only by steps with DoRA rows.
+        # holds g; row L (index -1, base rows) stays ones. Read only by steps with DoRA rows
+        # (the fused epilogues: only rows whose slot ``dora_on`` flags).
         dora = torch.ones(max_loras + 1, n, **kw) if max_loras > 0 else None
         self.register_buffer("dora_scale", dora)
+        on = torch.zeros(max_loras + 1, dtype=torch.int32, device=device) if max_loras else None
+        self.register_buffer("dora_on", on)
         if max_loras > 0:
             self.lora_a = _a_view(self.weight_aug[n:], len(slices), max_loras, max_rank)
 
@@ -156,6 +159,12 @@ class LoRALinear(torch.nn.Module):
         if self.lora_a is not None:
             self.lora_a = _a_view(rows, len(self.slice_names), self.max_loras, self.max_rank)
         self.float_base = False
+
+    def dora_rows(self) -> DoraRows | None:
+        """The DoRA tables the fused epilogues read (None without LoRA slots)."""
+        if self.dora_scale is None or self.dora_on is None:
+            return None
+        return DoraRows(self.dora_scale, self.dora_on, self.bias)
 
     @property
     def bias(self) -> torch.Tensor | None:

@@ -25,7 +25,20 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LoRAMapping"]
+__all__ = ["DoraRows", "LoRAMapping"]
+
+
+@dataclass(frozen=True)
+class DoraRows:
+    """One projection's DoRA row scales as the fused epilogues read them (lora/dora.py).
+
+    A row whose slot ``on`` flags gets ``g * (y - bias) + bias`` on its base output ``y``
+    (bias included), in fp32, before its LoRA delta is added; every other row (base rows,
+    plain LoRA slots) is read unchanged: its ``scale`` row is never loaded."""
+
+    scale: torch.Tensor  # (L + 1, N) g per slot; row L (index -1) ones
+    on: torch.Tensor  # (L + 1,) int32: 1 where the slot holds a DoRA adapter's g here
+    bias: torch.Tensor | None  # (N,) the projection's bias, or None
 
 
 @dataclass(frozen=True)
@@ -42,8 +55,10 @@ class LoRAMapping:
     # host (slot, first row, length, rank) per segment when each segment is a run of
     # consecutive rows; None otherwise
     runs: tuple[tuple[int, int, int, int], ...] | None = None
-    # some token's slot holds a DoRA adapter: base outputs get their slot's row scale
-    # (lora/dora.py); False costs nothing
+    # DoRA row scales: on the reference path, some token's slot holds a DoRA adapter (base
+    # outputs get their slot's row scale, lora/dora.py); on the fused path, the epilogues read
+    # each projection's ``DoraRows`` (flagged slots only: the decode graphs capture it so,
+    # eager steps without DoRA rows skip it). False costs nothing
     dora: bool = False
     # fused path: the step reads A rows of ranks < rank_bound only (lora/ranks.py), an upper
     # bound of every row's adapter rank; None: all max_lora_rank rows

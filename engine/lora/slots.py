@@ -301,9 +301,10 @@ def _write_dora(c: _ModelCache, slot: int, adapter: object) -> None:
     scales = getattr(adapter, "dora", None)
     if not scales and slot not in c.dora_slots:
         return
-    rows = [lin.dora_scale[slot] for lin in c.linears if lin.dora_scale is not None]
-    for r in rows:
-        r.fill_(1.0)
+    linears = [lin for lin in c.linears if lin.dora_scale is not None]
+    for lin in linears:
+        lin.dora_scale[slot].fill_(1.0)  # type: ignore[index]
+        lin.dora_on[slot].zero_()  # type: ignore[union-attr]
     c.dora_slots.discard(slot)
     if not scales:
         return
@@ -312,6 +313,7 @@ def _write_dora(c: _ModelCache, slot: int, adapter: object) -> None:
         if g is not None:
             dst = site.linear.dora_scale[slot, site.lo : site.hi]  # type: ignore[index]
             dst.copy_(g.to(dst.dtype), non_blocking=True)
+            site.linear.dora_on[slot].fill_(1)  # type: ignore[union-attr]
     c.dora_slots.add(slot)
 
 

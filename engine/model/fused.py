@@ -17,7 +17,8 @@ The row -> adapter mapping is just ``token_slots`` (T,) int32 (-1 = base), wrapp
 forward in the step's ``LoRAMapping`` (no segments, no host-side sizes), so the whole step can
 be captured in a CUDA graph. ``triton=False`` runs the epilogues as their torch twins (tests on
 CPU; paged attention stays Triton). Numerics follow the reference path (llama.py) and HF: the
-kernels' torch twins pin them.
+kernels' torch twins pin them. DoRA rows (lora/dora.py) take their row scale inside the same
+epilogues (``dora``), so graphs serve them with no extra launch.
 
 The embedding LoRA (``lora_vocab()``, lora/vocab.py) is added to the embedded rows, and rows of
 a slot with a full embedding table (``full_modules``, lora/full.py) take theirs; the LM head's
@@ -37,8 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine.lora.layers import LoRALinear
-from loraplex.engine.lora.mapping import LoRAMapping
-from loraplex.engine.lora.ops.dora import apply_dora
+from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
 from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul, rmsnorm
@@ -62,12 +62,8 @@ def _linear(x: torch.Tensor, lin: LoRALinear, mapping: LoRAMapping) -> torch.Ten
     return linear(x, w, bias)
 
 
-def _dora_linear(x: torch.Tensor, lin: LoRALinear, mapping: LoRAMapping) -> torch.Tensor:
-    """``_linear``, then the DoRA row scale on the base columns (steps with DoRA rows)."""
-    y = _linear(x, lin, mapping)
-    if lin.dora_scale is not None:
-        apply_dora(y[:, : lin.out_features], lin.dora_scale, lin.bias, mapping.token_slots)
-    return y
+def _dora(lin: LoRALinear, on: bool) -> DoraRows | None:
+    return lin.dora_rows() if on else None
 
 
 def fused_forward(
@@ -87,8 +83,10 @@ def fused_forward(
 
     ``attention``: ``paged_attention``'s signature; mixed-step graphs pass their own split.
     ``triton``: the epilogues as Triton kernels, else as their torch twins.
-    ``dora``: some row's slot holds a DoRA adapter: each base output gets the row scale
-    (lora/dora.py; B already holds it) before its epilogue adds the delta.
+    ``dora``: the epilogues apply the DoRA row scale (lora/dora.py; B already holds it) to the
+    base output of rows whose slot holds a DoRA adapter before they add the delta (a flag per
+    slot and projection, read in the kernels: the decode graphs are captured with it, eager
+    steps set it only when some row needs it). Not under tensor parallelism (refused there).
     ``rank_bound``: every row's adapter has rank <= it: the GEMMs read only the A rows of
     ranks below it and the epilogues loop over as many (lora/ranks.py); None: all rows."""
     cfg = model.cfg
@@ -97,9 +95,9 @@ def fused_forward(
     layers = model.layers
     first = layers[0]
     # the step's LoRA metadata
-    mapping = LoRAMapping(token_slots, triton=triton, dora=dora, rank_bound=rank_bound)
-    proj = _dora_linear if dora else _linear
     tp = getattr(model, "tp", None)  # a tensor-parallel shard (tp.py): o / down all-reduced
+    dora = dora and tp is None
+    mapping = LoRAMapping(token_slots, triton=triton, dora=dora, rank_bound=rank_bound)
     full = getattr(model, "full_modules", None)  # modules_to_save tables (lora/full.py)
     # ids of added tokens (full tables past the vocabulary) reach the base clamped
     ids = full.base_ids(input_ids) if full is not None and full.extra else input_ids
@@ -119,24 +117,27 @@ def fused_forward(
     act = torch.empty(t, cfg.intermediate_size, dtype=h.dtype, device=h.device)
     for i, layer in enumerate(layers):
         k_cache, v_cache = kv_caches[i]
-        qkv = proj(h, layer.qkv_proj, mapping)
+        qkv = _linear(h, layer.qkv_proj, mapping)
         lora_qkv_rope(
             qkv, layer.qkv_proj.lora_b, mapping, positions, model.rope.cos, model.rope.sin,
-            k_cache, v_cache, meta.slot_mapping, q,
+            k_cache, v_cache, meta.slot_mapping, q, _dora(layer.qkv_proj, dora),
         )  # fmt: skip
         attn = attention(q, k_cache, v_cache, meta, layer.scale, cfg.sliding_window)
-        o = proj(attn.view(t, cfg.q_size), layer.o_proj, mapping)
+        o = _linear(attn.view(t, cfg.q_size), layer.o_proj, mapping)
         if tp is not None:  # base and shrink partials in one all-reduce, then the epilogue
             tp.all_reduce(o)
         lora_add_rmsnorm(
             o, residual, layer.o_proj.lora_b, mapping, layer.post_attention_layernorm.weight,
-            eps, h,
+            eps, h, _dora(layer.o_proj, dora),
         )  # fmt: skip
-        gu = proj(h, layer.gate_up_proj, mapping)
-        lora_silu_mul(gu, layer.gate_up_proj.lora_b, mapping, act)
-        d = proj(act, layer.down_proj, mapping)
+        gu = _linear(h, layer.gate_up_proj, mapping)
+        lora_silu_mul(gu, layer.gate_up_proj.lora_b, mapping, act, _dora(layer.gate_up_proj, dora))
+        d = _linear(act, layer.down_proj, mapping)
         if tp is not None:
             tp.all_reduce(d)
         norm_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.norm.weight
-        lora_add_rmsnorm(d, residual, layer.down_proj.lora_b, mapping, norm_w, eps, h)
+        lora_add_rmsnorm(
+            d, residual, layer.down_proj.lora_b, mapping, norm_w, eps, h,
+            _dora(layer.down_proj, dora),
+        )  # fmt: skip
     return h

@@ -77,7 +77,7 @@ def _loaded(adapters):
     return load
 
 
-@pytest.mark.parametrize("backend", ["torch", "fused_twins"])
+@pytest.mark.parametrize("backend", ["torch", "fused_twins", "fused"])
 def test_dora_matches_peft_in_a_mixed_batch(setup, backend):
     model_dir, adapters = setup
     g = random.Random(2)
@@ -104,7 +104,11 @@ def test_dora_matches_peft_in_a_mixed_batch(setup, backend):
                 toks[i] = tokens[step][j]
         hf_steps.append(logits)
         hf_tokens.append(toks)
-    kw = {"torch": {}, "fused_twins": dict(kernel_backend=KernelBackend(fused=True, triton=False))}
+    kw = {
+        "torch": {},
+        "fused_twins": dict(kernel_backend=KernelBackend(fused=True, triton=False)),
+        "fused": dict(kernel_backend="fused"),  # the Triton epilogues (interpreted on CPU)
+    }
     our_steps = ours(
         model_dir, adapters, prompts, names, hf_tokens, loaded=_loaded(adapters), **kw[backend]
     )
@@ -174,8 +178,9 @@ def test_dora_refusals(setup, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dora_mixed_batch_on_gpu(setup, dtype):
-    """The fused path on CUDA in half precision (steps with DoRA rows run eagerly, plain ones
-    as graphs): against PEFT in float32 on the same GPU, per row group."""
+    """The fused path on CUDA in half precision, decode steps with DoRA rows as CUDA graphs
+    (the row scale inside the captured epilogues): against PEFT in float32 on the same GPU,
+    per row group."""
     model_dir, adapters = setup
     g = random.Random(6)
     prompts = [[g.randrange(3, 200) for _ in range(n)] for _, n in ROWS]
@@ -200,10 +205,18 @@ def test_dora_mixed_batch_on_gpu(setup, dtype):
             for j, i in enumerate(rows):
                 tokens[step][i], refs[step][i] = toks[step][j], ref[step][j]
                 peft_err[step][i] = rel_err(half[step][j], ref[step][j])
+    graphs: list[bool] = []
     our_steps = ours(
         model_dir, adapters, prompts, names, tokens, dtype=dtype, device="cuda",
-        loaded=_loaded(adapters),
+        loaded=_loaded(adapters), graphs=graphs,
     )  # fmt: skip
+    assert graphs and all(graphs), f"decode steps with DoRA rows ran eagerly: {graphs}"
+    eager = ours(
+        model_dir, adapters, prompts, names, tokens, dtype=dtype, device="cuda",
+        loaded=_loaded(adapters), use_cuda_graphs=False,
+    )  # fmt: skip
+    for step, (a, b) in enumerate(zip(our_steps, eager, strict=True)):
+        assert torch.equal(a, b), f"step {step}: the graph and the eager step differ"
     for step in range(DECODE_STEPS + 1):
         for row in range(len(ROWS)):
             ref = refs[step][row]

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from loraplex.engine.lora.mapping import LoRAMapping  # noqa: E402
+from loraplex.engine.lora.mapping import DoraRows, LoRAMapping  # noqa: E402
 from loraplex.engine.model import kernels as K  # noqa: E402
 from loraplex.engine.model.rope import RotaryEmbedding  # noqa: E402
 
@@ -65,12 +65,33 @@ def _mapping(token_slots: torch.Tensor, triton: bool = False) -> LoRAMapping:
     return LoRAMapping(token_slots, triton=triton)
 
 
-def _naive_proj(y_aug, n_base, lora_b, mapping, s, lo, hi, num_slices):
-    """Per-token loop: round(base + hA @ B[slot].T) for slice s (B rows lo..hi)."""
+DORA_ON = (2,)  # the slot whose DoRA scales are flagged; slot 0 is plain LoRA
+
+
+def _dora(n_base: int, dtype: torch.dtype, kind: str | None) -> DoraRows | None:
+    """DoRA tables (lora/dora.py) for ``kind`` "bias" / "nobias" (None: no DoRA): slot 2
+    flagged; the plain slot 0 and the unused slot 1 hold huge scales that must never be read."""
+    if kind is None:
+        return None
+    g = torch.Generator().manual_seed(11)
+    scale = 0.5 + torch.rand(L + 1, n_base, generator=g)
+    scale[[0, 1]] = 1e3
+    scale[L] = 1.0
+    on = torch.zeros(L + 1, dtype=torch.int32)
+    on[list(DORA_ON)] = 1
+    bias = torch.randn(n_base, generator=g).to(DEVICE, dtype) if kind == "bias" else None
+    return DoraRows(scale.to(DEVICE, dtype), on.to(DEVICE), bias)
+
+
+def _naive_proj(y_aug, n_base, lora_b, mapping, s, lo, hi, num_slices, dora=None):
+    """Per-token loop: round(dora(base) + hA @ B[slot].T) for slice s (B rows lo..hi)."""
     rows = []
     slots = mapping.token_slots.tolist() if lora_b is not None else [-1] * len(y_aug)
     for t, slot in enumerate(slots):
         row = y_aug[t, lo:hi].float()
+        if dora is not None and slot >= 0 and int(dora.on[slot]):
+            b = dora.bias[lo:hi].float() if dora.bias is not None else 0.0
+            row = dora.scale[slot, lo:hi].float() * (row - b) + b
         if slot >= 0:
             cols = [_col(n_base, s, num_slices, slot, r) for r in range(R)]
             row = row + lora_b[slot, lo:hi].float() @ y_aug[t, cols].float()
@@ -101,7 +122,7 @@ def _hf_close(got, want, dtype):
 # --- inputs and runners per op: fn(impl) -> tuple of outputs ---------------------------------
 
 
-def _run_add_rmsnorm(dtype, lora, impl, cfg=None, triton=False):
+def _run_add_rmsnorm(dtype, lora, impl, cfg=None, triton=False, dora=None):
     h = 64
     y_aug, lora_b, slots = _aug(SLOTS, h, 1, dtype, triton)
     g = torch.Generator().manual_seed(1)
@@ -109,10 +130,13 @@ def _run_add_rmsnorm(dtype, lora, impl, cfg=None, triton=False):
     w = torch.randn(h, generator=g).to(DEVICE, dtype)
     out = torch.full((len(SLOTS), h + 4), float("nan"), dtype=dtype, device=DEVICE)[:, :h]
     b = lora_b if lora else None
+    d = _dora(h, dtype, dora)
     res0 = res.clone()
-    impl(y_aug, res, b, slots, w, EPS, out, **({"config": cfg} if cfg else {}))
+    impl(
+        y_aug, res, b, slots, w, EPS, out, *((d,) if d else ()), **({"config": cfg} if cfg else {})
+    )
     if impl is K.lora_add_rmsnorm_torch:  # naive composition of the same inputs
-        want_res = res0 + _naive_proj(y_aug, h, b, slots, 0, 0, h, 1)
+        want_res = res0 + _naive_proj(y_aug, h, b, slots, 0, 0, h, 1, d)
         _hf_close(res, want_res, dtype)
         _hf_close(out, _hf_rmsnorm(want_res, w), dtype)
     return res, out
@@ -128,15 +152,16 @@ def _run_rmsnorm(dtype, lora, impl, cfg=None):
     return (out,)
 
 
-def _run_silu_mul(dtype, lora, impl, cfg=None, triton=False):
+def _run_silu_mul(dtype, lora, impl, cfg=None, triton=False, dora=None):
     inter = 128
     y_aug, lora_b, slots = _aug(SLOTS, 2 * inter, 2, dtype, triton)
     out = torch.full((len(SLOTS), inter), float("nan"), dtype=dtype, device=DEVICE)
     b = lora_b if lora else None
-    impl(y_aug, b, slots, out, **({"config": cfg} if cfg else {}))
+    d = _dora(2 * inter, dtype, dora)
+    impl(y_aug, b, slots, out, *((d,) if d else ()), **({"config": cfg} if cfg else {}))
     if impl is K.lora_silu_mul_torch:
-        gate = _naive_proj(y_aug, 2 * inter, b, slots, 0, 0, inter, 2)
-        up = _naive_proj(y_aug, 2 * inter, b, slots, 1, inter, 2 * inter, 2)
+        gate = _naive_proj(y_aug, 2 * inter, b, slots, 0, 0, inter, 2, d)
+        up = _naive_proj(y_aug, 2 * inter, b, slots, 1, inter, 2 * inter, 2, d)
         _hf_close(out, F.silu(gate) * up, dtype)
     return (out,)
 
@@ -159,17 +184,21 @@ def _qkv_inputs(dtype, lora, slot_mapping, triton=False):
     return args, caches, smap, q_out
 
 
-def _run_qkv_rope(dtype, lora, impl, cfg=None, triton=False, slot_mapping=(3, -1, 0, 15, -1, 8, 9)):
+def _run_qkv_rope(
+    dtype, lora, impl, cfg=None, triton=False, slot_mapping=(3, -1, 0, 15, -1, 8, 9), dora=None
+):
     args, (kc, vc), smap, q_out = _qkv_inputs(dtype, lora, list(slot_mapping), triton)
     kc0, vc0 = kc.clone(), vc.clone()
-    impl(*args, kc, vc, smap, q_out, **({"config": cfg} if cfg else {}))
+    q_size, kv_size = HQ * D, HKV * D
+    n = q_size + 2 * kv_size
+    d = _dora(n, dtype, dora)
+    impl(*args, kc, vc, smap, q_out, *((d,) if d else ()), **({"config": cfg} if cfg else {}))
     if impl is K.lora_qkv_rope_torch:  # naive: per-slice projection, HF rotary, loop write
         y_aug, b, slots, *_ = args
-        q_size, kv_size = HQ * D, HKV * D
-        n, t = q_size + 2 * kv_size, len(SLOTS)
-        q = _naive_proj(y_aug, n, b, slots, 0, 0, q_size, 3).view(t, HQ, D)
-        k = _naive_proj(y_aug, n, b, slots, 1, q_size, q_size + kv_size, 3).view(t, HKV, D)
-        v = _naive_proj(y_aug, n, b, slots, 2, q_size + kv_size, n, 3).view(t, HKV, D)
+        t = len(SLOTS)
+        q = _naive_proj(y_aug, n, b, slots, 0, 0, q_size, 3, d).view(t, HQ, D)
+        k = _naive_proj(y_aug, n, b, slots, 1, q_size, q_size + kv_size, 3, d).view(t, HKV, D)
+        v = _naive_proj(y_aug, n, b, slots, 2, q_size + kv_size, n, 3, d).view(t, HKV, D)
         cos = args[4][args[3]].unsqueeze(1).to(dtype)
         sin = args[5][args[3]].unsqueeze(1).to(dtype)
         _hf_close(q_out, q * cos + _rotate_half(q) * sin, dtype)
@@ -237,6 +266,35 @@ def test_triton_matches_twin(op: str, dtype: torch.dtype) -> None:
                 # flips from fp32 summation order (a skipped rounding step changes many).
                 if dtype != torch.float32:
                     assert (g_ != w_).float().mean().item() <= 0.02, f"{op} {cfg}: rounding"
+
+
+DORA_OPS = ["add_rmsnorm", "silu_mul", "qkv_rope"]
+
+
+@pytest.mark.parametrize("kind", ["nobias", "bias"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", DORA_OPS)
+def test_dora_rows_triton_matches_twin(op: str, dtype: torch.dtype, kind: str) -> None:
+    """DoRA row scales inside the epilogues (lora/dora.py): the twin against the naive
+    composition (in the runner), every Triton config against the twin; only the flagged
+    slot's rows change (the plain slot's and unused slot's huge scales are never read)."""
+    run, twin = RUNNERS[op]
+    fn, config = _triton(op)
+    want = run(dtype, True, twin, dora=kind)
+    plain = run(dtype, True, twin)
+    flagged = torch.tensor([s in DORA_ON for s in SLOTS], device=DEVICE)
+    for w_, p_ in zip(want, plain, strict=True):
+        if w_.shape[0] == len(SLOTS):  # per-row outputs (not the KV caches)
+            rows = w_.reshape(len(SLOTS), -1).float(), p_.reshape(len(SLOTS), -1).float()
+            assert torch.equal(rows[0][~flagged], rows[1][~flagged])
+            assert (rows[0][flagged] - rows[1][flagged]).abs().max() > 1e-2
+    for cfg in [None] + [config(*c) for c in CONFIGS[op]]:
+        got = run(dtype, True, fn, cfg, dora=kind)
+        for g_, w_ in zip(got, want, strict=True):
+            assert not g_.isnan().any(), f"{op} {cfg}: a row was not written"
+            _close(g_, w_, TOL[dtype])
+            if dtype != torch.float32:
+                assert (g_ != w_).float().mean().item() <= 0.02, f"{op} {cfg}: rounding"
 
 
 def test_qkv_rope_skips_padded_rows_and_writes_nothing_else() -> None:

@@ -12,7 +12,9 @@ Every op takes the step's ``LoRAMapping`` (``lora/mapping.py``): its ``token_slo
 which slot each row uses, its ``triton`` flag which implementation runs, the Triton kernel (on
 CPU through ``TRITON_INTERPRET=1``) or the torch twin. The twins (``reference.py``) and the
 Triton wrappers take exactly the arguments of the op here; sizes (L, N, R, heads, head_dim)
-come from the tensors' shapes. Triton is imported lazily. The checks below read shapes only
+come from the tensors' shapes. ``dora`` (``DoraRows``, lora/dora.py): the projection's DoRA
+row scales, applied to the base output of rows whose slot is flagged before the delta (None: no
+DoRA). Triton is imported lazily. The checks below read shapes only
 (no device sync), and the Triton launch depends on ``T`` alone, so the GPU path can be
 captured in a CUDA graph.
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.engine.lora.mapping import LoRAMapping
+from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
 from loraplex.engine.model.kernels.reference import (
     lora_add_rmsnorm_torch,
     lora_qkv_rope_torch,
@@ -47,6 +49,7 @@ def _check_lora(
     lora_b: torch.Tensor | None,
     mapping: LoRAMapping,
     num_slices: int,
+    dora: DoraRows | None = None,
 ) -> None:
     if y_aug.dim() != 2 or y_aug.shape[1] < n_base:
         raise ValueError(f"y_aug {tuple(y_aug.shape)} has fewer than n_base={n_base} columns")
@@ -60,6 +63,12 @@ def _check_lora(
         raise ValueError(f"y_aug {tuple(y_aug.shape)}: want >= {want} columns (N + S*L*Rb)")
     if lora_b.dtype != y_aug.dtype:
         raise ValueError(f"lora_b dtype {lora_b.dtype} != y_aug dtype {y_aug.dtype}")
+    if dora is not None and (
+        tuple(dora.scale.shape) != (num_slots + 1, n_base)
+        or tuple(dora.on.shape) != (num_slots + 1,)
+        or (dora.bias is not None and tuple(dora.bias.shape) != (n_base,))
+    ):
+        raise ValueError(f"DoRA tables {tuple(dora.scale.shape)}, want ({num_slots + 1}, {n_base})")
     if tuple(mapping.token_slots.shape) != (y_aug.shape[0],):
         raise ValueError(f"token_slots must have shape ({y_aug.shape[0]},)")
 
@@ -72,11 +81,12 @@ def lora_add_rmsnorm(
     norm_weight: torch.Tensor,
     eps: float,
     out: torch.Tensor,
+    dora: DoraRows | None = None,
 ) -> None:
     """o_proj / down_proj epilogue, residual add, next RMSNorm (S = 1, N = H = residual width)::
 
     for t:
-        y = round(y_aug[t, :H] + delta[t])          # no delta for slot -1 or lora_b None
+        y = round(dora(y_aug[t, :H]) + delta[t])    # no delta for slot -1 or lora_b None
         residual[t] = round(residual[t] + y)        # in place
         v = float(residual[t])
         out[t] = norm_weight * round(v * rsqrt(mean(v * v) + eps))
@@ -84,10 +94,10 @@ def lora_add_rmsnorm(
     if residual.dim() != 2 or residual.shape[0] != y_aug.shape[0]:
         raise ValueError(f"residual {tuple(residual.shape)}, want ({y_aug.shape[0]}, H)")
     n_base = residual.shape[1]
-    _check_lora(y_aug, n_base, lora_b, mapping, 1)
+    _check_lora(y_aug, n_base, lora_b, mapping, 1, dora)
     if out.shape != residual.shape or tuple(norm_weight.shape) != (n_base,):
         raise ValueError(f"out {tuple(out.shape)}, norm_weight {tuple(norm_weight.shape)}")
-    args = (y_aug, residual, lora_b, mapping, norm_weight, eps, out)
+    args = (y_aug, residual, lora_b, mapping, norm_weight, eps, out, dora)
     if mapping.triton:
         from loraplex.engine.model.kernels.add_rmsnorm import lora_add_rmsnorm_triton
 
@@ -118,17 +128,18 @@ def lora_silu_mul(
     lora_b: torch.Tensor | None,
     mapping: LoRAMapping,
     out: torch.Tensor,
+    dora: DoraRows | None = None,
 ) -> None:
     """gate_up epilogue + SiLU-and-mul (S = 2 slices of width I = out's width, N = 2I)::
 
     for t:
-        g = round(y_aug[t, :I] + delta_gate[t]); u = round(y_aug[t, I:2I] + delta_up[t])
+        g = round(dora(y_aug[t, :I]) + delta_gate[t]); u = round(dora(y_aug[t, I:2I]) + delta_up[t])
         out[t] = round(round(silu(g)) * u)
     """
     if out.dim() != 2 or out.shape[0] != y_aug.shape[0]:
         raise ValueError(f"out {tuple(out.shape)}, want ({y_aug.shape[0]}, I)")
-    _check_lora(y_aug, 2 * out.shape[1], lora_b, mapping, 2)
-    args = (y_aug, lora_b, mapping, out)
+    _check_lora(y_aug, 2 * out.shape[1], lora_b, mapping, 2, dora)
+    args = (y_aug, lora_b, mapping, out, dora)
     if mapping.triton:
         from loraplex.engine.model.kernels.silu_mul import lora_silu_mul_triton
 
@@ -148,11 +159,12 @@ def lora_qkv_rope(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     q_out: torch.Tensor,
+    dora: DoraRows | None = None,
 ) -> None:
     """qkv epilogue + rotary (HF rotate_half) + paged KV write (S = 3: q, k, v)::
 
     for t:                                          # heads and D from q_out, k_cache
-        q, k, v = round(y_aug[t, slice s] + delta_s[t]), viewed (heads, D)
+        q, k, v = round(dora(y_aug[t, slice s]) + delta_s[t]), viewed (heads, D)
         c, sn = round(cos[positions[t]]), round(sin[positions[t]])
         q_out[t] = q * c + rotate_half(q) * sn      # each op rounded, as in HF
         if slot_mapping[t] >= 0:
@@ -168,12 +180,14 @@ def lora_qkv_rope(
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dim() != 4 or c.shape[3] != head_dim or c.shape != k_cache.shape:
             raise ValueError(f"{name} {tuple(c.shape)}, want (blocks, block_size, Hkv, {head_dim})")
-    _check_lora(y_aug, (hq + 2 * k_cache.shape[2]) * head_dim, lora_b, mapping, 3)
+    _check_lora(y_aug, (hq + 2 * k_cache.shape[2]) * head_dim, lora_b, mapping, 3, dora)
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim:
         raise ValueError(f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}: want (P, {head_dim})")
     if tuple(positions.shape) != (t,) or tuple(slot_mapping.shape) != (t,):
         raise ValueError(f"positions / slot_mapping must have shape ({t},)")
-    args = (y_aug, lora_b, mapping, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out)
+    args = (
+        y_aug, lora_b, mapping, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, dora
+    )  # fmt: skip
     if mapping.triton:
         from loraplex.engine.model.kernels.qkv_rope import lora_qkv_rope_triton
 

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.engine.lora.mapping import LoRAMapping
-from loraplex.engine.model.kernels.lora_delta import block_r, lora_delta
+from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
+from loraplex.engine.model.kernels.lora_delta import block_r, dora_args, dora_rows, lora_delta
 
 __all__ = ["NormConfig", "norm_config", "lora_add_rmsnorm_triton", "rmsnorm_triton"]
 
@@ -74,12 +74,19 @@ def _add_rmsnorm_kernel(
     stride_w,
     stride_ot,
     stride_on,
+    g_ptr,
+    on_ptr,
+    bias_ptr,
+    stride_gl,
+    stride_gn,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
     ADD: tl.constexpr,
     HAS_LORA: tl.constexpr,
     USE_DOT: tl.constexpr,
+    HAS_DORA: tl.constexpr,
+    DORA_BIAS: tl.constexpr,
 ):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = tok < T
@@ -99,6 +106,11 @@ def _add_rmsnorm_kernel(
             y_ptrs = ya_ptr + tok[:, None] * stride_yt + cols[None, :] * stride_yn
             y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
             if HAS_LORA:
+                if HAS_DORA:
+                    y = dora_rows(
+                        y, g_ptr, on_ptr, bias_ptr, slots, cols, c_mask, stride_gl, stride_gn,
+                        DORA_BIAS,
+                    )  # fmt: skip
                 acc = tl.full((BLOCK_T, BLOCK_H), 0.0, tl.float32)
                 acc = lora_delta(
                     acc, ya_ptr, b_ptr, tok, slots, cols, c_mask, H, 1, L, L, R,
@@ -135,6 +147,7 @@ def _launch(
     out: torch.Tensor,
     config: NormConfig | None,
     rank_bound: int | None = None,
+    dora: DoraRows | None = None,
 ) -> None:
     t, h = residual.shape
     if t == 0:
@@ -145,6 +158,7 @@ def _launch(
         rank = min(rank, rank_bound)  # the step's rank rows (lora/ranks.py)
     cfg = config or norm_config(t, h, rank if has_lora and y_aug is not None else 0)
     use_dot = cfg.block_t >= 16
+    dora = dora if has_lora and y_aug is not None else None
     if cfg.split:
         from loraplex.engine.model.kernels.add_rmsnorm_split import add_rmsnorm_split
 
@@ -152,13 +166,14 @@ def _launch(
         add_rmsnorm_split(
             y_aug, residual, lora_b, token_slots, norm_weight, eps, out, rank=rank,
             block_h=cfg.block_h, num_warps=cfg.num_warps,
-            block_r=block_r(rank, False, cfg.block_h, cfg.num_warps),
+            block_r=block_r(rank, False, cfg.block_h, cfg.num_warps), dora=dora,
         )  # fmt: skip
         return
     ya = y_aug if y_aug is not None else residual
     b = lora_b if lora_b is not None else ya
     b_strides = lora_b.stride() if lora_b is not None else (0, 0, 0)
     slots = token_slots if token_slots is not None else ya
+    d_args, (has_dora, dora_bias) = dora_args(dora, ya)
     _add_rmsnorm_kernel[(triton.cdiv(t, cfg.block_t),)](
         ya,
         residual,
@@ -180,12 +195,15 @@ def _launch(
         norm_weight.stride(0),
         out.stride(0),
         out.stride(1),
+        *d_args,
         BLOCK_T=cfg.block_t,
         BLOCK_H=cfg.block_h,
         BLOCK_R=block_r(rank, use_dot, cfg.block_t * cfg.block_h, cfg.num_warps),
         ADD=y_aug is not None,
         HAS_LORA=has_lora,
         USE_DOT=use_dot,
+        HAS_DORA=has_dora,
+        DORA_BIAS=dora_bias,
         num_warps=cfg.num_warps,
     )
 
@@ -198,13 +216,14 @@ def lora_add_rmsnorm_triton(
     norm_weight: torch.Tensor,
     eps: float,
     out: torch.Tensor,
+    dora: DoraRows | None = None,
     *,
     config: NormConfig | None = None,
 ) -> None:
     """Triton ``lora_add_rmsnorm``; see ``reference.lora_add_rmsnorm_torch``."""
     _launch(
         y_aug, residual, lora_b, mapping.token_slots, norm_weight, eps, out, config,
-        mapping.rank_bound,
+        mapping.rank_bound, dora,
     )  # fmt: skip
 
 

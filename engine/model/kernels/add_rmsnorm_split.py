@@ -14,11 +14,16 @@ Nothing but ``T`` shapes the launch (CUDA-graph safe).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
-from loraplex.engine.model.kernels.lora_delta import lora_delta
+from loraplex.engine.model.kernels.lora_delta import dora_args, dora_rows, lora_delta
+
+if TYPE_CHECKING:
+    from loraplex.engine.lora.mapping import DoraRows
 
 __all__ = ["MAX_ROWS", "MAX_CHUNKS", "prepare_split_norm", "add_rmsnorm_split"]
 
@@ -50,11 +55,14 @@ def _split_kernel(
     H, L, R, eps,
     stride_yt, stride_yn, stride_rt, stride_rn, stride_bl, stride_bn, stride_br,
     stride_slot, stride_w, stride_ot, stride_on,
+    g_ptr, on_ptr, bias_ptr, stride_gl, stride_gn,
     NCHUNK: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
     HAS_LORA: tl.constexpr,
+    HAS_DORA: tl.constexpr,
+    DORA_BIAS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -72,6 +80,10 @@ def _split_kernel(
         ya_ptr + tok[:, None] * stride_yt + cols[None, :] * stride_yn, mask=mask, other=0.0
     ).to(tl.float32)
     if HAS_LORA:
+        if HAS_DORA:
+            y = dora_rows(
+                y, g_ptr, on_ptr, bias_ptr, slots, cols, c_mask, stride_gl, stride_gn, DORA_BIAS
+            )
         acc = tl.full((1, BLOCK_H), 0.0, tl.float32)
         acc = lora_delta(
             acc, ya_ptr, b_ptr, tok, slots, cols, c_mask, H, 1, L, L, R,
@@ -120,6 +132,7 @@ def add_rmsnorm_split(
     block_h: int,
     block_r: int,
     num_warps: int,
+    dora: DoraRows | None = None,
 ) -> None:
     """The split launch (``T <= MAX_ROWS``, ``cdiv(H, block_h) <= MAX_CHUNKS``); ``rank``: the
     step's rank rows, ``block_r`` its chunk."""
@@ -131,15 +144,18 @@ def add_rmsnorm_split(
     b = lora_b if lora_b is not None else y_aug
     b_strides = lora_b.stride() if lora_b is not None else (0, 0, 0)
     num_slots = lora_b.shape[0] if lora_b is not None else 0
+    d_args, (has_dora, dora_bias) = dora_args(dora if lora_b is not None else None, y_aug)
     _split_kernel[(t, nchunk)](
         y_aug, residual, b, token_slots, norm_weight, out, counts, parts,
         h, num_slots, rank, eps,
         y_aug.stride(0), y_aug.stride(1), residual.stride(0), residual.stride(1), *b_strides,
-        token_slots.stride(0), norm_weight.stride(0), out.stride(0), out.stride(1),
+        token_slots.stride(0), norm_weight.stride(0), out.stride(0), out.stride(1), *d_args,
         NCHUNK=nchunk,
         BLOCK_C=triton.next_power_of_2(nchunk),
         BLOCK_H=block_h,
         BLOCK_R=block_r,
         HAS_LORA=lora_b is not None,
+        HAS_DORA=has_dora,
+        DORA_BIAS=dora_bias,
         num_warps=num_warps,
     )  # fmt: skip

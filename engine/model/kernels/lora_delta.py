@@ -14,6 +14,10 @@ absent ones), masking ``hA`` rows of the other tokens to zero, and over the rank
 ``USE_DOT`` (blocks of >= 16 tokens) each chunk is one tensor-core dot; otherwise a broadcast
 multiply and a reduction. fp32 accumulation either way; the products of 16-bit inputs are exact.
 
+``dora_rows`` applies DoRA's row scale (lora/dora.py, ``mapping.DoraRows``) to a tile of base
+outputs before the delta is added: ``g * (y - bias) + bias`` for rows whose slot is flagged,
+the tile unchanged (no scale load) for every other row.
+
 Only Triton builtins (``tl.reduce`` with the standard combine functions, not ``tl.sum``): the
 ``@triton.jit`` library helpers are decorated when Triton is first imported, so with
 ``TRITON_INTERPRET=1`` set later they would refuse to run inside an interpreted kernel.
@@ -21,10 +25,17 @@ Only Triton builtins (``tl.reduce`` with the standard combine functions, not ``t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import triton
 import triton.language as tl
 
-__all__ = ["lora_delta", "block_r"]
+if TYPE_CHECKING:
+    import torch
+
+    from loraplex.engine.lora.mapping import DoraRows
+
+__all__ = ["lora_delta", "dora_rows", "dora_args", "block_r"]
 
 
 THREAD_ELEMS = 128  # fp32 products per thread of one broadcast chunk (R = 16 at 1 x 4096, 16 warps)
@@ -136,3 +147,47 @@ def lora_delta(
                     prod = h.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
                     acc += tl.reduce(prod, 1, tl.standard._sum_combine)
     return acc
+
+
+def dora_args(dora: DoraRows | None, dummy: torch.Tensor) -> tuple:
+    """A kernel's DoRA arguments ``(g_ptr, on_ptr, bias_ptr, stride_gl, stride_gn)`` and its
+    ``(HAS_DORA, DORA_BIAS)`` flags; ``dummy`` stands in for absent tensors (never read)."""
+    if dora is None:
+        return (dummy, dummy, dummy, 0, 0), (False, False)
+    bias = dora.bias if dora.bias is not None else dummy
+    if dora.bias is not None and dora.bias.stride(0) != 1:
+        raise ValueError("DoRA bias must be contiguous")
+    g = dora.scale
+    return (g, dora.on, bias, g.stride(0), g.stride(1)), (True, dora.bias is not None)
+
+
+@triton.jit
+def dora_rows(
+    y,
+    g_ptr,
+    on_ptr,
+    bias_ptr,
+    slots,
+    cols,
+    col_mask,
+    stride_gl,
+    stride_gn,
+    HAS_BIAS: tl.constexpr,
+):
+    """``y`` (BT, BN) fp32 base outputs (bias included) of columns ``cols``: rows whose slot
+    (``slots`` (BT,) int32, -1 = none) ``on_ptr`` flags get ``g[slot, cols] * (y - bias) +
+    bias`` in fp32; the others are returned unchanged. Returns the tile."""
+    live = slots >= 0
+    on = tl.load(on_ptr + tl.where(live, slots, 0), mask=live, other=0) != 0
+    m = on[:, None] & col_mask[None, :]
+    g = tl.load(
+        g_ptr + slots.to(tl.int64)[:, None] * stride_gl + cols[None, :] * stride_gn,
+        mask=m,
+        other=1.0,
+    ).to(tl.float32)
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        out = tl.where(m, g * (y - b) + b, y)
+    else:
+        out = y * g
+    return out

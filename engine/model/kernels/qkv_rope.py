@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.engine.lora.mapping import LoRAMapping
-from loraplex.engine.model.kernels.lora_delta import block_r, lora_delta
+from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
+from loraplex.engine.model.kernels.lora_delta import block_r, dora_args, dora_rows, lora_delta
 
 __all__ = ["QKVRopeConfig", "qkv_rope_config", "lora_qkv_rope_triton"]
 
@@ -53,6 +53,7 @@ def _qkv_rope_kernel(
     stride_kb, stride_ko, stride_kh, stride_kd,
     stride_vb, stride_vo, stride_vh, stride_vd,
     stride_smap, stride_qt, stride_qh, stride_qd,
+    g_ptr, on_ptr, bias_ptr, stride_gl, stride_gn,
     BLOCK_T: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -60,6 +61,8 @@ def _qkv_rope_kernel(
     HAS_LORA: tl.constexpr,
     USE_DOT: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_DORA: tl.constexpr,
+    DORA_BIAS: tl.constexpr,
 ):  # fmt: skip
     dt = ya_ptr.dtype.element_ty
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -82,6 +85,13 @@ def _qkv_rope_kernel(
     x2 = tl.load(y_rows + c2[None, :] * stride_yn, mask=mask, other=0.0).to(tl.float32)
     if HAS_LORA:
         slots = tl.load(slots_ptr + tok * stride_slot, mask=t_mask, other=-1).to(tl.int32)
+        if HAS_DORA:
+            x1 = dora_rows(
+                x1, g_ptr, on_ptr, bias_ptr, slots, c1, h_mask, stride_gl, stride_gn, DORA_BIAS
+            )
+            x2 = dora_rows(
+                x2, g_ptr, on_ptr, bias_ptr, slots, c2, h_mask, stride_gl, stride_gn, DORA_BIAS
+            )
         d1 = tl.full((BLOCK_T, BLOCK_HALF), 0.0, tl.float32)
         d1 = lora_delta(
             d1, ya_ptr, b_ptr, tok, slots, c1, h_mask, n_base + s * L, 1, 3 * L, L, R,
@@ -133,6 +143,11 @@ def _qkv_rope_kernel(
             y_rows + cv[None, :] * stride_yn, mask=t_mask[:, None] & d_mask[None, :], other=0.0
         ).to(tl.float32)
         if HAS_LORA:
+            if HAS_DORA:
+                v = dora_rows(
+                    v, g_ptr, on_ptr, bias_ptr, slots, cv, d_mask, stride_gl, stride_gn,
+                    DORA_BIAS,
+                )  # fmt: skip
             dv = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)
             dv = lora_delta(
                 dv, ya_ptr, b_ptr, tok, slots, cv, d_mask, n_base + 2 * L, 1, 3 * L, L, R,
@@ -158,6 +173,7 @@ def lora_qkv_rope_triton(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     q_out: torch.Tensor,
+    dora: DoraRows | None = None,
     *,
     config: QKVRopeConfig | None = None,
 ) -> None:
@@ -175,6 +191,7 @@ def lora_qkv_rope_triton(
     b = lora_b if lora_b is not None else y_aug
     b_strides = lora_b.stride() if lora_b is not None else (0, 0, 0)
     slots = mapping.token_slots
+    d_args, (has_dora, dora_bias) = dora_args(dora if lora_b is not None else None, y_aug)
     grid = (triton.cdiv(t, cfg.block_t), hq + hkv)
     _qkv_rope_kernel[grid](
         y_aug, b, slots, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out,
@@ -183,7 +200,7 @@ def lora_qkv_rope_triton(
         slots.stride(0),
         positions.stride(0), *cos.stride(), *sin.stride(),
         *k_cache.stride(), *v_cache.stride(),
-        slot_mapping.stride(0), *q_out.stride(),
+        slot_mapping.stride(0), *q_out.stride(), *d_args,
         BLOCK_T=cfg.block_t,
         BLOCK_HALF=max(min_n, triton.next_power_of_2(head_dim // 2)),
         BLOCK_D=max(min_n, triton.next_power_of_2(head_dim)),
@@ -193,5 +210,7 @@ def lora_qkv_rope_triton(
         HAS_LORA=lora_b is not None,
         USE_DOT=use_dot,
         BLOCK_K=cfg.block_k if use_dot else 0,
+        HAS_DORA=has_dora,
+        DORA_BIAS=dora_bias,
         num_warps=cfg.num_warps,
     )  # fmt: skip

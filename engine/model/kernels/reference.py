@@ -9,6 +9,10 @@ scale folded in, slice ``s`` owning rows ``lo_s .. hi_s``. ``mapping.token_slots
 
     delta_s[t, j] = sum_{r < Rb} y_aug[t, N + (r * S + s) * L + slot_t] * lora_b[slot_t, lo_s + j, r]
 
+DoRA (``dora``, ``mapping.DoraRows``, lora/dora.py): rows whose slot the projection's tables flag
+read their base columns as ``dora(y) = g[slot] * (y - bias) + bias`` in fp32 (unrounded) before
+the delta; other rows read ``y`` unchanged.
+
 Rounding (``round`` = cast to the model dtype, ``y_aug``'s): the delta is summed in fp32 and
 added to the upcast base output, then rounded once -- exactly where a separate LoRA expand
 into the projection's output would round. Everything after follows HF's Llama ops step by
@@ -23,9 +27,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loraplex.engine.lora.mapping import LoRAMapping
+from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
 
 __all__ = [
+    "dora_rows_torch",
     "lora_delta_torch",
     "lora_add_rmsnorm_torch",
     "rmsnorm_torch",
@@ -60,6 +65,21 @@ def lora_delta_torch(
     return h @ b
 
 
+def dora_rows_torch(
+    y: torch.Tensor, dora: DoraRows, token_slots: torch.Tensor, lo: int, hi: int
+) -> torch.Tensor:
+    """fp32 (T, hi - lo): base columns ``lo .. hi`` (``y``, any dtype) with the DoRA row scale
+    on the rows of flagged slots (module docstring), the others unchanged."""
+    idx = token_slots.long()  # -1: the last row (ones, never flagged)
+    on = ((dora.on[idx] != 0) & (idx >= 0)).unsqueeze(1)
+    y = y.float()
+    g = dora.scale[idx, lo:hi].float()
+    if dora.bias is None:
+        return torch.where(on, g * y, y)
+    b = dora.bias[lo:hi].float()
+    return torch.where(on, g * (y - b) + b, y)
+
+
 def _projection(
     y_aug: torch.Tensor,
     n_base: int,
@@ -69,13 +89,16 @@ def _projection(
     lo: int,
     hi: int,
     num_slices: int,
+    dora: DoraRows | None = None,
 ) -> torch.Tensor:
-    """``round(y_aug[:, lo:hi] + delta_s)`` in the model dtype (no delta without ``lora_b``)."""
+    """``round(dora(y_aug[:, lo:hi]) + delta_s)`` in the model dtype (no delta, no DoRA
+    without ``lora_b``)."""
     base = y_aug[:, lo:hi]
     if lora_b is None:
         return base
     delta = lora_delta_torch(y_aug, n_base, lora_b, mapping, s, lo, hi, num_slices)
-    return (base.float() + delta).to(y_aug.dtype)
+    y = base.float() if dora is None else dora_rows_torch(base, dora, mapping.token_slots, lo, hi)
+    return (y + delta).to(y_aug.dtype)
 
 
 def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
@@ -100,18 +123,19 @@ def lora_add_rmsnorm_torch(
     norm_weight: torch.Tensor,
     eps: float,
     out: torch.Tensor,
+    dora: DoraRows | None = None,
 ) -> None:
     """Projection epilogue + residual add + RMSNorm (S = 1 slice, N = H = residual width).
     Loop form::
 
     for t:
-        y = round(y_aug[t, :H] + delta_0[t])          # no delta when lora_b is None
+        y = round(dora(y_aug[t, :H]) + delta_0[t])    # no delta when lora_b is None
         residual[t] = round(residual[t] + y)          # in place, residual's dtype (HF: in dtype)
         v = float(residual[t])
         out[t] = weight * round(v * rsqrt(mean(v * v) + eps))
     """
     n_base = residual.shape[1]
-    y = _projection(y_aug, n_base, lora_b, mapping, 0, 0, n_base, 1)
+    y = _projection(y_aug, n_base, lora_b, mapping, 0, 0, n_base, 1, dora)
     residual.copy_((residual.float() + y.float()).to(residual.dtype))
     _rmsnorm(residual, norm_weight, eps, out)
 
@@ -121,17 +145,18 @@ def lora_silu_mul_torch(
     lora_b: torch.Tensor | None,
     mapping: LoRAMapping,
     out: torch.Tensor,
+    dora: DoraRows | None = None,
 ) -> None:
     """gate_up epilogue + SiLU-and-mul (S = 2 slices of width I = out's width). Loop form::
 
     for t:
-        g = round(y_aug[t, :I] + delta_0[t])          # gate: B rows 0 .. I
-        u = round(y_aug[t, I:2I] + delta_1[t])        # up:   B rows I .. 2I
+        g = round(dora(y_aug[t, :I]) + delta_0[t])    # gate: B rows 0 .. I
+        u = round(dora(y_aug[t, I:2I]) + delta_1[t])  # up:   B rows I .. 2I
         out[t] = round(round(silu(g)) * u)            # HF: act_fn(gate) * up, silu in fp32
     """
     i = out.shape[1]
-    g = _projection(y_aug, 2 * i, lora_b, mapping, 0, 0, i, 2)
-    u = _projection(y_aug, 2 * i, lora_b, mapping, 1, i, 2 * i, 2)
+    g = _projection(y_aug, 2 * i, lora_b, mapping, 0, 0, i, 2, dora)
+    u = _projection(y_aug, 2 * i, lora_b, mapping, 1, i, 2 * i, 2, dora)
     act = F.silu(g.float()).to(g.dtype)
     out.copy_((act.float() * u.float()).to(out.dtype))
 
@@ -152,12 +177,13 @@ def lora_qkv_rope_torch(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     q_out: torch.Tensor,
+    dora: DoraRows | None = None,
 ) -> None:
     """qkv epilogue + rotary embedding + paged KV-cache write (S = 3 slices q, k, v); heads and
     head_dim D from ``q_out`` (T, Hq, D) and ``k_cache`` (blocks, block_size, Hkv, D). Loop form::
 
     for t:
-        q, k, v = round(y_aug[t, slice s] + delta_s[t]) for s = 0, 1, 2, viewed (heads, D)
+        q, k, v = round(dora(y_aug[t, slice s]) + delta_s[t]) for s = 0, 1, 2, viewed (heads, D)
         c, sn = round(cos[positions[t]]), round(sin[positions[t]])    # fp32 tables -> dtype
         q, k = q * c + rotate_half(q) * sn, same for k   # HF order, each op rounded to dtype
         q_out[t] = q
@@ -170,7 +196,7 @@ def lora_qkv_rope_torch(
     n_base = q_size + 2 * kv_size
     bounds = (0, q_size, q_size + kv_size, n_base)
     q, k, v = (
-        _projection(y_aug, n_base, lora_b, mapping, s, lo, hi, 3)
+        _projection(y_aug, n_base, lora_b, mapping, s, lo, hi, 3, dora)
         for s, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False))
     )
     q = q.reshape(t, -1, head_dim)

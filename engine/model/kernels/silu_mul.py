@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.engine.lora.mapping import LoRAMapping
-from loraplex.engine.model.kernels.lora_delta import block_r, lora_delta
+from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
+from loraplex.engine.model.kernels.lora_delta import block_r, dora_args, dora_rows, lora_delta
 
 __all__ = ["SiluMulConfig", "silu_mul_config", "lora_silu_mul_triton"]
 
@@ -64,12 +64,19 @@ def _silu_mul_kernel(
     stride_slot,
     stride_ot,
     stride_on,
+    g_ptr,
+    on_ptr,
+    bias_ptr,
+    stride_gl,
+    stride_gn,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     HAS_LORA: tl.constexpr,
     USE_DOT: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_DORA: tl.constexpr,
+    DORA_BIAS: tl.constexpr,
 ):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = tok < T
@@ -82,6 +89,14 @@ def _silu_mul_kernel(
     u = tl.load(y_rows + (inter + cols)[None, :] * stride_yn, mask=mask, other=0.0).to(tl.float32)
     if HAS_LORA:
         slots = tl.load(slots_ptr + tok * stride_slot, mask=t_mask, other=-1).to(tl.int32)
+        if HAS_DORA:
+            g = dora_rows(
+                g, g_ptr, on_ptr, bias_ptr, slots, cols, c_mask, stride_gl, stride_gn, DORA_BIAS
+            )
+            u = dora_rows(
+                u, g_ptr, on_ptr, bias_ptr, slots, inter + cols, c_mask, stride_gl, stride_gn,
+                DORA_BIAS,
+            )  # fmt: skip
         dg = tl.full((BLOCK_T, BLOCK_N), 0.0, tl.float32)
         dg = lora_delta(
             dg, ya_ptr, b_ptr, tok, slots, cols, c_mask, 2 * inter, 1, 2 * L, L, R,
@@ -107,6 +122,7 @@ def lora_silu_mul_triton(
     lora_b: torch.Tensor | None,
     mapping: LoRAMapping,
     out: torch.Tensor,
+    dora: DoraRows | None = None,
     *,
     config: SiluMulConfig | None = None,
 ) -> None:
@@ -122,6 +138,7 @@ def lora_silu_mul_triton(
     b = lora_b if lora_b is not None else y_aug
     b_strides = lora_b.stride() if lora_b is not None else (0, 0, 0)
     slots = mapping.token_slots
+    d_args, (has_dora, dora_bias) = dora_args(dora if lora_b is not None else None, y_aug)
     grid = (triton.cdiv(t, cfg.block_t), triton.cdiv(inter, cfg.block_n))
     _silu_mul_kernel[grid](
         y_aug,
@@ -138,11 +155,14 @@ def lora_silu_mul_triton(
         slots.stride(0),
         out.stride(0),
         out.stride(1),
+        *d_args,
         BLOCK_T=cfg.block_t,
         BLOCK_N=cfg.block_n,
         BLOCK_R=block_r(rank, use_dot, cfg.block_t * cfg.block_n, cfg.num_warps),
         HAS_LORA=lora_b is not None,
         USE_DOT=use_dot,
         BLOCK_K=cfg.block_k if use_dot else 0,
+        HAS_DORA=has_dora,
+        DORA_BIAS=dora_bias,
         num_warps=cfg.num_warps,
     )
