@@ -16,7 +16,13 @@ import triton
 import triton.language as tl
 
 from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
-from loraplex.engine.model.kernels.lora_delta import block_r, dora_args, dora_rows, lora_delta
+from loraplex.engine.model.kernels.lora_delta import (
+    block_r,
+    dora_args,
+    dora_flags,
+    dora_rows,
+    lora_delta,
+)
 
 __all__ = ["NormConfig", "norm_config", "lora_add_rmsnorm_triton", "rmsnorm_triton"]
 
@@ -95,6 +101,8 @@ def _add_rmsnorm_kernel(
         slots = tl.load(slots_ptr + tok * stride_slot, mask=t_mask, other=-1).to(tl.int32)
     else:
         slots = tl.full((BLOCK_T,), -1, tl.int32)
+    if HAS_DORA:
+        on, any_dora = dora_flags(on_ptr, slots)
     r_rows = res_ptr + tok[:, None] * stride_rt
     sumsq = tl.full((BLOCK_T,), 0.0, tl.float32)
     for h0 in range(0, H, BLOCK_H):
@@ -106,11 +114,12 @@ def _add_rmsnorm_kernel(
             y_ptrs = ya_ptr + tok[:, None] * stride_yt + cols[None, :] * stride_yn
             y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
             if HAS_LORA:
-                if HAS_DORA:
-                    y = dora_rows(
-                        y, g_ptr, on_ptr, bias_ptr, slots, cols, c_mask, stride_gl, stride_gn,
-                        DORA_BIAS,
-                    )  # fmt: skip
+                if HAS_DORA:  # noqa: SIM102 (any_dora exists only under the constexpr)
+                    if any_dora:
+                        y = dora_rows(
+                            y, on, g_ptr, bias_ptr, slots, cols, c_mask, stride_gl, stride_gn,
+                            DORA_BIAS,
+                        )  # fmt: skip
                 acc = tl.full((BLOCK_T, BLOCK_H), 0.0, tl.float32)
                 acc = lora_delta(
                     acc, ya_ptr, b_ptr, tok, slots, cols, c_mask, H, 1, L, L, R,

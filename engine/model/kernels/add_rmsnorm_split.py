@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.engine.model.kernels.lora_delta import dora_args, dora_rows, lora_delta
+from loraplex.engine.model.kernels.lora_delta import dora_args, dora_flags, dora_rows, lora_delta
 
 if TYPE_CHECKING:
     from loraplex.engine.lora.mapping import DoraRows
@@ -81,9 +81,11 @@ def _split_kernel(
     ).to(tl.float32)
     if HAS_LORA:
         if HAS_DORA:
-            y = dora_rows(
-                y, g_ptr, on_ptr, bias_ptr, slots, cols, c_mask, stride_gl, stride_gn, DORA_BIAS
-            )
+            on, any_dora = dora_flags(on_ptr, slots)
+            if any_dora:
+                y = dora_rows(
+                    y, on, g_ptr, bias_ptr, slots, cols, c_mask, stride_gl, stride_gn, DORA_BIAS
+                )
         acc = tl.full((1, BLOCK_H), 0.0, tl.float32)
         acc = lora_delta(
             acc, ya_ptr, b_ptr, tok, slots, cols, c_mask, H, 1, L, L, R,

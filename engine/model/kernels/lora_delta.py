@@ -15,8 +15,9 @@ absent ones), masking ``hA`` rows of the other tokens to zero, and over the rank
 multiply and a reduction. fp32 accumulation either way; the products of 16-bit inputs are exact.
 
 ``dora_rows`` applies DoRA's row scale (lora/dora.py, ``mapping.DoraRows``) to a tile of base
-outputs before the delta is added: ``g * (y - bias) + bias`` for rows whose slot is flagged,
-the tile unchanged (no scale load) for every other row.
+outputs before the delta is added: ``g * (y - bias) + bias`` for rows whose slot is flagged
+(``dora_flags``), the tile unchanged (no scale load) for every other row; a block without
+flagged rows skips it.
 
 Only Triton builtins (``tl.reduce`` with the standard combine functions, not ``tl.sum``): the
 ``@triton.jit`` library helpers are decorated when Triton is first imported, so with
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
     from loraplex.engine.lora.mapping import DoraRows
 
-__all__ = ["lora_delta", "dora_rows", "dora_args", "block_r"]
+__all__ = ["lora_delta", "dora_flags", "dora_rows", "dora_args", "block_r"]
 
 
 THREAD_ELEMS = 128  # fp32 products per thread of one broadcast chunk (R = 16 at 1 x 4096, 16 warps)
@@ -162,10 +163,20 @@ def dora_args(dora: DoraRows | None, dummy: torch.Tensor) -> tuple:
 
 
 @triton.jit
+def dora_flags(on_ptr, slots):
+    """(rows whose slot holds a DoRA adapter here (BT,) int1, whether any does): ``slots``
+    (BT,) int32, -1 = none. The kernels skip ``dora_rows`` for blocks with none (one flag
+    load per row is all a step without DoRA rows pays)."""
+    live = slots >= 0
+    on = tl.load(on_ptr + tl.where(live, slots, 0), mask=live, other=0) != 0
+    return on, tl.reduce(on.to(tl.int32), 0, tl.standard._elementwise_max) > 0
+
+
+@triton.jit
 def dora_rows(
     y,
+    on,
     g_ptr,
-    on_ptr,
     bias_ptr,
     slots,
     cols,
@@ -174,11 +185,9 @@ def dora_rows(
     stride_gn,
     HAS_BIAS: tl.constexpr,
 ):
-    """``y`` (BT, BN) fp32 base outputs (bias included) of columns ``cols``: rows whose slot
-    (``slots`` (BT,) int32, -1 = none) ``on_ptr`` flags get ``g[slot, cols] * (y - bias) +
-    bias`` in fp32; the others are returned unchanged. Returns the tile."""
-    live = slots >= 0
-    on = tl.load(on_ptr + tl.where(live, slots, 0), mask=live, other=0) != 0
+    """``y`` (BT, BN) fp32 base outputs (bias included) of columns ``cols``: rows ``on``
+    flags (``dora_flags``) get ``g[slot, cols] * (y - bias) + bias`` in fp32; the others are
+    returned unchanged. Returns the tile."""
     m = on[:, None] & col_mask[None, :]
     g = tl.load(
         g_ptr + slots.to(tl.int64)[:, None] * stride_gl + cols[None, :] * stride_gn,

@@ -16,7 +16,13 @@ import triton
 import triton.language as tl
 
 from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
-from loraplex.engine.model.kernels.lora_delta import block_r, dora_args, dora_rows, lora_delta
+from loraplex.engine.model.kernels.lora_delta import (
+    block_r,
+    dora_args,
+    dora_flags,
+    dora_rows,
+    lora_delta,
+)
 
 __all__ = ["QKVRopeConfig", "qkv_rope_config", "lora_qkv_rope_triton"]
 
@@ -86,12 +92,14 @@ def _qkv_rope_kernel(
     if HAS_LORA:
         slots = tl.load(slots_ptr + tok * stride_slot, mask=t_mask, other=-1).to(tl.int32)
         if HAS_DORA:
-            x1 = dora_rows(
-                x1, g_ptr, on_ptr, bias_ptr, slots, c1, h_mask, stride_gl, stride_gn, DORA_BIAS
-            )
-            x2 = dora_rows(
-                x2, g_ptr, on_ptr, bias_ptr, slots, c2, h_mask, stride_gl, stride_gn, DORA_BIAS
-            )
+            on, any_dora = dora_flags(on_ptr, slots)
+            if any_dora:
+                x1 = dora_rows(
+                    x1, on, g_ptr, bias_ptr, slots, c1, h_mask, stride_gl, stride_gn, DORA_BIAS
+                )
+                x2 = dora_rows(
+                    x2, on, g_ptr, bias_ptr, slots, c2, h_mask, stride_gl, stride_gn, DORA_BIAS
+                )
         d1 = tl.full((BLOCK_T, BLOCK_HALF), 0.0, tl.float32)
         d1 = lora_delta(
             d1, ya_ptr, b_ptr, tok, slots, c1, h_mask, n_base + s * L, 1, 3 * L, L, R,
@@ -143,11 +151,12 @@ def _qkv_rope_kernel(
             y_rows + cv[None, :] * stride_yn, mask=t_mask[:, None] & d_mask[None, :], other=0.0
         ).to(tl.float32)
         if HAS_LORA:
-            if HAS_DORA:
-                v = dora_rows(
-                    v, g_ptr, on_ptr, bias_ptr, slots, cv, d_mask, stride_gl, stride_gn,
-                    DORA_BIAS,
-                )  # fmt: skip
+            if HAS_DORA:  # noqa: SIM102 (any_dora exists only under the constexpr)
+                if any_dora:
+                    v = dora_rows(
+                        v, on, g_ptr, bias_ptr, slots, cv, d_mask, stride_gl, stride_gn,
+                        DORA_BIAS,
+                    )  # fmt: skip
             dv = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)
             dv = lora_delta(
                 dv, ya_ptr, b_ptr, tok, slots, cv, d_mask, n_base + 2 * L, 1, 3 * L, L, R,

@@ -16,7 +16,13 @@ import triton
 import triton.language as tl
 
 from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
-from loraplex.engine.model.kernels.lora_delta import block_r, dora_args, dora_rows, lora_delta
+from loraplex.engine.model.kernels.lora_delta import (
+    block_r,
+    dora_args,
+    dora_flags,
+    dora_rows,
+    lora_delta,
+)
 
 __all__ = ["SiluMulConfig", "silu_mul_config", "lora_silu_mul_triton"]
 
@@ -90,13 +96,15 @@ def _silu_mul_kernel(
     if HAS_LORA:
         slots = tl.load(slots_ptr + tok * stride_slot, mask=t_mask, other=-1).to(tl.int32)
         if HAS_DORA:
-            g = dora_rows(
-                g, g_ptr, on_ptr, bias_ptr, slots, cols, c_mask, stride_gl, stride_gn, DORA_BIAS
-            )
-            u = dora_rows(
-                u, g_ptr, on_ptr, bias_ptr, slots, inter + cols, c_mask, stride_gl, stride_gn,
-                DORA_BIAS,
-            )  # fmt: skip
+            on, any_dora = dora_flags(on_ptr, slots)
+            if any_dora:
+                g = dora_rows(
+                    g, on, g_ptr, bias_ptr, slots, cols, c_mask, stride_gl, stride_gn, DORA_BIAS
+                )
+                u = dora_rows(
+                    u, on, g_ptr, bias_ptr, slots, inter + cols, c_mask, stride_gl, stride_gn,
+                    DORA_BIAS,
+                )  # fmt: skip
         dg = tl.full((BLOCK_T, BLOCK_N), 0.0, tl.float32)
         dg = lora_delta(
             dg, ya_ptr, b_ptr, tok, slots, cols, c_mask, 2 * inter, 1, 2 * L, L, R,
