@@ -130,9 +130,9 @@ class EngineCore(AdapterOps, StepOps):
             max_full=config.max_full_module_loras,
             on_change=wake,
             on_drop=self.loader.discard,
-            on_unload=self.loader.release,
+            on_unload=self.loader.stager.release,
         )
-        self.loader.make_room = self.adapters.make_room
+        self.loader.stager.make_room = self.adapters.make_room
         self.blocks = BlockManager(
             runner.num_blocks, config.block_size, config.enable_prefix_caching
         )

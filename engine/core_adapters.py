@@ -196,7 +196,7 @@ class AdapterOps:
                 adapter = await self._stage_combination(v)
             else:
                 await self._fetched(v)
-                adapter = await self.loader.stage(
+                adapter = await self.loader.stager.stage(
                     v, self.model.dtype, pin=self.device.type == "cuda"
                 )
                 if adapter.config.use_dora:  # the row scales need the base weights: here
@@ -249,7 +249,7 @@ class AdapterOps:
         try:
             for c, _ in v.parts:
                 await self._fetched(c)
-            return await self.loader.stage_combination(
+            return await self.loader.stager.stage_combination(
                 v, self.model.dtype, pin=self.device.type == "cuda"
             )
         finally:

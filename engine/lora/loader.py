@@ -1,9 +1,12 @@
 """The cold-load pipeline of one adapter version, stage by stage:
 
     resolve (plugin, cheap) -> fetch (async I/O into a staging dir) -> verify (sha256 digest)
-    -> preflight (config + safetensors header) -> stage (parse and pack into one host-pool
-    region: pinned, shared memory; modules_to_save tables, lora/full.py, are not in the region:
-    plain CPU tensors of the adapter, read in this process)
+    -> preflight (config + safetensors header) -> stage (stager.py: parse and pack into one
+    host-pool region: pinned, shared memory; modules_to_save tables, lora/full.py, are not in
+    the region: plain CPU tensors of the adapter, read in this process)
+
+This module owns sources, fetch / verify / preflight and the staging directory; the stage
+step is ``AdapterLoader.stager`` (stager.py).
 
 Where the work runs: with ``loader_processes`` > 0 (the default on CUDA) fetch, verify,
 preflight and stage run in helper processes (``loader_process.py``), so the engine's GIL stays
@@ -24,32 +27,20 @@ import os
 import re
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.lora.adapter import LoRAAdapter, load_adapter, load_full_tables
 from loraplex.engine.lora.added_tokens import check_adapter_vocab
-from loraplex.engine.lora.combine import combine_adapters
-from loraplex.engine.lora.errors import AdapterConfigError, AdapterNotFoundError
+from loraplex.engine.lora.errors import AdapterConfigError
 from loraplex.engine.lora.loader_process import LoaderInit, LoaderProcesses
 from loraplex.engine.lora.manager import AdapterVersion
-from loraplex.engine.lora.pool import HostPool, Region
+from loraplex.engine.lora.pool import HostPool
 from loraplex.engine.lora.prepare import fetch_and_check
-from loraplex.engine.lora.staging import (
-    PackedAdapter,
-    PackEntry,
-    adopt_packed,
-    stage_file,
-    stage_packed,
-)
-from loraplex.engine.lora.thread_jobs import run_to_end
+from loraplex.engine.lora.stager import AdapterStager
 from loraplex.engine.model.config import ModelConfig
 from loraplex.plugins import PluginManager
 from loraplex.resolvers import TOKENIZER_FILES, ResolverSettings, SourcePolicy
@@ -84,11 +75,10 @@ class AdapterLoader:
         # (both set by the core; an adapter that added tokens needs them)
         self.base_tokenizer: Any = None
         self.load_tokenizer: Callable[[Path], Any] | None = None
-        self.pool = pool  # regions the stage step packs into (None: a fresh buffer per load)
+        self.stager = AdapterStager(config, model_config, pool)  # the stage step
         self.procs: LoaderProcesses | None = None
         self._own_plugins = plugins is None  # helpers can rebuild only config-made plugins
         self._helper_plugins: list[str] = []
-        self.make_room: Callable[[], bool] = lambda: False  # evict one idle CPU-tier version
         # base_policy: what runtime sources (dynamic names, admin loads) must pass; policy adds
         # the operator's static sources, each allowed for its own registration only
         self.base_policy = SourcePolicy(allow=config.allow_sources, local_roots=config.local_roots)
@@ -118,21 +108,19 @@ class AdapterLoader:
         self.procs = LoaderProcesses(count, init, self.pool.fd if self.pool else None)
         self._helper_plugins = self.plugins.plugin_names
         self.procs.start()
+        self.stager.procs = self.procs
+
+    @property
+    def pool(self) -> HostPool | None:
+        """The host pool the stage step packs into (None: a fresh buffer per load)."""
+        return self.stager.pool
 
     def close(self) -> None:
         if self.procs is not None:
             self.procs.close()
         if self._own_cache:
             shutil.rmtree(self.cache_dir, ignore_errors=True)
-        if self.pool is not None:
-            self.pool.close()
-
-    def release(self, v: AdapterVersion) -> None:
-        """``v``'s CPU-tier tensors are gone: its host-pool region is free once the last slot
-        write out of it has landed."""
-        if v.region is not None and self.pool is not None:
-            self.pool.release(v.region, v.region_event)
-        v.region, v.region_event = None, None
+        self.stager.close()
 
     # -- sources --------------------------------------------------------------------------------
 
@@ -260,135 +248,6 @@ class AdapterLoader:
             v.progress[file] = (done, total)
 
         return report
-
-    async def stage(self, v: AdapterVersion, dtype: torch.dtype, *, pin: bool) -> LoRAAdapter:
-        """Parse the staged files into CPU tensors: into a host-pool region (pinned, shared)
-        when the engine has a pool, else a fresh buffer (pinned if ``pin``). Sets
-        ``v.region``."""
-        if v.local_dir is None or not v.local_dir.exists():
-            raise AdapterNotFoundError(f"adapter {v.name!r} has no staged files", field="model")
-        if self.pool is None:
-            return await asyncio.to_thread(self._stage_here, v, dtype, None, pin)
-        region = await self._region()
-        if self.procs is None:
-            return await self._stage_into(v, dtype, region)
-        ended: list[bool] = []  # [ok] once no helper writes into the region any more
-
-        def end(ok: bool) -> None:
-            ended.append(ok)
-            if not ok:
-                self.pool.release(region)  # type: ignore[union-attr]
-
-        try:
-            r = await self.procs.call(
-                "stage",
-                {
-                    "local_dir": str(v.local_dir),
-                    "name": v.name,
-                    "dtype": str(dtype).removeprefix("torch."),
-                    "max_lora_rank": self.config.max_lora_rank,
-                    "full_modules": self.config.max_full_module_loras > 0,
-                    "region": (region.offset, region.nbytes),
-                },
-                on_end=end,
-            )
-            adapter = await asyncio.to_thread(self._adopt, v, r, region, dtype)
-            if adapter.config.modules_to_save:  # not in the region: read here (lora/full.py)
-                adapter.full = await asyncio.to_thread(
-                    load_full_tables, r["path"], self.model_config, dtype
-                )
-        except BaseException:
-            if ended == [True]:  # the helper finished; the failure is ours
-                self.pool.release(region)
-            raise
-        v.timings["stage"] = r["stage_s"]
-        v.region = region
-        return adapter
-
-    async def stage_combination(
-        self, v: AdapterVersion, dtype: torch.dtype, *, pin: bool
-    ) -> LoRAAdapter:
-        """Stage a combination (``v.parts``, whose files are staged): its components are
-        parsed in float32, combined (combine.py) and packed like one adapter, in a thread of
-        this process. Sets ``v.region``."""
-        for c, _ in v.parts:
-            if c.local_dir is None or not c.local_dir.exists():
-                raise AdapterNotFoundError(
-                    f"adapter {c.name!r} has no staged files", field="adapters"
-                )
-        if self.pool is None:
-            return await asyncio.to_thread(self._stage_here, v, dtype, None, pin)
-        return await self._stage_into(v, dtype, await self._region())
-
-    async def _stage_into(
-        self, v: AdapterVersion, dtype: torch.dtype, region: Region
-    ) -> LoRAAdapter:
-        """Stage ``v`` into ``region`` in a thread of this process. Cancelled, the thread is
-        stopped and waited for before the region goes back to the pool (it writes into it)."""
-        assert self.pool is not None
-        try:
-            adapter = await run_to_end(lambda stop: self._stage_here(v, dtype, region, False, stop))
-        except BaseException:
-            self.pool.release(region)
-            raise
-        v.region = region
-        return adapter
-
-    def _combine(self, v: AdapterVersion, dtype: torch.dtype) -> LoRAAdapter:
-        """A combination (``v.parts``) from its components' staged files."""
-        R = self.config.max_lora_rank
-        parts = [
-            (load_adapter(c.local_dir, self.model_config, max_lora_rank=R, name=c.name), w)  # type: ignore[arg-type]
-            for c, w in v.parts
-        ]
-        return combine_adapters(parts, name=v.name, max_lora_rank=R, dtype=dtype)
-
-    def _stage_here(
-        self,
-        v: AdapterVersion,
-        dtype: torch.dtype,
-        region: Region | None,
-        pin: bool,
-        stop: threading.Event | None = None,
-    ) -> LoRAAdapter:
-        t0 = time.perf_counter()
-        out = self.pool.view(region, dtype) if region is not None and self.pool else None
-        # one contiguous (pinned) slot image; write_slot copies it in one H2D transfer
-        if v.parts:  # a combination: made from its components' tensors, then packed
-            adapter = self._combine(v, dtype)
-            stage_packed(adapter, self.config.max_lora_rank, pin=pin, out=out)
-        else:  # straight from the file into the image
-            assert v.local_dir is not None
-            adapter = stage_file(
-                v.local_dir, self.model_config, self.config.max_lora_rank, dtype=dtype,
-                name=v.name, full_modules=self.config.max_full_module_loras > 0, pin=pin, out=out,
-                stop=stop,
-            )  # fmt: skip
-        v.timings["stage"] = time.perf_counter() - t0
-        return adapter
-
-    def _adopt(self, v: AdapterVersion, r: dict, region: Region, dtype: torch.dtype) -> LoRAAdapter:
-        """The adapter a helper packed into ``region``: tensors are views of the region."""
-        assert self.pool is not None
-        entries = {(e[0], e[1]): PackEntry(*e) for e in r["entries"]}
-        packed = PackedAdapter(
-            self.pool.view(region, dtype, r["numel"]), entries, self.config.max_lora_rank
-        )
-        adapter = LoRAAdapter(name=v.name, path=r["path"], config=r["config"], weights={})
-        adopt_packed(adapter, packed)
-        return adapter
-
-    async def _region(self) -> Region:
-        """A free host-pool region; evicts idle CPU-tier versions, else waits for one."""
-        assert self.pool is not None
-        while True:
-            region = self.pool.acquire()
-            if region is not None:
-                return region
-            if self.pool.free_count == 0 and self.make_room():
-                continue
-            await asyncio.sleep(0.002)  # a copy out of a released region is landing, or
-            # every region is held by an adapter in use: one frees as requests finish
 
     async def trim_staging(self, versions: list[AdapterVersion], keep: AdapterVersion) -> None:
         """Keep the staging directory under ``adapter_cache_bytes``: drop the staged files of
