@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one call: GPU-marked tests (kernels, PEFT oracle in bf16/fp16, CUDA graphs),
 # then benchmarks. Results land in $OUT (or ./out). Wheels missing on the GPU machine can be
-# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|decode|mixed_rank|rank_epilogues|storm ARGS...|load_rate]
+# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|storm ARGS...|load_rate]
 # A copy of the tree without its .git (git archive) stamps results with $LORAPLEX_COMMIT:
 # export it (benchmarks/record.py). Several commits side by side in one call (A/B, bisect):
 # benchmarks/ab_snapshots.sh.
@@ -36,6 +36,9 @@ if [[ $what == all || $what == decode ]]; then
 fi
 if [[ $what == all || $what == mixed_rank ]]; then
   python3 -m benchmarks.mixed_rank --append "$OUT/mixed_rank.md" 2>&1 | grep -v "\[info" | tee "$OUT/mixed_rank.log" | tail -12
+fi
+if [[ $what == all || $what == dora_epilogues ]]; then  # issue 19: the DoRA variant's price per kernel
+  python3 -m benchmarks.dora_epilogues --append "$OUT/dora_epilogues.md" 2>&1 | tee "$OUT/dora_epilogues.log" | tail -14
 fi
 if [[ $what == all || $what == rank_epilogues ]]; then  # issue 19: the epilogues at rank 64
   python3 -m benchmarks.norm_configs --ranks 16 64 --batches 32 64 2>&1 | tee "$OUT/rank_norms.log" | tail -10

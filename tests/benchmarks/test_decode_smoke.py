@@ -27,3 +27,14 @@ def test_decode_benchmark_smoke(module: str, expect: str, tmp_path: Path) -> Non
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert expect in run.stdout, run.stdout[-2000:]
+
+
+def test_dora_epilogues_smoke() -> None:
+    """``benchmarks.dora_epilogues --smoke``: every variant runs and matches its twin."""
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.dora_epilogues", "--smoke"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    for op in ("qkv_rope", "add_rmsnorm", "silu_mul"):
+        assert f"| {op} | 2 | 8 |" in run.stdout, run.stdout[-2000:]
