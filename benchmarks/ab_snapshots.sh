@@ -6,6 +6,9 @@
 #   cd SNAPDIR && bash run.sh ROUNDS CMD...                 # there: CMD in every snapshot, ROUNDS
 #                                                           # times, order reversed every round
 # e.g. `bash run.sh 2 python3 -m benchmarks.decode --no-hf --adapters 8 32 --batches 64`.
+# `bash run.sh --only C CMD...`: CMD once in snapshot C alone (its tests, say), with the same
+# imports as the rounds (a plain `cd C && pytest` would import the editable install's package,
+# which is the first snapshot's).
 # Each snapshot imports its own code (loraplex.* resolves through a per-snapshot package dir)
 # and stamps its tables with its commit (LORAPLEX_COMMIT). Wheels in .whl/ are carried along.
 # Output: $OUT/ab_<commit>_<round>.log.
@@ -26,7 +29,8 @@ cat > "$dir/run.sh" <<'EOF'
 #!/usr/bin/env bash
 set -uo pipefail
 R=$PWD; OUT=${OUT:-$R/out}; mkdir -p "$OUT"
-rounds=${1:?rounds}; shift
+only=""
+if [[ ${1:-} == --only ]]; then only=$2; shift 2; rounds=1; else rounds=${1:?rounds}; shift; fi
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
@@ -41,11 +45,14 @@ for c in "${order[@]}"; do
 done
 for ((i = 0; i < rounds; i++)); do
   seq=("${order[@]}"); (( i % 2 )) && seq=($(printf '%s\n' "${order[@]}" | tac))
+  [[ -n $only ]] && seq=("$only")
   for c in "${seq[@]}"; do
     echo "== $c round $i"
     (cd "$R/$c" && PYTHONPATH="/tmp/pk_$c:$R/$c:/tmp/site" LORAPLEX_COMMIT=$c OUT="$OUT" "$@") \
       > "$OUT/ab_${c}_$i.log" 2>&1
-    grep -v "\[info\|\[warn" "$OUT/ab_${c}_$i.log" | grep "^|" | tail -4
+    if [[ -n $only ]]; then tail -15 "$OUT/ab_${c}_$i.log"; else
+      grep -v "\[info\|\[warn" "$OUT/ab_${c}_$i.log" | grep "^|" | tail -4
+    fi
   done
 done
 EOF
