@@ -15,8 +15,10 @@ from loraplex.engine.lora.dora import compute_dora
 from loraplex.engine.lora.errors import AdapterConfigError, AdapterFormatError, AdapterShapeError
 from loraplex.engine.lora.ops.dora import apply_dora
 from loraplex.engine.lora.preflight import preflight
+from loraplex.engine.lora.slots import clear_slot, write_slot
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.config import ModelConfig
+from loraplex.engine.model.loader import load_model
 from tests.helpers.models import copy_adapter, make_peft_adapter, make_tiny_model
 from tests.model.test_oracle_peft import (
     DECODE_STEPS,
@@ -144,6 +146,30 @@ def test_row_scale_twin():
     apply_dora(got, scale, bias, slots)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got[1], y[1])  # a base row keeps its value
+
+
+def test_slot_writes_keep_the_dora_flags(setup):
+    """The fused epilogues scale only the rows of flagged slots (``LoRALinear.dora_on``): a
+    DoRA adapter's write flags exactly the projections it targets and fills their scales; a
+    plain adapter or a clear in the same slot resets flags and scales."""
+    model_dir, adapters = setup
+    model = load_model(model_dir, dtype=torch.float32, device="cpu", max_loras=3, max_lora_rank=16)
+    dora = _loaded(adapters)(model)
+    layer = model.layers[0]
+    lins = {m: getattr(layer, m) for m in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    write_slot(model, 1, dora["dora"])  # targets q, v, o, up, down: every projection
+    for name, lin in lins.items():
+        assert lin.dora_on.tolist() == [0, 1, 0, 0], name
+        assert not torch.equal(lin.dora_scale[1], torch.ones_like(lin.dora_scale[1])), name
+    k = lins["qkv_proj"].slice_index("k_proj")
+    lo, hi = lins["qkv_proj"].slice_offsets[k : k + 2]
+    assert torch.equal(lins["qkv_proj"].dora_scale[1, lo:hi], torch.ones(hi - lo))  # untargeted
+    for reset in (lambda: write_slot(model, 1, dora["plain"]), lambda: clear_slot(model, 1)):
+        write_slot(model, 1, dora["dora"])
+        reset()
+        for name, lin in lins.items():
+            assert lin.dora_on.tolist() == [0, 0, 0, 0], name
+            assert torch.equal(lin.dora_scale, torch.ones_like(lin.dora_scale)), name
 
 
 def test_dora_refusals(setup, tmp_path):
