@@ -57,7 +57,7 @@ class AdapterOps:
         if self.config.max_loras == 0:
             raise InvalidRequestError("this engine runs with max_loras=0: adapters are disabled")
         if trusted:
-            self.loader.allow_static(uri)
+            await self.loader.allow_static(uri)
         v = self.adapters.new_version(name, uri)
         v.trusted = trusted
         await self.loader.fetch_verify(v, sha256, trusted=trusted)

@@ -4,7 +4,10 @@ Remote URIs (``hf://``, ``s3://``, plugin schemes) must match an allowlist glob 
 sensitive, ``*`` also matches ``/``) or be one of the exact URIs the operator configured.
 Local sources (``file://`` URIs and plain paths) must lie under an operator root, checked on
 the real path (``os.path.realpath``), so ``..`` and symlinks cannot escape. Allow patterns do
-not apply to local sources: the roots are their allowlist. The check alone does not stop a
+not apply to local sources: the roots are their allowlist. A local source the operator
+configured one by one (``allowing``: ``--lora-modules``, static registrations) is a root of its
+own, kept as the real path it had when it was allowed (a set: a check looks up the candidate's
+ancestors, so its cost does not grow with the number of registered adapters). The check alone does not stop a
 path from changing after it (a directory swapped for a symlink): the local resolver opens the
 checked real path component by component without following links (resolvers/local.py).
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -77,22 +80,32 @@ class SourcePolicy:
     """Operator allowlist of adapter sources; the default allows nothing (fail closed)."""
 
     allow: Sequence[str] = ()  # fnmatch patterns over remote URIs
-    local_roots: Sequence[Path | str] = ()
+    local_roots: Sequence[Path | str] = ()  # operator roots, resolved at each check
     exact: frozenset[str] = field(default_factory=frozenset)  # remote URIs allowed verbatim
+    # real paths of local sources allowed one by one (each a root of its own)
+    local_dirs: frozenset[str] = field(default_factory=frozenset)
 
     def allowing(self, uris: Iterable[str]) -> SourcePolicy:
         """A copy that also allows these operator-configured URIs (e.g. ``--lora-modules``).
 
-        Remote URIs are allowed verbatim; a local directory becomes a root of its own.
-        """
-        roots, exact = list(self.local_roots), set(self.exact)
+        Remote URIs are allowed verbatim; a local directory becomes a root of its own, at its
+        real path now (touches the disk: call it off the event loop)."""
+        dirs, exact = set(self.local_dirs), set(self.exact)
         for uri in uris:
             if is_local(uri):
-                roots.append(local_path_of(uri))
+                dirs.add(_realpath(local_path_of(uri)))
             else:
                 exact.add(uri)
-        return SourcePolicy(
-            allow=tuple(self.allow), local_roots=tuple(roots), exact=frozenset(exact)
+        return replace(self, exact=frozenset(exact), local_dirs=frozenset(dirs))
+
+    def union(self, other: SourcePolicy) -> SourcePolicy:
+        """What either policy allows (``other``'s one-by-one sources added to this one's)."""
+        return replace(
+            self,
+            allow=tuple(dict.fromkeys([*self.allow, *other.allow])),
+            local_roots=tuple(dict.fromkeys([*self.local_roots, *other.local_roots])),
+            exact=self.exact | other.exact,
+            local_dirs=self.local_dirs | other.local_dirs,
         )
 
     def check(self, uri: str) -> None:
@@ -126,17 +139,28 @@ class SourcePolicy:
     def root_of(self, real: str) -> str | None:
         """The real path of the innermost local root that holds ``real`` (a real path)."""
         roots = [r for r in self.real_roots() if _inside(real, r)]
+        if self.local_dirs:
+            # the innermost one-by-one root: the first ancestor (or ``real``) in the set
+            path = real
+            while True:
+                if path in self.local_dirs:
+                    roots.append(path)
+                    break
+                parent = os.path.dirname(path)
+                if parent == path:
+                    break
+                path = parent
         return max(roots, key=len) if roots else None
 
     def local_path(self, uri: str) -> Path:
         """The real path of a local source, after checking it lies under a root."""
         path = local_path_of(uri)
-        if not self.local_roots:
+        if not self.local_roots and not self.local_dirs:
             raise AdapterPolicyError(
                 f"local adapter source {uri!r} refused: no local roots are configured", field="uri"
             )
         real = _realpath(path)
-        if not any(_inside(real, root) for root in self.real_roots()):
+        if self.root_of(real) is None:
             via = "" if real == path else f" (it resolves to {real!r})"
             raise AdapterPolicyError(
                 f"local adapter source {uri!r} is outside the allowed roots{via}", field="uri"

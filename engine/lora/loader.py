@@ -124,9 +124,11 @@ class AdapterLoader:
 
     # -- sources --------------------------------------------------------------------------------
 
-    def allow_static(self, uri: str) -> None:
-        """Operator-configured sources (``--lora-modules``, admin load) are allowed verbatim."""
-        self.policy = self.policy.allowing([uri])
+    async def allow_static(self, uri: str) -> None:
+        """Operator-configured sources (``--lora-modules``, admin load) are allowed verbatim
+        (a local one at its real path, resolved off the event loop)."""
+        extra = await asyncio.to_thread(SourcePolicy().allowing, [uri])
+        self.policy = self.policy.union(extra)
         self.plugins.update_settings(replace(self.plugins.settings, policy=self.policy))
 
     def dynamic_uri(self, name: str) -> str | None:
@@ -153,7 +155,7 @@ class AdapterLoader:
             # NOTE: a re-fetch reads the exact revision first fetched (a moved branch would
             # otherwise fail the digest check forever); it derives from the allowed v.uri
             uri = v.pinned_uri
-            self.allow_static(uri)
+            await self.allow_static(uri)
         policy = self.policy if trusted else self.base_policy
         if self._fetch_in_helpers():
             r = await self.procs.call(  # type: ignore[union-attr]

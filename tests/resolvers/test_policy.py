@@ -9,6 +9,7 @@ import pytest
 
 from loraplex.engine.lora.errors import AdapterPolicyError, AdapterSourceError
 from loraplex.resolvers import SourcePolicy, scheme_of
+from loraplex.resolvers import policy as policy_module
 
 
 def test_scheme_of() -> None:
@@ -82,3 +83,42 @@ def test_local_roots(tmp_path: Path) -> None:
 def test_malformed_uri_counts_as_a_local_path_and_needs_a_root() -> None:
     with pytest.raises(AdapterSourceError):
         SourcePolicy(allow=["*"]).check("hf:/x")  # a relative local path, no roots
+
+
+def test_one_by_one_dirs_are_a_set_of_real_paths(tmp_path: Path, monkeypatch) -> None:
+    """Static local sources (``allowing``) are kept once each at their real path when allowed:
+    re-allowing does not grow the policy, and a check resolves the candidate, not every
+    allowed directory (its cost does not grow with the number of registered adapters)."""
+    dirs = [tmp_path / "adapters" / f"a{i}" for i in range(300)]
+    for d in dirs:
+        (d / "sub").mkdir(parents=True)
+    p = SourcePolicy()
+    for d in dirs:
+        p = p.allowing([str(d)]).allowing([d.as_uri()])  # the same directory twice
+    assert len(p.local_dirs) == len(dirs) and p.local_roots == ()
+    calls = []
+    real = policy_module._realpath
+    monkeypatch.setattr(policy_module, "_realpath", lambda x: calls.append(x) or real(x))
+    assert p.local_path(str(dirs[7] / "sub")) == Path(os.path.realpath(dirs[7] / "sub"))
+    assert len(calls) == 1  # the candidate only
+    assert p.root_of(os.path.realpath(dirs[7] / "sub")) == os.path.realpath(dirs[7])
+    with pytest.raises(AdapterPolicyError, match="outside the allowed roots"):
+        p.check(str(tmp_path / "adapters"))  # the parent of allowed directories is not allowed
+    # an operator root holding an allowed directory: the innermost root wins
+    both = SourcePolicy(local_roots=[tmp_path]).union(p)
+    assert both.root_of(os.path.realpath(dirs[3])) == os.path.realpath(dirs[3])
+    assert both.root_of(os.path.realpath(tmp_path / "adapters")) == os.path.realpath(tmp_path)
+
+
+def test_a_one_by_one_dir_swapped_for_a_symlink_is_refused(tmp_path: Path) -> None:
+    """The directory is allowed at the real path it had when it was allowed: replaced later by
+    a link elsewhere, the link's target is not allowed."""
+    allowed, elsewhere = tmp_path / "allowed", tmp_path / "elsewhere"
+    allowed.mkdir()
+    elsewhere.mkdir()
+    p = SourcePolicy().allowing([str(allowed)])
+    p.check(str(allowed))
+    allowed.rmdir()
+    allowed.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(AdapterPolicyError, match="resolves to"):
+        p.check(str(allowed))
