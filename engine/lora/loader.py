@@ -44,6 +44,7 @@ from loraplex.engine.lora.stager import AdapterStager
 from loraplex.engine.model.config import ModelConfig
 from loraplex.plugins import PluginManager
 from loraplex.resolvers import TOKENIZER_FILES, ResolverSettings, SourcePolicy
+from loraplex.resolvers.policy import is_local
 
 __all__ = ["AdapterLoader", "valid_adapter_name"]
 
@@ -127,7 +128,8 @@ class AdapterLoader:
     async def allow_static(self, uri: str) -> None:
         """Operator-configured sources (``--lora-modules``, admin load) are allowed verbatim
         (a local one at its real path, resolved off the event loop)."""
-        extra = await asyncio.to_thread(SourcePolicy().allowing, [uri])
+        allow = SourcePolicy().allowing
+        extra = await asyncio.to_thread(allow, [uri]) if is_local(uri) else allow([uri])
         self.policy = self.policy.union(extra)
         self.plugins.update_settings(replace(self.plugins.settings, policy=self.policy))
 
