@@ -7,9 +7,10 @@ the real path (``os.path.realpath``), so ``..`` and symlinks cannot escape. Allo
 not apply to local sources: the roots are their allowlist. A local source the operator
 configured one by one (``allowing``: ``--lora-modules``, static registrations) is a root of its
 own, kept as the real path it had when it was allowed (a set: a check looks up the candidate's
-ancestors, so its cost does not grow with the number of registered adapters). The check alone does not stop a
-path from changing after it (a directory swapped for a symlink): the local resolver opens the
-checked real path component by component without following links (resolvers/local.py).
+ancestors, so its cost does not grow with the number of registered adapters). The check alone
+does not stop a path from changing after it (a directory swapped for a symlink): the local
+resolver opens the checked real path component by component without following links
+(resolvers/local.py).
 """
 
 from __future__ import annotations
