@@ -100,13 +100,14 @@ _TIMED: list[float] = []
 
 
 def _run(call: Callable[[], None], triton: bool, *outs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Run ``call`` once (outputs for the check); Triton on CUDA: also time it in a graph."""
+    """Run ``call`` once (its outputs: the check); Triton on CUDA: then time it in a graph."""
     call()
+    got = tuple(o.clone() for o in outs)  # before timing: add_rmsnorm updates its residual
     if triton and torch.cuda.is_available():
         from triton.testing import do_bench_cudagraph
 
         _TIMED.append(do_bench_cudagraph(call, rep=30) * 1e3)
-    return tuple(o.clone() for o in outs)
+    return got
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
