@@ -114,18 +114,18 @@ def _add_rmsnorm_kernel(
             y_ptrs = ya_ptr + tok[:, None] * stride_yt + cols[None, :] * stride_yn
             y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
             if HAS_LORA:
-                if HAS_DORA:  # noqa: SIM102 (any_dora exists only under the constexpr)
-                    if any_dora:
-                        y = dora_rows(
-                            y, on, g_ptr, bias_ptr, slots, cols, c_mask, stride_gl, stride_gn,
-                            DORA_BIAS,
-                        )  # fmt: skip
                 acc = tl.full((BLOCK_T, BLOCK_H), 0.0, tl.float32)
                 acc = lora_delta(
                     acc, ya_ptr, b_ptr, tok, slots, cols, c_mask, H, 1, L, L, R,
                     stride_yt, stride_yn, stride_bl, stride_bn, stride_br,
                     BLOCK_R, USE_DOT,
                 )  # fmt: skip
+                if HAS_DORA:  # noqa: SIM102 (any_dora exists only under the constexpr)
+                    if any_dora:
+                        y = dora_rows(
+                            y, on, g_ptr, bias_ptr, slots, cols, c_mask, stride_gl, stride_gn,
+                            DORA_BIAS,
+                        )  # fmt: skip
                 y = (y + acc).to(ya_ptr.dtype.element_ty).to(tl.float32)
             r = (r + y).to(res_ptr.dtype.element_ty)
             tl.store(r_rows + cols[None, :] * stride_rn, r, mask=mask)

@@ -80,17 +80,17 @@ def _split_kernel(
         ya_ptr + tok[:, None] * stride_yt + cols[None, :] * stride_yn, mask=mask, other=0.0
     ).to(tl.float32)
     if HAS_LORA:
+        acc = tl.full((1, BLOCK_H), 0.0, tl.float32)
+        acc = lora_delta(
+            acc, ya_ptr, b_ptr, tok, slots, cols, c_mask, H, 1, L, L, R,
+            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, False,
+        )  # fmt: skip
         if HAS_DORA:
             on, any_dora = dora_flags(on_ptr, slots)
             if any_dora:
                 y = dora_rows(
                     y, on, g_ptr, bias_ptr, slots, cols, c_mask, stride_gl, stride_gn, DORA_BIAS
                 )
-        acc = tl.full((1, BLOCK_H), 0.0, tl.float32)
-        acc = lora_delta(
-            acc, ya_ptr, b_ptr, tok, slots, cols, c_mask, H, 1, L, L, R,
-            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, False,
-        )  # fmt: skip
         y = (y + acc).to(ya_ptr.dtype.element_ty).to(tl.float32)
     r = (r + y).to(res_ptr.dtype.element_ty)
     tl.store(r_rows + cols[None, :] * stride_rn, r, mask=mask)

@@ -91,15 +91,6 @@ def _qkv_rope_kernel(
     x2 = tl.load(y_rows + c2[None, :] * stride_yn, mask=mask, other=0.0).to(tl.float32)
     if HAS_LORA:
         slots = tl.load(slots_ptr + tok * stride_slot, mask=t_mask, other=-1).to(tl.int32)
-        if HAS_DORA:
-            on, any_dora = dora_flags(on_ptr, slots)
-            if any_dora:
-                x1 = dora_rows(
-                    x1, on, g_ptr, bias_ptr, slots, c1, h_mask, stride_gl, stride_gn, DORA_BIAS
-                )
-                x2 = dora_rows(
-                    x2, on, g_ptr, bias_ptr, slots, c2, h_mask, stride_gl, stride_gn, DORA_BIAS
-                )
         d1 = tl.full((BLOCK_T, BLOCK_HALF), 0.0, tl.float32)
         d1 = lora_delta(
             d1, ya_ptr, b_ptr, tok, slots, c1, h_mask, n_base + s * L, 1, 3 * L, L, R,
@@ -110,6 +101,15 @@ def _qkv_rope_kernel(
             d2, ya_ptr, b_ptr, tok, slots, c2, h_mask, n_base + s * L, 1, 3 * L, L, R,
             stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
         )  # fmt: skip
+        if HAS_DORA:  # after the deltas: their loads go out before the flag gather
+            on, any_dora = dora_flags(on_ptr, slots)
+            if any_dora:
+                x1 = dora_rows(
+                    x1, on, g_ptr, bias_ptr, slots, c1, h_mask, stride_gl, stride_gn, DORA_BIAS
+                )
+                x2 = dora_rows(
+                    x2, on, g_ptr, bias_ptr, slots, c2, h_mask, stride_gl, stride_gn, DORA_BIAS
+                )
         x1 = (x1 + d1).to(dt).to(tl.float32)
         x2 = (x2 + d2).to(dt).to(tl.float32)
 
@@ -151,17 +151,17 @@ def _qkv_rope_kernel(
             y_rows + cv[None, :] * stride_yn, mask=t_mask[:, None] & d_mask[None, :], other=0.0
         ).to(tl.float32)
         if HAS_LORA:
+            dv = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)
+            dv = lora_delta(
+                dv, ya_ptr, b_ptr, tok, slots, cv, d_mask, n_base + 2 * L, 1, 3 * L, L, R,
+                stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
+            )  # fmt: skip
             if HAS_DORA:  # noqa: SIM102 (any_dora exists only under the constexpr)
                 if any_dora:
                     v = dora_rows(
                         v, on, g_ptr, bias_ptr, slots, cv, d_mask, stride_gl, stride_gn,
                         DORA_BIAS,
                     )  # fmt: skip
-            dv = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)
-            dv = lora_delta(
-                dv, ya_ptr, b_ptr, tok, slots, cv, d_mask, n_base + 2 * L, 1, 3 * L, L, R,
-                stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
-            )  # fmt: skip
             v = (v + dv).to(dt)
         v_rows = vc_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vo + kvh * stride_vh
         tl.store(

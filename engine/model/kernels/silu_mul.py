@@ -95,16 +95,6 @@ def _silu_mul_kernel(
     u = tl.load(y_rows + (inter + cols)[None, :] * stride_yn, mask=mask, other=0.0).to(tl.float32)
     if HAS_LORA:
         slots = tl.load(slots_ptr + tok * stride_slot, mask=t_mask, other=-1).to(tl.int32)
-        if HAS_DORA:
-            on, any_dora = dora_flags(on_ptr, slots)
-            if any_dora:
-                g = dora_rows(
-                    g, on, g_ptr, bias_ptr, slots, cols, c_mask, stride_gl, stride_gn, DORA_BIAS
-                )
-                u = dora_rows(
-                    u, on, g_ptr, bias_ptr, slots, inter + cols, c_mask, stride_gl, stride_gn,
-                    DORA_BIAS,
-                )  # fmt: skip
         dg = tl.full((BLOCK_T, BLOCK_N), 0.0, tl.float32)
         dg = lora_delta(
             dg, ya_ptr, b_ptr, tok, slots, cols, c_mask, 2 * inter, 1, 2 * L, L, R,
@@ -115,6 +105,16 @@ def _silu_mul_kernel(
             du, ya_ptr, b_ptr, tok, slots, inter + cols, c_mask, 2 * inter + L, 1, 2 * L, L, R,
             stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
         )  # fmt: skip
+        if HAS_DORA:  # after the deltas: their loads go out before the flag gather
+            on, any_dora = dora_flags(on_ptr, slots)
+            if any_dora:
+                g = dora_rows(
+                    g, on, g_ptr, bias_ptr, slots, cols, c_mask, stride_gl, stride_gn, DORA_BIAS
+                )
+                u = dora_rows(
+                    u, on, g_ptr, bias_ptr, slots, inter + cols, c_mask, stride_gl, stride_gn,
+                    DORA_BIAS,
+                )  # fmt: skip
         g = (g + dg).to(ya_ptr.dtype.element_ty).to(tl.float32)
         u = (u + du).to(ya_ptr.dtype.element_ty).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(ya_ptr.dtype.element_ty).to(tl.float32)
