@@ -151,7 +151,7 @@ class DecodeGraphs:
         ids = torch.where(src >= 0, self.feed[src.clamp(min=0)], self.ids[:bs])
         hidden = fused_forward(
             self.model, ids, self.pos[:bs], self.kv_caches, meta, self.token_slots[:bs],
-            rank_bound=rb,
+            rank_bound=rb, dora=True,
         )  # fmt: skip
         # = model.compute_logits
         return _logits(self.model, hidden, self.token_slots[:bs], self.logits)

@@ -194,7 +194,7 @@ class StepExecutor:
             return InFlightStep(plan, items, [], None, t0, t0, None, False)
         feed = prev.sample.token_ids if prev is not None and prev.sample is not None else None
         mixed = self.mixed_graphs
-        if mixed is not None and mixed.fits(items, feed) and not self.runner.has_dora(items):
+        if mixed is not None and mixed.fits(items, feed):
             logits = mixed.run(items, feed)  # decode rows + short prefills, one graph replay
             events = mixed.last_events
         else:

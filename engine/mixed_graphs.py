@@ -134,7 +134,8 @@ class MixedGraphs:
         src = self.src[:tb]
         ids = torch.where(src >= 0, self.feed[src.clamp(min=0)], self.ids[:tb])
         hidden = fused_forward(
-            self.model, ids, self.pos[:tb], self.kv_caches, meta, self.token_slots[:tb], attention
+            self.model, ids, self.pos[:tb], self.kv_caches, meta, self.token_slots[:tb], attention,
+            dora=True,
         )  # fmt: skip
         last = self.last[:sb]
         rows = self.token_slots[:tb].index_select(0, last)

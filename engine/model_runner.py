@@ -221,17 +221,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, last), rows)
 
     def has_dora(self, items: list[StepItem]) -> bool:
-        """Some row's slot holds a DoRA adapter (no cost while none is resident)."""
+        """Some row's slot holds a DoRA adapter: an eager step applies the row scales (the
+        graphs always do; no cost while none is resident)."""
         return bool(self.dora_slots) and any(it.lora_slot in self.dora_slots for it in items)
 
     def _graphable(self, items: list[StepItem]) -> bool:
         assert self.graphs is not None
-        # NOTE: the graphs hold no DoRA row scaling (its epilogue variant costs every graphed
-        # step 3-6 % on the H200, BENCHMARKS.md): steps with DoRA rows run eagerly
+        # NOTE: the graphs apply DoRA row scales in their epilogues (fused_forward's ``dora``)
         return (
             all(len(it.token_ids) == 1 and it.need_logits for it in items)
             and len(items) <= self.graphs.max_batch
-            and not self.has_dora(items)
         )
 
     def _execute_graph(self, items: list[StepItem], feed: torch.Tensor | None) -> torch.Tensor:

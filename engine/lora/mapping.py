@@ -57,7 +57,8 @@ class LoRAMapping:
     runs: tuple[tuple[int, int, int, int], ...] | None = None
     # DoRA row scales: on the reference path, some token's slot holds a DoRA adapter (base
     # outputs get their slot's row scale, lora/dora.py); on the fused path, the epilogues read
-    # each projection's ``DoraRows`` (flagged slots only). False costs nothing
+    # each projection's ``DoraRows`` (flagged slots only: the decode graphs capture it so,
+    # eager steps without DoRA rows skip it). False costs nothing
     dora: bool = False
     # fused path: the step reads A rows of ranks < rank_bound only (lora/ranks.py), an upper
     # bound of every row's adapter rank; None: all max_lora_rank rows

@@ -18,7 +18,7 @@ forward in the step's ``LoRAMapping`` (no segments, no host-side sizes), so the 
 be captured in a CUDA graph. ``triton=False`` runs the epilogues as their torch twins (tests on
 CPU; paged attention stays Triton). Numerics follow the reference path (llama.py) and HF: the
 kernels' torch twins pin them. DoRA rows (lora/dora.py) take their row scale inside the same
-epilogues (``dora``): no extra launch.
+epilogues (``dora``), so graphs serve them with no extra launch.
 
 The embedding LoRA (``lora_vocab()``, lora/vocab.py) is added to the embedded rows, and rows of
 a slot with a full embedding table (``full_modules``, lora/full.py) take theirs; the LM head's
@@ -85,8 +85,8 @@ def fused_forward(
     ``triton``: the epilogues as Triton kernels, else as their torch twins.
     ``dora``: the epilogues apply the DoRA row scale (lora/dora.py; B already holds it) to the
     base output of rows whose slot holds a DoRA adapter before they add the delta (a flag per
-    slot and projection, read in the kernels; steps set it only when some row needs it: the
-    decode graphs are captured without it). Not under tensor parallelism (refused there).
+    slot and projection, read in the kernels: the decode graphs are captured with it, eager
+    steps set it only when some row needs it). Not under tensor parallelism (refused there).
     ``rank_bound``: every row's adapter has rank <= it: the GEMMs read only the A rows of
     ranks below it and the epilogues loop over as many (lora/ranks.py); None: all rows."""
     cfg = model.cfg

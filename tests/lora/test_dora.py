@@ -204,9 +204,9 @@ def test_dora_refusals(setup, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dora_mixed_batch_on_gpu(setup, dtype):
-    """The fused path on CUDA in half precision (steps with DoRA rows run eagerly, the row
-    scale inside the epilogues; plain ones as graphs): against PEFT in float32 on the same
-    GPU, per row group."""
+    """The fused path on CUDA in half precision, decode steps with DoRA rows as CUDA graphs
+    (the row scale inside the captured epilogues): against PEFT in float32 on the same GPU,
+    per row group."""
     model_dir, adapters = setup
     g = random.Random(6)
     prompts = [[g.randrange(3, 200) for _ in range(n)] for _, n in ROWS]
@@ -231,10 +231,18 @@ def test_dora_mixed_batch_on_gpu(setup, dtype):
             for j, i in enumerate(rows):
                 tokens[step][i], refs[step][i] = toks[step][j], ref[step][j]
                 peft_err[step][i] = rel_err(half[step][j], ref[step][j])
+    graphs: list[bool] = []
     our_steps = ours(
         model_dir, adapters, prompts, names, tokens, dtype=dtype, device="cuda",
-        loaded=_loaded(adapters),
+        loaded=_loaded(adapters), graphs=graphs,
     )  # fmt: skip
+    assert graphs and all(graphs), f"decode steps with DoRA rows ran eagerly: {graphs}"
+    eager = ours(
+        model_dir, adapters, prompts, names, tokens, dtype=dtype, device="cuda",
+        loaded=_loaded(adapters), use_cuda_graphs=False,
+    )  # fmt: skip
+    for step, (a, b) in enumerate(zip(our_steps, eager, strict=True)):
+        assert torch.equal(a, b), f"step {step}: the graph and the eager step differ"
     for step in range(DECODE_STEPS + 1):
         for row in range(len(ROWS)):
             ref = refs[step][row]

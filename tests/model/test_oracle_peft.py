@@ -156,13 +156,14 @@ def hf_mixed_batch(
 
 def ours(
     model_dir, adapters, prompts, names, hf_tokens, dtype=torch.float32, device="cpu",
-    loaded=None, max_full=0, extra=0, max_rank=16, **runner_kw,
+    loaded=None, max_full=0, extra=0, max_rank=16, graphs=None, **runner_kw,
 ):  # fmt: skip
     """``adapters``: name -> folder, or (``loaded``) name -> a LoRAAdapter in ``dtype`` (or
     ``loaded(model)`` -> such a dict). ``max_full``: full-table slots (lora/full.py), slots
     0..max_full-1 (the last adapters: slots are taken in reverse order); ``extra``: their rows
     past the vocabulary (lora_extra_vocab_size, adapters that added tokens); ``max_rank``: the
-    engine's max_lora_rank."""
+    engine's max_lora_rank; ``graphs``: a list that gets, per step, whether it ran as a CUDA
+    graph."""
     model = load_model(model_dir, dtype=dtype, device=device, max_loras=4, max_lora_rank=max_rank)
     attach_full_modules(model, max_full, extra)
     mc = replace(model.cfg, lora_extra_vocab_size=extra) if extra else model.cfg
@@ -198,6 +199,8 @@ def ours(
             for i in range(len(prompts))
         ]
         steps.append(runner.execute(items).cpu())
+        if graphs is not None:
+            graphs.append(runner.last_was_graph)
     return steps
 
 
