@@ -82,6 +82,7 @@ class LoRALinear(torch.nn.Module):
         self.out_features = offsets[-1]
         kw = {"dtype": dtype, "device": device}
         self.max_loras = max_loras
+        self.slot_writes = 0  # per-module writes (set_lora / reset_lora): slots.py's zero state
         self.max_rank = max_rank
         n, extra = self.out_features, len(slices) * max_loras * max_rank
         self.weight_aug = torch.nn.Parameter(torch.zeros(n + extra, in_features, **kw), False)
@@ -178,6 +179,7 @@ class LoRALinear(torch.nn.Module):
         assert self.lora_a is not None and self.lora_b is not None
         s = self.slice_index(module)
         r = a.shape[0]
+        self.slot_writes += 1
         lo, hi = self.slice_offsets[s], self.slice_offsets[s + 1]
         self.lora_a[s, slot, :r].copy_(a, non_blocking=True)
         self.lora_a[s, slot, r:].zero_()
@@ -187,6 +189,7 @@ class LoRALinear(torch.nn.Module):
     def reset_lora(self, slot: int, module: str | None = None) -> None:
         """Zero one module's slice of ``slot`` (or every slice when module is None)."""
         assert self.lora_a is not None and self.lora_b is not None
+        self.slot_writes += 1
         if module is None:
             self.lora_a[:, slot].zero_()
             self.lora_b[slot].zero_()

@@ -2,9 +2,11 @@
 (and of its full-table slots, lora/full.py, if it has them).
 
 A write is one host -> device copy of the adapter's packed buffer (staging.py) into a device
-staging tensor, then one batched scatter (``torch._foreach_copy_``) into the slot's regions and
-one batched zero-fill (``torch._foreach_zero_``) of the rest: a few launches instead of ~4 per
-module per layer. Everything is issued on the current stream (callers pick a side stream for
+staging tensor, then one scatter into the slot's regions and a zero-fill of the rest (one
+Triton launch on CUDA, scatter.py; batched ``_foreach`` copies as its twin): a few launches
+instead of ~4 per module per layer. The zero-fill is skipped where the slot is known to hold
+zeros already (``_ModelCache.zero_state``: it was cleared, or last written with the same
+layout). Everything is issued on the current stream (callers pick a side stream for
 cold loads); writes issued in order on one stream never race on the staging tensor, which is
 reused per (model, dtype, stream).
 """
@@ -33,6 +35,7 @@ __all__ = ["write_slot", "clear_slot", "write_slot_reference", "measure_slot_wri
 
 _ORDER = MODULE_ORDER
 _STAGING_GRAIN = 1 << 20  # elements: staging grows in steps of this
+_CLEAR = "clear"  # zero_state: the whole slot is zero
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,12 @@ class _ModelCache:
     )  # slot -> (lora_a[s, slot] (R, in), lora_b[slot, lo:hi]^T (R, out)) per site
     # NOTE: rank-major storage (layers.py): each rank row of a view is contiguous
     staging: dict[tuple[torch.dtype, int], torch.Tensor] = field(default_factory=dict)
-    plans: dict[tuple, ScatterPlan] = field(default_factory=dict)  # packed layout -> plan
+    plans: dict[tuple, ScatterPlan] = field(default_factory=dict)  # (layout, zeros) -> plan
     dora_slots: set[int] = field(default_factory=set)  # slots whose DoRA scales are not ones
+    # slot -> (what its regions outside that are known to hold: zeros, generation): a packed
+    # layout (the last write's: everything it did not fill is zero) or _CLEAR (all zero);
+    # generation = the linears' per-module writes then (set_lora / reset_lora void it)
+    zero_state: dict[int, tuple[object, int]] = field(default_factory=dict)
 
 
 _CACHES: weakref.WeakKeyDictionary[CausalLM, _ModelCache] = weakref.WeakKeyDictionary()
@@ -153,9 +160,11 @@ def _plan(
     return dst, src, zero
 
 
-def _scatter_plan(c: _ModelCache, packed: PackedAdapter) -> ScatterPlan:
-    """The one-launch scatter of ``packed``'s layout (made once per layout, see scatter.py)."""
-    plan = c.plans.get(packed.layout)
+def _scatter_plan(c: _ModelCache, packed: PackedAdapter, zeros: bool = True) -> ScatterPlan:
+    """The one-launch scatter of ``packed``'s layout (made once per layout, see scatter.py);
+    ``zeros`` False: without the zero-fill of the regions the layout does not fill."""
+    key = (packed.layout, zeros)
+    plan = c.plans.get(key)
     if plan is None:
         strides: list[int] = []
         dst, ranges, zero = _plan(c, 0, packed, strides)
@@ -164,11 +173,26 @@ def _scatter_plan(c: _ModelCache, packed: PackedAdapter) -> ScatterPlan:
         copies = [
             (d, st, o) for d, st, (o, _) in zip(dst, strides[: len(dst)], ranges, strict=True)
         ]
-        zeros = list(zip(zero, strides[len(dst) :], strict=True))
+        fills = list(zip(zero, strides[len(dst) :], strict=True)) if zeros else []
         if len(c.plans) >= 64:  # layouts seen: a handful (ranks x module sets) in practice
             c.plans.pop(next(iter(c.plans)))
-        plan = c.plans[packed.layout] = build_plan(copies, zeros, base)
+        plan = c.plans[key] = build_plan(copies, fills, base)
     return plan
+
+
+def _generation(c: _ModelCache) -> int:
+    return sum(lin.slot_writes for lin in c.linears)
+
+
+def _zeros_known(c: _ModelCache, slot: int, layout: tuple) -> bool:
+    """Everything ``layout`` does not fill is already zero in ``slot``: the slot was cleared,
+    or its last write had this layout, and no per-module write touched the slots since."""
+    state = c.zero_state.get(slot)
+    return (
+        state is not None
+        and (state[0] is _CLEAR or state[0] == layout)
+        and state[1] == _generation(c)
+    )
 
 
 def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -257,25 +281,30 @@ def write_slot(
             packed = pack_adapter(adapter, r_max, pin=device.type == "cuda", dtype=dtype)
     if scatter == "auto":
         scatter = "triton" if device.type == "cuda" else "torch"
+    if scatter not in ("triton", "torch"):
+        raise ValueError(f"scatter must be 'auto', 'triton' or 'torch', not {scatter!r}")
+    # NOTE: a slot refilled with the layout it held (same modules and ranks: the common case
+    # when the CPU tier's adapters come from one recipe) skips the zero-fill of the rest, most
+    # of the device writes of an attention-only adapter (BENCHMARKS.md, slot writes)
+    zeros = not _zeros_known(c, slot, packed.layout)
+    c.zero_state.pop(slot, None)  # until this write is issued, the slot's state is unknown
     if scatter == "triton":
-        plan = _scatter_plan(c, packed)
+        plan = _scatter_plan(c, packed, zeros)
         src = _source(c, packed, device, dtype, chunk_bytes, pace) if packed.entries else None
         if h2d_done is not None:
             h2d_done.record()
         scatter_triton(src if src is not None else plan.base, plan, slot)
-        _write_dora(c, slot, adapter)
-        _write_full(model, slot, adapter)
-        return
-    if scatter != "torch":
-        raise ValueError(f"scatter must be 'auto', 'triton' or 'torch', not {scatter!r}")
-    dst, ranges, zero = _plan(c, slot, packed)
-    if dst:
-        base = _source(c, packed, device, dtype, chunk_bytes, pace)
-        if h2d_done is not None:
-            h2d_done.record()
-        _copy(dst, [base[o : o + n].view(d.shape) for d, (o, n) in zip(dst, ranges, strict=True)])
-    if zero:
-        _zero(zero)
+    else:
+        dst, ranges, zero = _plan(c, slot, packed)
+        if dst:
+            base = _source(c, packed, device, dtype, chunk_bytes, pace)
+            if h2d_done is not None:
+                h2d_done.record()
+            views = [base[o : o + n].view(d.shape) for d, (o, n) in zip(dst, ranges, strict=True)]
+            _copy(dst, views)
+        if zero and zeros:
+            _zero(zero)
+    c.zero_state[slot] = (packed.layout, _generation(c))
     _write_dora(c, slot, adapter)
     _write_full(model, slot, adapter)
 
@@ -325,6 +354,7 @@ def clear_slot(model: CausalLM, slot: int) -> None:
     a_views, b_views = _slot_views(c, slot)
     if a_views:
         _zero(a_views + b_views)
+    c.zero_state[slot] = (_CLEAR, _generation(c))
     _write_dora(c, slot, None)
     _write_full(model, slot, None)
 

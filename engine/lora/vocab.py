@@ -42,6 +42,7 @@ class VocabLoRA(torch.nn.Module):
         self.slice_offsets = (0, out_features)
         self.max_loras = max_loras
         self.max_rank = max_rank
+        self.slot_writes = 0  # per-module writes (set_lora / reset_lora): slots.py's zero state
         self.dora_scale = None  # DoRA is refused on these targets (targets.py)
         kw = {"dtype": dtype, "device": device}
         self.register_buffer("lora_a", torch.zeros(1, max_loras, max_rank, in_features, **kw))
@@ -55,12 +56,14 @@ class VocabLoRA(torch.nn.Module):
     def set_lora(self, slot: int, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
         """Write A (r, in) and scaled B (out, r) into ``slot``."""
         r = a.shape[0]
+        self.slot_writes += 1
         self.lora_a[0, slot, :r].copy_(a, non_blocking=True)
         self.lora_a[0, slot, r:].zero_()
         self.lora_b[slot, :, :r].copy_(b, non_blocking=True)
         self.lora_b[slot, :, r:].zero_()
 
     def reset_lora(self, slot: int, module: str | None = None) -> None:
+        self.slot_writes += 1
         self.lora_a[:, slot].zero_()
         self.lora_b[slot].zero_()
 

@@ -134,6 +134,44 @@ def test_packed_write_matches_reference(
                 assert lin.lora_a[s, 0, :r].all() and lin.lora_b[0, lo:hi, :r].any()
 
 
+@pytest.mark.parametrize("scatter", ["torch", "triton"])
+def test_refill_with_the_same_layout_skips_only_known_zeros(dirs, scatter: str) -> None:
+    """A slot written again with the layout it holds skips the zero-fill of what the layout
+    does not fill (it is zero already); a cleared slot too; anything else zero-fills."""
+    base, paths = dirs
+    ref, new = _model(base, torch.float32), _model(base, torch.float32)
+    attn, gate = (_load(base, paths[n], torch.float32) for n in ("attn8", "gate_up"))
+    mlp = next(iter(new.lora_linears()))[1]["gate_proj"]  # a region attn8 does not fill
+    s = mlp.slice_index("gate_proj")
+    lo, hi = mlp.slice_offsets[s], mlp.slice_offsets[s + 1]
+
+    def poison() -> None:  # behind the slot bookkeeping's back: what a skip leaves alone
+        with torch.no_grad():
+            mlp.lora_b[1, lo:hi].fill_(7.0)
+
+    write_slot_reference(ref, 1, attn)
+    write_slot(new, 1, attn, scatter=scatter)  # garbage before: the first write zero-fills
+    _assert_same(ref, new)
+    poison()
+    write_slot(new, 1, attn, scatter=scatter)
+    assert (mlp.lora_b[1, lo:hi] == 7.0).all()  # same layout: no zero-fill
+    mlp.set_lora(1, "gate_proj", torch.ones(2, mlp.in_features), torch.ones(hi - lo, 2))
+    write_slot(new, 1, attn, scatter=scatter)  # a per-module write voids what was known
+    _assert_same(ref, new)
+    write_slot(new, 1, gate, scatter=scatter)
+    poison()
+    write_slot(new, 1, attn, scatter=scatter)  # another layout before: zero-fill
+    _assert_same(ref, new)
+    clear_slot(new, 1)
+    write_slot(new, 1, attn, scatter=scatter)  # cleared: zero already, no fill needed
+    _assert_same(ref, new)
+    poison()
+    clear_slot(new, 1)
+    write_slot(new, 1, gate, scatter=scatter)
+    write_slot_reference(ref, 1, gate)
+    _assert_same(ref, new)
+
+
 def test_packed_form_and_explicit_packed(dirs) -> None:
     base, paths = dirs
     ref, new = _model(base, torch.float32), _model(base, torch.float32)
