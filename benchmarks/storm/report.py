@@ -145,7 +145,9 @@ def table(result: dict[str, Any]) -> str:
             f"Idle slot writes (transfer + scatter): {w['full_mb']:.0f} MB at {w['full_gbps']:.1f}"
             f" GB/s ({w['full_gbps'] / w['pinned_gbps']:.0%} of pinned {w['pinned_gbps']:.1f}),"
             f" {w['qkvo_mb']:.0f} MB at {w['qkvo_gbps']:.1f} GB/s "
-            f"({w['qkvo_gbps'] / w['pinned_gbps']:.0%})"
+            f"({w['qkvo_gbps'] / w['pinned_gbps']:.0%}; into a slot of another layout, the rest"
+            f" zero-filled: {w.get('qkvo_fill_gbps', float('nan')):.1f} GB/s,"
+            f" {w.get('qkvo_fill_gbps', float('nan')) / w['pinned_gbps']:.0%})"
         )]  # fmt: skip
     stages = [r for r in rows if r.get("stage_p50_ms") is not None]
     if stages:

@@ -323,6 +323,8 @@ def idle_slot_writes(engine: AsyncEngine) -> dict[str, float]:
         "full_gbps": measure_slot_write(model, full, slot=v.slot),
         "qkvo_mb": small.nbytes / 1e6,
         "qkvo_gbps": measure_slot_write(model, small, slot=v.slot),
+        # into a slot that held another layout: the MLP regions zero-filled as well
+        "qkvo_fill_gbps": measure_slot_write(model, small, slot=v.slot, zero_fill=True),
     }
     measure_slot_write(model, full, repeats=1, slot=v.slot)  # (its own content back)
     torch.cuda.synchronize()

@@ -374,15 +374,25 @@ def write_slot_reference(model: CausalLM, slot: int, adapter: LoRAAdapter) -> No
 
 
 def measure_slot_write(
-    model: CausalLM, packed: PackedAdapter, repeats: int = 10, *, slot: int = 0
+    model: CausalLM,
+    packed: PackedAdapter,
+    repeats: int = 10,
+    *,
+    slot: int = 0,
+    zero_fill: bool = False,
 ) -> float:
-    """GB/s of ``write_slot`` (H2D bytes of ``packed`` over wall time); overwrites ``slot``."""
+    """GB/s of ``write_slot`` (H2D bytes of ``packed`` over wall time); overwrites ``slot``.
+    Rewrites of one layout skip the zero-fill of the rest; ``zero_fill``: every write does it
+    (as a write into a slot that held another layout)."""
     cuda = model.device.type == "cuda"
+    c = _cache(model)
     write_slot(model, slot, packed)  # warm-up: staging allocation
     if cuda:
         torch.cuda.synchronize(model.device)
     t0 = time.perf_counter()
     for _ in range(repeats):
+        if zero_fill:
+            c.zero_state.pop(slot, None)
         write_slot(model, slot, packed)
     if cuda:
         torch.cuda.synchronize(model.device)

@@ -187,6 +187,8 @@ def test_packed_form_and_explicit_packed(dirs) -> None:
     _assert_same(ref, new)
     assert measure_slot_write(new, packed, 2, slot=1) > 0
     _assert_same(ref, new)
+    assert measure_slot_write(new, packed, 2, slot=1, zero_fill=True) > 0
+    _assert_same(ref, new)
     with pytest.raises(ValueError, match="rank"):
         write_slot(new, 1, pack_adapter(ad, 32))
     with pytest.raises(ValueError):
