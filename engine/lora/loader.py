@@ -168,12 +168,14 @@ class AdapterLoader:
                     "prefix": f"v{v.version}-",
                     "sha256": sha256,
                     "expect_digest": v.digest,
-                    "policy": policy if uri == v.uri else self.policy,
-                    "resolver_policy": self.policy,
                     "max_bytes": self.config.max_adapter_bytes,
                     "max_lora_rank": self.config.max_lora_rank,
                     "full_modules": self.config.max_full_module_loras > 0,
                     "extra_files": self._extra_files(),
+                },
+                shared={  # sent to a helper again only once changed
+                    "policy": policy if uri == v.uri else self.policy,
+                    "resolver_policy": self.policy,
                     "env": {k: x for k, x in os.environ.items() if k.startswith(_ENV_PREFIXES)},
                 },
             )

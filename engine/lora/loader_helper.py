@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from loraplex.engine.lora.loader_process import LoaderInit, describe_error
+from loraplex.engine.lora.loader_process import LoaderInit, describe_error, resolve_shared
 from loraplex.engine.lora.thread_jobs import PriorityGate, run_to_end
 
 __all__ = ["main"]
@@ -64,6 +64,7 @@ class _Helper:
         self.loop = asyncio.new_event_loop()
         self.loop.set_default_executor(ThreadPoolExecutor(init.threads))
         self.tasks: dict[int, asyncio.Task] = {}
+        self.shared: dict[str, Any] = {}  # what the engine sent once for many jobs
         self.send_lock = threading.Lock()
         # one job at a time in the GIL-bound parts (header and value checks, parse and pack),
         # a waiting stage (a request waits on it) before waiting registration checks: jobs
@@ -95,6 +96,7 @@ class _Helper:
             if task is not None:
                 task.cancel()
             return
+        resolve_shared(self.shared, payload)  # here, in the order the messages came
         task = self.loop.create_task(self._run(jid, kind, payload))
         self.tasks[jid] = task
         task.add_done_callback(lambda t: self._unstarted(jid, t))

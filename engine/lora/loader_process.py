@@ -12,7 +12,10 @@ two kinds of job:
               memory the engine registered as pinned) -> the packed layout only
 
 The engine process then only queues one async H2D copy per slot write. Messages are small
-(metadata); tensor data never crosses the pipe.
+(metadata); tensor data never crosses the pipe. What every job carries alike (the source
+policy, which grows with each static adapter, and the resolvers' environment) goes to a helper
+only when it differs from what that helper last got (``call(..., shared=)``,
+``resolve_shared``): the event loop pickles it once per change, not once per load.
 
 Failure handling: a helper that dies fails none of the engine's requests directly. Each job it
 had in flight is retried once on a fresh helper; a second death fails that job with
@@ -42,7 +45,7 @@ import structlog
 from loraplex.engine.lora import errors as lora_errors
 from loraplex.engine.lora.errors import LoRAError
 
-__all__ = ["LoaderInit", "LoaderProcesses", "LoaderProcessError"]
+__all__ = ["LoaderInit", "LoaderProcesses", "LoaderProcessError", "resolve_shared"]
 
 HELPER_MODULE = "loraplex.engine.lora.loader_helper"  # what each helper process runs
 
@@ -82,7 +85,21 @@ def _rebuild(desc: tuple[str, str, str, str | None]) -> LoRAError:
     return LoaderProcessError(f"the adapter loader failed: {name}: {message}", field=fld)
 
 
+def resolve_shared(cache: dict[str, Any], payload: dict) -> dict:
+    """The helper's side of ``shared``: the payload with its shared fields filled in, from the
+    message (kept in ``cache``) or, where the engine sent none, from ``cache``. Messages must
+    be resolved in the order they arrived."""
+    for key, new in payload.pop("_shared", {}).items():
+        if new is not None:
+            cache[key] = new[0]
+        payload[key] = cache[key]
+    return payload
+
+
 # -- the engine side ---------------------------------------------------------------------------
+
+
+_UNSENT = object()
 
 
 @dataclass(eq=False)
@@ -91,6 +108,7 @@ class _Job:
     kind: str
     payload: dict
     future: asyncio.Future
+    shared: dict = field(default_factory=dict)
     attempts: int = 0
     proc: _Proc | None = None
     on_end: Any = None  # on_end(ok) once no helper runs the job; ok: done and still awaited
@@ -103,6 +121,7 @@ class _Proc:
     conn: Connection
     jobs: dict[int, _Job] = field(default_factory=dict)
     dead: bool = False
+    sent: dict[str, Any] = field(default_factory=dict)  # shared field -> the value it last got
 
 
 class LoaderProcesses:
@@ -152,13 +171,20 @@ class LoaderProcesses:
     def pids(self) -> list[int]:
         return [p.process.pid for p in self.procs if not p.dead]
 
-    async def call(self, kind: str, payload: dict, *, on_end: Any = None) -> dict:
+    async def call(
+        self, kind: str, payload: dict, *, on_end: Any = None, shared: dict | None = None
+    ) -> dict:
         """Run one job in a helper; raises the job's typed error. On cancellation the helper's
-        job is cancelled too; ``on_end`` runs (on the loop) once no helper runs it any more."""
+        job is cancelled too; ``on_end`` runs (on the loop) once no helper runs it any more.
+        ``shared``: more payload fields, sent to a helper only when they differ from what it
+        last got under that name (immutable values: compared by identity, then equality)."""
         if self._closed:
             raise LoaderProcessError("the adapter loader is closed")
         self.loop = asyncio.get_running_loop()
-        job = _Job(next(self._ids), kind, payload, self.loop.create_future(), on_end=on_end)
+        job = _Job(
+            next(self._ids), kind, payload, self.loop.create_future(), shared or {},
+            on_end=on_end,
+        )  # fmt: skip
         await self._submit(job)
         try:
             return await asyncio.shield(job.future)
@@ -185,9 +211,18 @@ class LoaderProcesses:
         proc = min(live, key=lambda p: len(p.jobs))
         job.proc = proc
         proc.jobs[job.jid] = job
+        payload = job.payload
+        if job.shared:
+            fields = {}
+            for key, value in job.shared.items():
+                last = proc.sent.get(key, _UNSENT)
+                same = last is value or (last is not _UNSENT and last == value)
+                fields[key] = None if same else (value,)
+                proc.sent[key] = value
+            payload = {**payload, "_shared": fields}
         # NOTE: a send to a dead helper fails quietly: its reader thread retries the job
         with contextlib.suppress(OSError, ValueError):
-            proc.conn.send((job.kind, job.jid, job.payload))
+            proc.conn.send((job.kind, job.jid, payload))
 
     def _read(self, proc: _Proc) -> None:
         """Reader thread of one helper: replies to the loop; EOF = the helper died."""

@@ -367,3 +367,58 @@ async def test_cancelled_stage_keeps_its_region_until_the_helper_stopped_writing
         v = engine.testing.adapters.get("poem")
         assert v.state is AdapterState.REGISTERED and v.region is None
         assert_idle(engine)
+
+
+async def test_shared_fields_reach_each_helper_once_per_change():
+    """``call(..., shared=)``: the source policy and the environment cross a helper's pipe only
+    when they differ from what that helper last got; ``resolve_shared`` (the helper's side)
+    gives every job its whole payload back."""
+    import pickle
+
+    from loraplex.engine.lora.loader_process import LoaderProcesses, _Proc, resolve_shared
+    from loraplex.resolvers import SourcePolicy
+
+    class Conn:
+        def __init__(self) -> None:
+            self.msgs: list[tuple] = []
+
+        def send(self, msg: tuple) -> None:
+            self.msgs.append(pickle.loads(pickle.dumps(msg)))
+
+    class Popen:
+        pid = 0
+
+        def poll(self) -> None:
+            return None
+
+    procs = LoaderProcesses(0, None, None)  # type: ignore[arg-type]
+    conns = [Conn(), Conn()]
+    procs.procs += [_Proc(Popen(), c) for c in conns]  # type: ignore[arg-type]
+    p1 = SourcePolicy(local_dirs=frozenset({"/srv/a"}))
+    p2 = p1.union(SourcePolicy(local_dirs=frozenset({"/srv/b"})))
+    calls = [(p1, "x"), (p1, "x"), (p1, "x"), (p1, "x"), (p2, "x"), (p2, "y")]
+    tasks = []
+    for i, (policy, home) in enumerate(calls):
+        shared = {"policy": policy, "env": {"HF_HOME": home}}  # a new dict each time
+        tasks.append(asyncio.ensure_future(procs.call("prepare", {"i": i}, shared=shared)))
+        await asyncio.sleep(0)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    got: dict[int, dict] = {}
+    sent = []  # per job: which shared fields crossed the pipe
+    for conn in conns:
+        cache: dict = {}
+        jobs = [m[2] for m in conn.msgs if m[0] == "prepare"]
+        assert jobs and all(v is not None for v in jobs[0]["_shared"].values())
+        for payload in jobs:
+            sent.append({k for k, v in payload["_shared"].items() if v is not None})
+            full = resolve_shared(cache, payload)
+            got[full["i"]] = full
+    assert sorted(got) == list(range(len(calls)))
+    for i, (policy, home) in enumerate(calls):
+        assert got[i]["policy"] == policy and got[i]["env"] == {"HF_HOME": home}
+    # each value once per helper that needed it, not once per job: p1 and p2 to both helpers,
+    # HF_HOME=x to both, =y to the one that ran the last job
+    assert sum("policy" in f for f in sent) == 4
+    assert sum("env" in f for f in sent) == 3
