@@ -181,7 +181,7 @@ def _scatter_plan(c: _ModelCache, packed: PackedAdapter, zeros: bool = True) -> 
 
 
 def _generation(c: _ModelCache) -> int:
-    return sum(lin.slot_writes for lin in c.linears)
+    return sum(getattr(lin, "slot_writes", 0) for lin in c.linears)
 
 
 def _zeros_known(c: _ModelCache, slot: int, layout: tuple) -> bool:
