@@ -338,10 +338,17 @@ def test_killed_replica_fails_its_stream_others_complete_new_requests_succeed(cl
     doomed = client.completions.create(**kw, stream=True)
     first = next(iter(doomed))
     victim = cluster.engine.replica_of(f"{first.id}-0-0")
-    survivor_stream = client.completions.create(**{**kw, "max_tokens": 40}, stream=True)
-    survivor_first = next(iter(survivor_stream))
-    survivor = cluster.engine.replica_of(f"{survivor_first.id}-0-0")
-    assert victim is not None and survivor not in (None, victim)  # the lighter replica took it
+    assert victim is not None
+    # a stream on the other replica: the lighter one takes it, unless a replica's load report
+    # lags (an earlier test's stream on the other one): then retry (routing is tested apart)
+    for _ in range(8):
+        survivor_stream = client.completions.create(**{**kw, "max_tokens": 40}, stream=True)
+        survivor_first = next(iter(survivor_stream))
+        survivor = cluster.engine.replica_of(f"{survivor_first.id}-0-0")
+        if survivor not in (None, victim):
+            break
+        survivor_stream.close()
+    assert survivor not in (None, victim)
 
     actor = ray.get_actor(f"SERVE_REPLICA::loraplex#engine#{victim}", namespace="serve")
     ray.kill(actor, no_restart=True)
