@@ -26,7 +26,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--loader-processes", type=int, default=None)
-    ap.add_argument("--max-concurrent-loads", type=int, default=8)
+    ap.add_argument(
+        "--max-concurrent-loads", type=int, default=None,
+        help="default: the engine's (what `loraplex serve` starts with)",
+    )  # fmt: skip
     ap.add_argument("--kv-cache-gb", type=int, default=None)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=6000)

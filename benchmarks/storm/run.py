@@ -61,9 +61,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_bytes=args.kv_cache_gb << 30 if args.kv_cache_gb else None,
         local_roots=(str(work / "adapters"),),
         adapter_cache_dir=str(work / "staging"),
-        max_concurrent_loads=args.max_concurrent_loads,
         **({"loader_processes": args.loader_processes} if args.loader_processes is not None
            else {}),
+        **({"max_concurrent_loads": args.max_concurrent_loads}
+           if args.max_concurrent_loads is not None else {}),
     )  # fmt: skip
     compiles = COMPILES  # the engine's own watch: every Triton compile with its time
     compiles.install()
