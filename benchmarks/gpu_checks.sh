@@ -49,6 +49,14 @@ if [[ $what == storm ]]; then
   python3 -m benchmarks.storm --out "$OUT/storm.json" --plot "$OUT/storm.png" "$@" 2>&1 | grep -v -E "^\[|\[(info|warn)" \
     | tee "$OUT/storm.log" | tail -30
 fi
+if [[ $what == zipf ]]; then  # issue 11: the four Zipf points, cold against warm (~6 min)
+  python3 -m loraplex.engine.bench.coldload --synthetic llama3-8b --num-adapters 1000 --rank 16 \
+    --targets q_proj,k_proj,v_proj,o_proj --distinct 16 --source local --rate 12 --duration 30 \
+    --prompt-len 128-512 --output-len 32-128 --base-fraction 0.1 --max-cpu-loras 128 \
+    --kv-cache-gb 16 --drain-timeout 10 --warm-yardstick --no-plots \
+    --sweep max_loras=8,32 alpha=0.8,1.1 --out "$OUT/study" "$@" 2>&1 \
+    | grep -v -E "\[(info|warn)|req/s\]" | tee "$OUT/zipf.log" | tail -30
+fi
 if [[ $what == load_rate ]]; then  # issue 11: the cold-load rate one engine sustains (~4 min)
   # light requests so that loads, not the GPU, set the limit; 27 MB rank-16 q/k/v/o adapters
   python3 -m loraplex.engine.bench.coldload --synthetic llama3-8b --num-adapters 1000 --rank 16 \
