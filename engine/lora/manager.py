@@ -9,13 +9,14 @@ already holding the old version finish on it. Tiers:
                                     only ones an adapter with modules_to_save tables takes
 
 A version in a GPU slot stays in the CPU tier. A slot is reassigned only when no running
-request references it (``slot_refs == 0``).
+request references it (``slot_refs == 0``); which slot a version takes is slot_table.py's.
 
 A combination (per-request composition, ``combination``) is a version of its own whose
 ``parts`` are (component version, weight) pairs: identity = names + digests + weights, one
 slot of the summed rank, cached while every component is the current version of its name
-(at most ``MAX_COMBINATIONS`` idle ones are kept); it is never listed under a name. Slot writes are handed to the step thread, which
-issues them on a side stream; requests of that adapter are admitted once the write completed.
+(at most ``MAX_COMBINATIONS`` idle ones are kept); it is never listed under a name. Slot
+writes are handed to the step thread, which issues them on a side stream; requests of that
+adapter are admitted once the write completed.
 """
 
 from __future__ import annotations
@@ -23,15 +24,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from loraplex.engine.lora.errors import AdapterNotFoundError, LoRAError
+from loraplex.engine.lora.errors import AdapterNotFoundError
+from loraplex.engine.lora.slot_table import SlotFullError, SlotTable
 from loraplex.engine.lora.version import (
     AdapterState,
     AdapterVersion,
     _combination_digest,
-    _has_full,
     combination_name,
 )
 
@@ -47,10 +48,6 @@ __all__ = [
 # Combinations kept in the registry beyond those in use (each is a small object; its tensors
 # follow the CPU-tier rules like any version's).
 MAX_COMBINATIONS = 64
-
-
-class SlotFullError(LoRAError):
-    """Every GPU slot is pinned: a request that needs a new slot cannot be served."""
 
 
 Loader = Callable[[AdapterVersion], "Any"]  # async: fills version.adapter (and timings)
@@ -92,7 +89,7 @@ class AdapterManager:
         self._on_unload = on_unload
         self._current: dict[str, AdapterVersion] = {}
         self._versions: list[AdapterVersion] = []  # every version still alive
-        self._slots: list[AdapterVersion | None] = [None] * max_loras
+        self.slots = SlotTable(max_loras, max_full, self._pinned)  # slot_table.py
         self._combos: dict[str, AdapterVersion] = {}  # digest -> combination version
         self._counter = itertools.count(1)
         self.stats = {
@@ -205,9 +202,7 @@ class AdapterManager:
                     self._combos.pop(v.digest, None)
                 if v.load_task is not None and v.load_task is not asyncio.current_task():
                     v.load_task.cancel()
-                if v.slot is not None:
-                    self._slots[v.slot] = None
-                    v.slot = None
+                self.slots.free(v)
                 self._unload(v)
                 self._versions.remove(v)
                 self._on_drop(v)
@@ -247,7 +242,7 @@ class AdapterManager:
     def acquire_slot(self, v: AdapterVersion) -> None:
         """A request starts running on ``v``'s slot (written, or written in the step the
         request joins); the slot is not reassigned while such references remain."""
-        assert v.slot is not None and self._slots[v.slot] is v
+        assert self.slots.check(v)
         v.slot_refs += 1
         v.last_used = time.monotonic()
 
@@ -334,68 +329,24 @@ class AdapterManager:
             if v.dynamic:
                 self.forget(v)
 
-    # -- GPU slots ------------------------------------------------------------------------------
+    # -- GPU slots (slot_table.py) ----------------------------------------------------------------
 
     def assign_slot(self, v: AdapterVersion, *, force: bool = False) -> int | None:
         """Give ``v`` a slot (a write must follow); None if no slot can be taken now.
 
         A slot is taken from an idle version (no running reader, write complete) that no
         request is waiting for; with ``force`` (a starved request) also from one that has
-        waiting requests.
+        waiting requests. The version that lost its slot may leave the CPU tier next.
         """
-        assert v.state is AdapterState.CPU
-        if v.slot is not None:
-            return v.slot
-        full = self.max_full > 0 and _has_full(v)  # (none without full-table slots)
-        usable = range(self.max_full) if full else range(self.max_loras)
-        free = [i for i in usable if self._slots[i] is None]
-        if free:
-            # NOTE: an adapter without full tables takes a full-table slot last
-            slot = free[0] if full else max(free, key=lambda i: (i >= self.max_full, -i))
-        else:
-            idle = [o for o in self._idle_owners(force) if o.slot in usable]
-            if not idle:
-                owners = [self._slots[i] for i in usable]
-                if all(o is not None and self._pinned(o) for o in owners):
-                    what = f"{self.max_full} full-table" if full else f"{self.max_loras}"
-                    raise SlotFullError(
-                        f"all {what} GPU slots are pinned; adapter {v.name!r} cannot be served"
-                    )
-                return None
-            old = min(idle, key=lambda o: o.last_used)
-            slot = old.slot
-            old.slot, old.slot_ready, old.slot_event, old.slot_joined = None, False, None, False
+        slot, old = self.slots.assign(v, force=force)
+        if old is not None:
             self.stats["gpu_evictions"] += 1
             self._evict_cpu(keep=v)
-        assert slot is not None
-        self._slots[slot] = v
-        v.slot, v.slot_ready, v.slot_joined = slot, False, False
-        v.last_used = time.monotonic()
         return slot
 
     def can_assign_slot(self, v: AdapterVersion | None = None, *, force: bool = False) -> bool:
-        """Whether ``assign_slot`` would find a slot now (no side effects); ``v``: for this
-        version (an adapter with full tables takes only a full-table slot)."""
-        full = self.max_full > 0 and v is not None and _has_full(v)
-        usable = range(self.max_full) if full else range(self.max_loras)
-        if any(self._slots[i] is None for i in usable):
-            return True
-        return any(o.slot in usable for o in self._idle_owners(force))
-
-    def _idle_owners(self, force: bool) -> Iterator[AdapterVersion]:
-        """Slot owners that may lose their slot now: no running request reads it, its write
-        completed, no operator pin holds it, and (unless ``force``: a starved request needs a
-        slot) no request waits for it. The one idle-slot check of ``assign_slot`` and
-        ``can_assign_slot``."""
-        return (
-            o
-            for o in self._slots
-            if o is not None
-            and o.slot_refs == 0
-            and o.slot_ready
-            and not self._pinned(o)
-            and (force or o.users == 0)
-        )
+        """Whether ``assign_slot`` would find a slot now (no side effects)."""
+        return self.slots.can_assign(v, force=force)
 
     def _pinned(self, v: AdapterVersion) -> bool:
         """A pin holds for the current version of its name; a superseded version that is
@@ -404,9 +355,9 @@ class AdapterManager:
 
     def slot_owner(self, slot: int) -> AdapterVersion | None:
         """The version ``slot`` is assigned to, if any."""
-        return self._slots[slot]
+        return self.slots.owner(slot)
 
     @property
     def resident(self) -> list[AdapterVersion]:
         """Versions holding a GPU slot (their write may still be pending)."""
-        return [v for v in self._slots if v is not None]
+        return self.slots.resident
