@@ -11,7 +11,13 @@ so projections smaller than L2 are read from memory):
 - ``tensor``: one scale per tensor (cuBLASLt's fp8 GEMM), bf16 out;
 - ``rowwise``: a scale per token and per output channel (torch's CUTLASS row-wise kernel);
 - ``tensor_f32``: per-tensor, float32 out (what a following epilogue could scale per row
-  and column itself).
+  and column itself);
+- ``block``: a scale per (token, 128 columns of K) and per (128 rows of N, 128 of K) (the
+  DeepSeek-V3 recipe, where this torch build and GPU have it), in the two layouts of the
+  activation scales (``block``: (T, K/128) row-major; ``block_t``: the same, column-major).
+  Block scales are what the engine's epilogues could produce without a cross-program pass:
+  every program of the RMSNorm, SiLU and attention epilogues holds whole 128-column groups of
+  its rows (a per-token scale over a SiLU output row split across programs would need one).
 
 Printed: microseconds, weight GB/s and the ratio to bf16 per (projection, tokens). The
 activation quantization is not included (it would fold into the RMSNorm / SiLU epilogues).
@@ -53,12 +59,22 @@ def forms(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor) -> dict:
     sa = torch.ones(t, 1, device=x.device, dtype=torch.float32)
     sb = torch.ones(1, n, device=x.device, dtype=torch.float32)
     wt = wq.t()  # column-major (K, N): what _scaled_mm wants as its second operand
+    k = x.shape[1]
+    sa_blk = torch.ones(t, -(-k // 128), device=x.device, dtype=torch.float32)
+    sa_blk_t = sa_blk.t().contiguous().t()
+    sb_blk = torch.ones(-(-n // 128), -(-k // 128), device=x.device, dtype=torch.float32)
     return {
         "bf16": functools.partial(F.linear, x, w),
         "tensor": functools.partial(torch._scaled_mm, xq, wt, one, one, out_dtype=torch.bfloat16),
         "rowwise": functools.partial(torch._scaled_mm, xq, wt, sa, sb, out_dtype=torch.bfloat16),
         "tensor_f32": functools.partial(
             torch._scaled_mm, xq, wt, one, one, out_dtype=torch.float32
+        ),
+        "block": functools.partial(
+            torch._scaled_mm, xq, wt, sa_blk, sb_blk, out_dtype=torch.bfloat16
+        ),
+        "block_t": functools.partial(
+            torch._scaled_mm, xq, wt, sa_blk_t, sb_blk, out_dtype=torch.bfloat16
         ),
     }
 
