@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from loraplex.engine.model.llama import LlamaForCausalLM
 
 __all__ = [
+    "LayoutKey",
     "PackEntry",
     "PackedAdapter",
     "pack_adapter",
@@ -73,6 +74,38 @@ class PackEntry:
     b_offset: int  # B^T: (r, out)
 
 
+class LayoutKey:
+    """A packed layout as a key: hashed once, one object per distinct layout (``intern``),
+    so that the slot writes' lookups and comparisons are an identity check, not a walk over
+    every module's entry (~30 µs per hash or comparison at the 8B shape's 224 modules)."""
+
+    __slots__ = ("value", "_hash", "__weakref__")
+
+    def __init__(self, value: tuple) -> None:
+        self.value = value
+        self._hash = hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, LayoutKey) and self._hash == other._hash and self.value == other.value
+        )
+
+    @staticmethod
+    def intern(value: tuple) -> LayoutKey:
+        with _LAYOUTS_LOCK:
+            key = _LAYOUTS.get(value)
+            if key is None:
+                key = _LAYOUTS[value] = LayoutKey(value)
+            return key
+
+
+_LAYOUTS: weakref.WeakValueDictionary[tuple, LayoutKey] = weakref.WeakValueDictionary()
+_LAYOUTS_LOCK = threading.Lock()  # packed adapters are made in loader threads
+
+
 @dataclass(frozen=True)
 class PackedAdapter:
     buffer: torch.Tensor  # (numel,) flat, one dtype; pinned when it feeds a CUDA slot
@@ -89,10 +122,10 @@ class PackedAdapter:
         return self.buffer.dtype
 
     @functools.cached_property
-    def layout(self) -> tuple:
-        """Hashable: equal for packed images with the same blocks at the same offsets (slot
-        writes cache their scatter plan per layout)."""
-        return (self.max_rank, tuple(self.entries.values()))
+    def layout(self) -> LayoutKey:
+        """Equal (the same object) for packed images with the same blocks at the same offsets
+        (slot writes cache their scatter plan and their zero state per layout)."""
+        return LayoutKey.intern((self.max_rank, tuple(self.entries.values())))
 
     def a(self, e: PackEntry) -> torch.Tensor:
         """View of e's A block, (r, in)."""

@@ -256,3 +256,13 @@ def test_packed_image_holds_only_the_adapters_rank(dirs) -> None:
     for k, w in ad.weights.items():
         e = p64.entries[k]
         assert torch.equal(p64.a(e), w.a) and torch.equal(p64.b(e), w.b)
+
+
+def test_equal_layouts_are_one_key(dirs) -> None:
+    """Packed images with the same blocks share one layout key (slot writes look their plan
+    and zero state up by identity); another rank pattern is another key."""
+    base, paths = dirs
+    a, b, c = (_load(base, paths[n], torch.float32) for n in ("attn8", "attn8", "gate_up"))
+    pa, pb, pc = (pack_adapter(x, MAX_RANK) for x in (a, b, c))
+    assert pa.layout is pb.layout and pa.layout == pb.layout
+    assert pa.layout != pc.layout and hash(pa.layout) == hash(pb.layout)
