@@ -15,9 +15,10 @@ so projections smaller than L2 are read from memory):
 - ``block``: a scale per (token, 128 columns of K) and per (128 rows of N, 128 of K) (the
   DeepSeek-V3 recipe, where this torch build and GPU have it), in the two layouts of the
   activation scales (``block``: (T, K/128) row-major; ``block_t``: the same, column-major).
-  Block scales are what the engine's epilogues could produce without a cross-program pass:
-  every program of the RMSNorm, SiLU and attention epilogues holds whole 128-column groups of
-  its rows (a per-token scale over a SiLU output row split across programs would need one).
+  Block scales are what the engine's epilogues could produce without a cross-program pass,
+  where a program holds whole 128-column groups of its rows (attention's 128-wide heads; the
+  RMSNorm / SiLU epilogues with column blocks of 128 or a multiple), where a per-token scale
+  over a SiLU output row split across programs would need one.
 
 Printed: microseconds, weight GB/s and the ratio to bf16 per (projection, tokens). The
 activation quantization is not included (it would fold into the RMSNorm / SiLU epilogues).
