@@ -21,7 +21,12 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from loraplex.engine.lora.loader_process import LoaderInit, describe_error, resolve_shared
+from loraplex.engine.lora.loader_process import (
+    LoaderInit,
+    LoaderProcessError,
+    describe_error,
+    resolve_shared,
+)
 from loraplex.engine.lora.thread_jobs import PriorityGate, run_to_end
 
 __all__ = ["main"]
@@ -96,7 +101,12 @@ class _Helper:
             if task is not None:
                 task.cancel()
             return
-        resolve_shared(self.shared, payload)  # here, in the order the messages came
+        try:
+            resolve_shared(self.shared, payload)  # here, in the order the messages came
+        except KeyError as e:  # a field never sent to this helper: fail the job, not hang it
+            err = LoaderProcessError(f"the loader helper has no {e.args[0]!r} for this job")
+            self._send(("error", jid, describe_error(err)))
+            return
         task = self.loop.create_task(self._run(jid, kind, payload))
         self.tasks[jid] = task
         task.add_done_callback(lambda t: self._unstarted(jid, t))

@@ -422,3 +422,21 @@ async def test_shared_fields_reach_each_helper_once_per_change():
     # HF_HOME=x to both, =y to the one that ran the last job
     assert sum("policy" in f for f in sent) == 4
     assert sum("env" in f for f in sent) == 3
+
+
+async def test_a_job_missing_a_shared_field_fails_instead_of_hanging(tiny, lib, tmp_path):
+    """A helper asked to reuse a shared field it never got answers with a typed error (the
+    registration fails, the engine and the helper keep serving)."""
+    model_dir, _ = tiny
+    async with AsyncEngine(proc_config(model_dir, tmp_path)) as engine:
+        procs = engine.testing.loader.procs
+        await wait_until(lambda: procs.pids, 30)
+        (proc,) = procs.procs
+        env = {k: x for k, x in os.environ.items() if k.startswith(("HF_", "AWS_", "HUGGING"))}
+        proc.sent["env"] = env  # as if sent before: the engine sends "unchanged"
+        with pytest.raises(LoaderProcessError, match="env"):
+            await engine.add_adapter("sql", str(lib["sql"]))
+        proc.sent.clear()
+        info = await engine.add_adapter("sql", str(lib["sql"]))
+        assert len(info["digest"]) == 64 and procs.pids == [proc.process.pid]
+        assert_idle(engine)
