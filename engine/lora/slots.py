@@ -386,14 +386,21 @@ def measure_slot_write(
     (as a write into a slot that held another layout)."""
     cuda = model.device.type == "cuda"
     c = _cache(model)
-    write_slot(model, slot, packed)  # warm-up: staging allocation
+
+    def write() -> None:
+        if zero_fill:
+            c.zero_state.pop(slot, None)
+        write_slot(model, slot, packed)
+
+    # warm-up: the staging allocation, and the scatter plan of the timed writes (the first
+    # write into a slot of another layout zero-fills: a plan of its own)
+    write_slot(model, slot, packed)
+    write()
     if cuda:
         torch.cuda.synchronize(model.device)
     t0 = time.perf_counter()
     for _ in range(repeats):
-        if zero_fill:
-            c.zero_state.pop(slot, None)
-        write_slot(model, slot, packed)
+        write()
     if cuda:
         torch.cuda.synchronize(model.device)
     return packed.nbytes * repeats / (time.perf_counter() - t0) / 1e9
