@@ -13,6 +13,7 @@ import asyncio
 import gc
 import itertools
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -276,6 +277,7 @@ class AsyncEngine:
                 self._forget_finished()
                 step = nstep
                 await asyncio.sleep(0)  # let consumers take their outputs
+                await self._await_landing(core)
             result = await loop.run_in_executor(self._executor, core.collect, step)
         except Exception as e:  # noqa: BLE001 - one bad step must not stop the engine
             log.exception("step_failed")
@@ -286,6 +288,24 @@ class AsyncEngine:
         core.apply(step, result)
         self._forget_finished()
         await asyncio.sleep(0)
+
+    async def _await_landing(self, core: EngineCore) -> bool | None:
+        """Between two chained steps, while requests wait on cold loads: hold back planning
+        until a load lands (or a request arrives) or ``core.chain_deadline()`` passes, so that
+        the landing rides the next step. Returns whether a wake ended the wait; None: no wait."""
+        deadline = core.chain_deadline()
+        if deadline is None:
+            return None
+        # (a wake since the last plan is already in what ``chain`` sees: only new ones count)
+        self._wake.clear()
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait_for(self._wake.wait(), deadline - t0)
+            woken = True
+        except TimeoutError:
+            woken = False
+        core.note_chain_wait(time.perf_counter() - t0, woken)
+        return woken
 
     @staticmethod
     def _launch_collect(

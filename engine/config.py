@@ -75,6 +75,12 @@ class EngineConfig:
     # waits on the write on the device) while the step's joined writes total at most this many
     # bytes and no earlier write is still landing; 0: requests wait for their write to land
     slot_write_join_bytes: int = 128 << 20
+    # pipelined decode while requests wait on cold loads (CUDA): the step queued behind the one
+    # in flight is planned as soon as a load lands, or this many ms (plus the recent host time
+    # of a launch) before the step in flight is due to end, whichever comes first, instead of
+    # at once; a load landing mid-step then rides the next step (one step less to its first
+    # token). None: plan at once, as without loads
+    late_chain_margin_ms: float | None = 1.5
     # helper processes that fetch, verify, preflight and pack adapters (off this process's
     # GIL); None: 2 on CUDA, 0 (threads of this process) on CPU
     loader_processes: int | None = None
@@ -129,6 +135,8 @@ class EngineConfig:
             )
         if self.loader_processes is not None and self.loader_processes < 0:
             raise ValueError("loader_processes must be >= 0")
+        if self.late_chain_margin_ms is not None and not self.late_chain_margin_ms >= 0:
+            raise ValueError("late_chain_margin_ms must be None or >= 0")
         if self.adapter_cache_bytes is not None and self.adapter_cache_bytes < 0:
             raise ValueError("adapter_cache_bytes must be >= 0")
         if self.max_cpu_loras and self.max_cpu_loras < self.max_loras:

@@ -98,6 +98,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="no pipelined decode (the next step waits for the previous step's tokens)",
     )  # fmt: skip
     p.add_argument(
+        "--late-chain-margin-ms", type=float, metavar="MS",
+        help="while requests wait on cold loads, plan the next pipelined step when a load lands "
+        "or MS (plus the recent launch time) before the running step ends (default 1.5; a "
+        "negative value: plan at once)",
+    )  # fmt: skip
+    p.add_argument(
         "--admin-token-file", metavar="FILE",
         help="enables POST /v1/load_lora_adapter and /v1/unload_lora_adapter with this token",
     )  # fmt: skip
@@ -136,6 +142,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "cuda_graphs": not args.enforce_eager,
         "async_scheduling": not args.no_async_scheduling,
     }
+    margin = getattr(args, "late_chain_margin_ms", None)
+    if margin is not None:
+        kw["late_chain_margin_ms"] = margin if margin >= 0 else None
     for name in (
         "max_loras", "max_cpu_loras", "max_lora_rank", "max_full_module_loras", "lora_extra_vocab_size",
         "max_num_seqs",
