@@ -83,11 +83,12 @@ class StepOps:
         Planning the chained step at once (as steady decode does) leaves a load landing during
         the step in flight to the step after next: its request's first token comes 2-3 steps
         after the load. Planned late, the next step takes it: 1-2 steps. The deadline is the
-        step in flight's expected end (the previous results' time plus the recent step period)
-        less the recent longest launch (host) time and the margin, so the chained step is
-        still queued before the GPU runs dry. Only on CUDA (a CPU launch computes its step),
-        only while some waiting request's adapter is loading, and only once a few pipelined
-        steps give a period."""
+        step in flight's expected end (the previous results' time plus the recent GPU time of
+        a step's replay) less the recent longest launch (host) time and the margin, so the
+        chained step is still queued before the GPU runs dry. GPU time, not the period between
+        results: a period that a late launch stretched would push the next deadline later
+        still. Only on CUDA (a CPU launch computes its step), only while some waiting request's
+        adapter is loading, and only once a few pipelined graph steps give a GPU time."""
         margin = self.config.late_chain_margin_ms
         if margin is None or self.device.type != "cuda" or not self.config.async_scheduling:
             return None
@@ -97,12 +98,16 @@ class StepOps:
         ):
             return None
         ex = self.executor
-        recent = [s for s in itertools.islice(reversed(ex.step_log), 8) if s.pipelined]
+        recent = [
+            s
+            for s in itertools.islice(reversed(ex.step_log), 8)
+            if s.pipelined and s.gpu_ms is not None
+        ]
         if len(recent) < 3:
             return None
-        period = statistics.median(s.seconds for s in recent)
+        gpu = statistics.median(s.gpu_ms for s in recent) / 1e3
         host = max(s.host_s for s in recent)
-        deadline = ex.last_result_time + period - host - margin / 1e3
+        deadline = ex.last_result_time + gpu - host - margin / 1e3
         return deadline if deadline > time.perf_counter() else None
 
     def note_chain_wait(self, seconds: float, landed: bool) -> None:

@@ -22,8 +22,11 @@ from loraplex.engine.server.launch import config_from_args
 from tests.engine.test_async_engine import assert_idle, collect, config, register
 
 
-def record(seconds: float, host_s: float, pipelined: bool = True) -> StepRecord:
-    return StepRecord(seconds, 32, 32, True, False, None, host_s, pipelined, 0.0, 0)
+def record(gpu_s: float, host_s: float, pipelined: bool = True, graph: bool = True) -> StepRecord:
+    """A step whose replay took ``gpu_s``; its period (``seconds``) longer, as if launched late:
+    the deadline must not follow it."""
+    gpu_ms = gpu_s * 1e3 if graph else None
+    return StepRecord(gpu_s * 3, 32, 32, True, False, gpu_ms, host_s, pipelined, 0.0, 0)
 
 
 def stub_core(*, margin=1.5, device="cuda", states=(AdapterState.LOADING,), log=(), last=None):
@@ -47,14 +50,18 @@ STEADY = [record(0.008, 0.001)] * 5 + [record(0.009, 0.002)] + [record(0.007, 0.
 def test_deadline_is_the_expected_end_less_launch_time_and_margin():
     core = stub_core(log=STEADY)
     deadline = StepOps.chain_deadline(core)
-    # median period 8 ms, longest recent launch 2 ms, margin 1.5 ms
+    # median replay 8 ms, longest recent launch 2 ms, margin 1.5 ms
     expected = core.executor.last_result_time + 0.008 - 0.002 - 0.0015
     assert deadline == pytest.approx(expected, abs=1e-9)
 
 
-def test_only_the_last_eight_pipelined_steps_count():
+def test_only_the_last_eight_pipelined_graph_steps_count():
     old = [record(0.100, 0.050)] * 20  # long ago: a slow phase
-    core = stub_core(log=old + [record(0.008, 0.001, pipelined=False)] + STEADY)
+    other = [record(0.030, 0.001, pipelined=False), record(0.030, 0.001, graph=False)]
+    other.append(record(0.030, 0.001, pipelined=False))
+    # the last eight: three that do not count, then 8, 8, 9, 7, 7 ms (median 8 ms; with the
+    # others it would be 8.5)
+    core = stub_core(log=old + STEADY[:3] + other + STEADY[3:])
     expected = core.executor.last_result_time + 0.008 - 0.002 - 0.0015
     assert StepOps.chain_deadline(core) == pytest.approx(expected, abs=1e-9)
 
@@ -66,7 +73,8 @@ def test_only_the_last_eight_pipelined_steps_count():
         {"device": "cpu"},  # a launch computes its step: nothing is in flight to overlap
         {"states": (AdapterState.CPU, AdapterState.REGISTERED)},  # no load to wait for
         {"states": ()},
-        {"log": STEADY[:2]},  # too few pipelined steps for a period
+        {"log": STEADY[:2]},  # too few pipelined steps for a GPU time
+        {"log": [record(0.008, 0.001, graph=False)] * 8},  # eager steps: no replay time
         {"log": STEADY, "last": time.perf_counter() - 1.0},  # the step in flight is overdue
         {"log": [record(0.003, 0.002)] * 8},  # launch + margin longer than a step
     ],
