@@ -77,10 +77,11 @@ class EngineConfig:
     slot_write_join_bytes: int = 128 << 20
     # pipelined decode while requests wait on cold loads (CUDA): the step queued behind the one
     # in flight is planned as soon as a load lands, or this many ms (plus the recent host time
-    # of a launch) before the step in flight is due to end, whichever comes first, instead of
-    # at once; a load landing mid-step then rides the next step (one step less to its first
-    # token). None: plan at once, as without loads
-    late_chain_margin_ms: float | None = 1.5
+    # of planning and launching) before the step in flight is due to end, whichever comes
+    # first, instead of at once; a load landing mid-step then rides the next step (its first
+    # token ~0.6 step sooner at the median) at some cost in running streams' p99 gaps while
+    # loads land (BENCHMARKS.md, "Late chaining"). None (default): plan at once
+    late_chain_margin_ms: float | None = None
     # helper processes that fetch, verify, preflight and pack adapters (off this process's
     # GIL); None: 2 on CUDA, 0 (threads of this process) on CPU
     loader_processes: int | None = None

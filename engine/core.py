@@ -145,6 +145,7 @@ class EngineCore(AdapterOps, StepOps):
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0, "steps": 0}
         # chained steps planned late, waiting for cold loads (``chain_deadline``)
         self.counters.update(late_chain_waits=0, late_chain_woken=0, late_chain_wait_us=0)
+        self.plan_lags: collections.deque[float] = collections.deque(maxlen=16)
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self._load_gate: asyncio.Semaphore | None = None
         self.loop_lag: LoopLag | None = None  # started by ``start`` on the engine's loop

@@ -5,6 +5,7 @@ core's, built in ``EngineCore.__init__``."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import statistics
 import time
@@ -37,6 +38,7 @@ class StepOps:
     max_model_len: int
     counters: Any
     device: Any
+    plan_lags: collections.deque[float]  # the last few ``note_plan_lag`` seconds
     _sync_slot_writes: bool
     fail: Callable[[Request, BaseException], None]  # EngineCore.fail
     finish: Callable[..., None]  # EngineCore.finish
@@ -84,7 +86,9 @@ class StepOps:
         the step in flight to the step after next: its request's first token comes 2-3 steps
         after the load. Planned late, the next step takes it: 1-2 steps. The deadline is the
         step in flight's expected end (the previous results' time plus the recent GPU time of
-        a step's replay) less the recent longest launch (host) time and the margin, so the
+        a step's replay) less the recent longest launch (host) time, the recent longest plan
+        lag of a held-back plan (from when it was due to its launch starting: the loop resuming
+        late, planning, the hop to the step thread; ``note_plan_lag``) and the margin, so the
         chained step is still queued before the GPU runs dry. GPU time, not the period between
         results: a period that a late launch stretched would push the next deadline later
         still. Only on CUDA (a CPU launch computes its step), only while some waiting request's
@@ -107,8 +111,14 @@ class StepOps:
             return None
         gpu = statistics.median(s.gpu_ms for s in recent) / 1e3
         host = max(s.host_s for s in recent)
-        deadline = ex.last_result_time + gpu - host - margin / 1e3
+        lag = max(self.plan_lags, default=0.0)
+        deadline = ex.last_result_time + gpu - host - lag - margin / 1e3
         return deadline if deadline > time.perf_counter() else None
+
+    def note_plan_lag(self, seconds: float) -> None:
+        """Loop: a held-back plan was due ``seconds`` before its launch began (the deadlines
+        allow for the longest of the recent ones)."""
+        self.plan_lags.append(seconds)
 
     def note_chain_wait(self, seconds: float, landed: bool) -> None:
         """Loop: a wait of ``chain_deadline`` ended, by a landing (or another wake) or not."""

@@ -100,8 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--late-chain-margin-ms", type=float, metavar="MS",
         help="while requests wait on cold loads, plan the next pipelined step when a load lands "
-        "or MS (plus the recent launch time) before the running step ends (default 1.5; a "
-        "negative value: plan at once)",
+        "or MS (plus recent planning and launch times) before the running step ends: sooner "
+        "first tokens after cold loads (default: off; a negative value: off)",
     )  # fmt: skip
     p.add_argument(
         "--admin-token-file", metavar="FILE",

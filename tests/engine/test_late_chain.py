@@ -29,7 +29,9 @@ def record(gpu_s: float, host_s: float, pipelined: bool = True, graph: bool = Tr
     return StepRecord(gpu_s * 3, 32, 32, True, False, gpu_ms, host_s, pipelined, 0.0, 0)
 
 
-def stub_core(*, margin=1.5, device="cuda", states=(AdapterState.LOADING,), log=(), last=None):
+def stub_core(
+    *, margin=1.5, device="cuda", states=(AdapterState.LOADING,), log=(), last=None, lags=()
+):
     waiting = [SimpleNamespace(adapter=SimpleNamespace(state=s)) for s in states]
     waiting.append(SimpleNamespace(adapter=None))  # a base-model request
     executor = SimpleNamespace(
@@ -37,6 +39,7 @@ def stub_core(*, margin=1.5, device="cuda", states=(AdapterState.LOADING,), log=
         last_result_time=time.perf_counter() if last is None else last,
     )
     return SimpleNamespace(
+        plan_lags=collections.deque(lags, maxlen=16),
         config=SimpleNamespace(late_chain_margin_ms=margin, async_scheduling=True),
         device=SimpleNamespace(type=device),
         scheduler=SimpleNamespace(waiting=waiting),
@@ -53,6 +56,14 @@ def test_deadline_is_the_expected_end_less_launch_time_and_margin():
     # median replay 8 ms, longest recent launch 2 ms, margin 1.5 ms
     expected = core.executor.last_result_time + 0.008 - 0.002 - 0.0015
     assert deadline == pytest.approx(expected, abs=1e-9)
+
+
+def test_the_deadline_allows_for_the_recent_plan_lag():
+    core = stub_core(log=STEADY, lags=[0.0004, 0.0011, 0.0007])
+    expected = core.executor.last_result_time + 0.008 - 0.002 - 0.0011 - 0.0015
+    assert StepOps.chain_deadline(core) == pytest.approx(expected, abs=1e-9)
+    StepOps.note_plan_lag(core, 0.005)  # e.g. the loop resumed late
+    assert StepOps.chain_deadline(core) is None  # 8 - 2 - 5 - 1.5 ms: nothing left to wait
 
 
 def test_only_the_last_eight_pipelined_graph_steps_count():
@@ -104,14 +115,15 @@ async def test_a_wake_ends_the_wait():
     await asyncio.sleep(0.01)
     assert not waiter.done()
     engine._wake.set()  # a load landed
-    assert await asyncio.wait_for(waiter, 10.0) is True
+    due = await asyncio.wait_for(waiter, 10.0)
+    assert due < core.deadline  # planning was due when the wake came
     assert len(core.noted) == 1 and core.noted[0][1] is True
 
 
 async def test_the_deadline_ends_the_wait():
     engine = AsyncEngine(EngineConfig(device="cpu"))
     core = Waits(time.perf_counter() + 0.02)
-    assert await engine._await_landing(core) is False
+    assert await engine._await_landing(core) == core.deadline
     assert core.noted and core.noted[0][1] is False
     core = Waits(None)
     assert await engine._await_landing(core) is None
@@ -121,19 +133,19 @@ async def test_the_deadline_ends_the_wait():
 def test_config_and_cli():
     with pytest.raises(ValueError, match="late_chain_margin_ms"):
         EngineConfig(late_chain_margin_ms=-1.0)
-    assert EngineConfig().late_chain_margin_ms == 1.5
+    assert EngineConfig().late_chain_margin_ms is None
     parser = build_parser()
     for flag, want in [("3", 3.0), ("0", 0.0), ("-1", None)]:
         args = parser.parse_args(["serve", "--late-chain-margin-ms", flag])
         assert config_from_args(args).late_chain_margin_ms == want
     args = parser.parse_args(["serve"])
-    assert config_from_args(args).late_chain_margin_ms == 1.5
+    assert config_from_args(args).late_chain_margin_ms is None
 
 
 async def run_with_slow_load(model_dir, adapters, *, late: bool):
     """Stream 0 decodes; a request on an adapter not yet loaded arrives mid-decode and its
     load takes 0.2 s. ``late``: the core plans chained steps late as it would on CUDA."""
-    cfg = config(model_dir, max_loras=2, max_cpu_loras=3)
+    cfg = config(model_dir, max_loras=2, max_cpu_loras=3, late_chain_margin_ms=1.5)
     greedy = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
     async with AsyncEngine(cfg) as engine:
         await register(engine, {k: adapters[k] for k in ("sql", "poem")})
@@ -174,6 +186,7 @@ async def run_with_slow_load(model_dir, adapters, *, late: bool):
 
         results = await asyncio.gather(first(), cold())
         stats = engine.stats()["late_chain"]
+        stats["plan_lags"] = len(core.plan_lags)  # each held-back plan's lag, up to 16
         assert_idle(engine)
     return results, stats
 
@@ -182,6 +195,8 @@ async def test_a_landing_ends_the_wait_in_the_engine(tiny):
     model_dir, adapters = tiny
     plain, plain_stats = await run_with_slow_load(model_dir, adapters, late=False)
     late, stats = await run_with_slow_load(model_dir, adapters, late=True)
-    assert plain_stats == {"waits": 0, "woken": 0, "wait_us": 0}  # CPU: never waits itself
+    # CPU: the engine never waits itself
+    assert plain_stats == {"waits": 0, "woken": 0, "wait_us": 0, "plan_lags": 0}
     assert stats["waits"] >= 1 and stats["woken"] >= 1, stats
+    assert stats["plan_lags"] >= 1, stats  # the held-back plan's lag was noted
     assert late == plain  # the same tokens either way
