@@ -21,7 +21,15 @@ so projections smaller than L2 are read from memory):
   over a SiLU output row split across programs would need one.
 
 Printed: microseconds, weight GB/s and the ratio to bf16 per (projection, tokens). The
-activation quantization is not included (it would fold into the RMSNorm / SiLU epilogues).
+activation quantization is not included in these (it would fold into the RMSNorm / SiLU
+epilogues). The engine's whole projection, with the A rows of ``--slots`` slots of rank
+``--rank`` (none for the LM head), in three more forms:
+
+- ``bf16_aug``: ``F.linear`` on [W; A] (the bf16 engine's augmented GEMM);
+- ``w8a16_aug``: ``fp8_aug_linear`` (kernels/fp8_linear.py: the weight-only Triton kernel, or
+  the CUDA-core GEMV at 1-2 tokens; what the fp8 engine runs today);
+- ``w8a8_aug``: ``fp8_w8a8_linear`` (kernels/fp8_w8a8.py: per-token quantization, the
+  per-tensor ``_scaled_mm`` in float32, de-quantization, the A rows' GEMM: four launches).
 
     python -m benchmarks.fp8_scaled_mm --out scaled_mm.json
 """
@@ -37,6 +45,8 @@ import torch.nn.functional as F
 
 from benchmarks.fp8_gemm import SHAPES, copy_bandwidth, cycled
 from benchmarks.record import git_commit
+from loraplex.engine.model.kernels.fp8_linear import fp8_aug_linear
+from loraplex.engine.model.kernels.fp8_w8a8 import fp8_w8a8_linear
 
 FP8 = torch.float8_e4m3fn
 
@@ -50,6 +60,22 @@ def shapes(name: str, vocab: int) -> list[tuple[str, int, int]]:
         ("down", h, inter),
         ("lm_head", vocab, h),
     ]
+
+
+SLICES = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1, "lm_head": 0}  # LoRA A row groups
+
+
+def engine_forms(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor, a: torch.Tensor) -> dict:
+    """The engine's whole projection over one weight copy: [W; A] in bf16, and the fp8 base
+    (weight ``wq`` with per-channel scale 1/16) weight-only and W8A8."""
+    scale = torch.full((w.shape[0], 1), 1 / 16, device=x.device, dtype=torch.float32)
+    rows = a if a.shape[0] else None
+    w_aug = torch.cat([w, a])
+    return {
+        "bf16_aug": functools.partial(F.linear, x, w_aug),
+        "w8a16_aug": functools.partial(fp8_aug_linear, x, wq, scale, rows),
+        "w8a8_aug": functools.partial(fp8_w8a8_linear, x, wq, scale, rows),
+    }
 
 
 def forms(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor) -> dict:
@@ -87,6 +113,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 64, 128])
     ap.add_argument("--copies", type=int, default=4)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--slots", type=int, default=8, help="LoRA slots of the engine forms")
+    ap.add_argument("--rank", type=int, default=16, help="their rank")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -97,27 +125,37 @@ def main() -> None:
     print("|---|---:|---|---|---:|---:|---:|")
     for name, n, k in shapes(args.shape, args.vocab):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-        copies = [(w, (w * 16).to(FP8))] + [
-            (w.clone(), (w * 16).to(FP8)) for _ in range(args.copies - 1)
+        e = SLICES[name] * args.slots * args.rank
+        copies = [
+            (c, (c * 16).to(FP8), torch.randn(e, k, device="cuda", dtype=torch.bfloat16) / k)
+            for c in [w] + [w.clone() for _ in range(args.copies - 1)]
         ]
         for t in args.batches:
             x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
-            per_copy = [forms(x, c[0], c[1]) for c in copies]
+            per_copy = [forms(x, c[0], c[1]) | engine_forms(x, *c) for c in copies]
             ref = F.linear(x, w).float()
             times = {}
             for form in per_copy[0]:
                 try:
                     got = per_copy[0][form]().float()
-                    if form != "bf16":  # fp8 x fp8 of a 16x-scaled weight: compare shapes only
+                    if form.endswith("_aug"):  # the engine's forms: the same projection
+                        want = per_copy[0]["bf16_aug"]().float()
+                        err = ((got - want).norm() / want.norm()).item()
+                        # (fp8 weights, and in W8A8 fp8 activations: a few percent)
+                        assert err < 0.08, f"{form} off by {err:.3f} (relative, Frobenius)"
+                    elif form != "bf16":  # fp8 x fp8 of a 16x-scaled weight: shapes only
                         assert got.shape == ref.shape
                     times[form] = cycled([p[form] for p in per_copy], args.reps) * 1e3
                 except Exception as ex:  # noqa: BLE001 - a form this build or GPU lacks
                     print(f"  skip {name} T={t} {form}: {type(ex).__name__}: {str(ex)[:100]}")
             for form, us in times.items():
-                wbytes = n * k * (2 if form == "bf16" else 1)
+                wbytes = n * k * (2 if form.startswith("bf16") else 1) + e * k * 2 * (
+                    form.endswith("_aug")
+                )
+                base = "bf16_aug" if form.endswith("_aug") else "bf16"
                 row = dict(projection=name, T=t, N=n, K=k, form=form, us=us,
                            weight_tbps=wbytes / (us * 1e-6) / 1e12,
-                           vs_bf16=us / times["bf16"] if "bf16" in times else None)  # fmt: skip
+                           vs_bf16=us / times[base] if base in times else None)  # fmt: skip
                 rows.append(row)
                 print(f"| {name} | {t} | {n} x {k} | {form} | {us:.1f} | "
                       f"{row['weight_tbps']:.2f} | {row['vs_bf16'] or 0:.2f} |")  # fmt: skip

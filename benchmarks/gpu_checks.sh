@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one call: GPU-marked tests (kernels, PEFT oracle in bf16/fp16, CUDA graphs),
 # then benchmarks. Results land in $OUT (or ./out). Wheels missing on the GPU machine can be
-# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|storm ARGS...|zipf|load_rate]
+# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|fp8_gemms|storm ARGS...|zipf|load_rate]
 # A copy of the tree without its .git (git archive) stamps results with $LORAPLEX_COMMIT:
 # export it (benchmarks/record.py). Several commits side by side in one call (A/B, bisect):
 # benchmarks/ab_snapshots.sh.
@@ -21,7 +21,7 @@ if [[ $what == all || $what == tests ]]; then
     | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|^E " | tail -25
   # every kernel-vs-twin test (not only the gpu-marked ones): bfloat16 runs only here
   python3 -m pytest -q -p no:cacheprovider tests/model/test_fused_kernels.py \
-    tests/model/test_rank_bound_kernels.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" \
+    tests/model/test_rank_bound_kernels.py tests/model/test_fp8_w8a8.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" \
     | grep -E "passed|failed|Error|^E " | tail -10
 fi
 if [[ $what == all || $what == kernels ]]; then
@@ -44,6 +44,10 @@ if [[ $what == all || $what == rank_epilogues ]]; then  # issue 19: the epilogue
   python3 -m benchmarks.norm_configs --ranks 16 64 --batches 32 64 2>&1 | tee "$OUT/rank_norms.log" | tail -10
   python3 -m benchmarks.epilogue_configs --rank 64 --batches 32 64 --loras 8 --out "$OUT/rank_epilogues.md" 2>&1 \
     | tee "$OUT/rank_epilogues.log" | tail -6
+fi
+if [[ $what == fp8_gemms ]]; then  # issue 15: cuBLASLt fp8 forms, W8A16 vs W8A8 projections (~2 min)
+  python3 -m benchmarks.fp8_scaled_mm --out "$OUT/scaled_mm.json" "$@" 2>&1 | grep -v "^  skip" \
+    | tee "$OUT/scaled_mm.log" | grep -E "_aug|TB/s" | tail -40
 fi
 if [[ $what == storm ]]; then
   python3 -m benchmarks.storm --out "$OUT/storm.json" --plot "$OUT/storm.png" "$@" 2>&1 | grep -v -E "^\[|\[(info|warn)" \
