@@ -7,7 +7,9 @@
 Model: SmolLM2-135M-Instruct de-quantized to float32 (benchmarks/checkpoints.py). The fp8
 model is the same checkpoint loaded with ``quantization="fp8"`` (every projection quantized
 per output channel to e4m3, computed de-quantized in float32: the CPU path); a bfloat16 load
-of the float32 checkpoint is the yardstick. Adapter: one rank-8 PEFT adapter (alpha 16,
+of the float32 checkpoint is the yardstick. "fp8 W8A8": the same fp8 weights with the
+activations of every projection quantized per token to e4m3 (``fp8_w8a8_min_tokens``: the
+GPU's W8A8 path, here through its torch twins). Adapter: one rank-8 PEFT adapter (alpha 16,
 q/v/o/down, random A and B; ``benchmarks.cpu.make_adapters``).
 
 16 fixed chat prompts (the model's chat template), one batch, run through the model runner
@@ -37,6 +39,7 @@ from benchmarks.record import append_cpu_record
 from loraplex.engine.lora.adapter import load_adapter
 from loraplex.engine.lora.slots import write_slot
 from loraplex.engine.model.loader import load_model
+from loraplex.engine.model.quant import drop_float_bases, fp8_layers
 from loraplex.engine.model_runner import ModelRunner, StepItem
 
 __all__ = ["PROMPTS", "NEW", "prompt_ids", "decode", "compare", "measure", "table"]
@@ -95,8 +98,13 @@ def runner_for(
     rank: int,
     blocks: int,
 ) -> ModelRunner:
+    w8a8 = quantization == W8A8_QUANT
     model = load_model(model_dir, dtype=dtype, device="cpu", max_loras=1, max_lora_rank=rank,
-                       quantization=quantization)  # fmt: skip
+                       quantization="fp8" if w8a8 else quantization)  # fmt: skip
+    if w8a8:  # the GPU's W8A8 path through its twins: float rows dropped, every step W8A8
+        drop_float_bases(model)
+        for lin in fp8_layers(model):
+            lin.w8a8_min_tokens = 1
     runner = ModelRunner(model, num_blocks=blocks, block_size=BLOCK, use_cuda_graphs=False,
                          kernel_backend="torch")  # fmt: skip
     if adapter is not None:
@@ -157,6 +165,8 @@ def compare(ref: Decoded, forced: Decoded, free: Decoded) -> dict:
 
 
 FP8 = "fp8 (e4m3, per channel)"
+W8A8 = "fp8 W8A8 (+ e4m3 activations, per token)"
+W8A8_QUANT = "fp8-w8a8"  # runner_for: fp8 weights, activations quantized per token
 BF16 = "bfloat16 (yardstick)"
 
 
@@ -168,12 +178,15 @@ def measure(
     new: int = NEW,
     prompts: list[list[int]] | None = None,
     yardstick: bool = True,
+    w8a8: bool = True,
 ) -> list[dict]:
-    """The table's rows: fp8 (and bfloat16) against float32, base and with the adapter."""
+    """The table's rows: fp8 (W8A8, bfloat16) against float32, base and with the adapter."""
     prompts = prompts or prompt_ids(model_dir)
     blocks = sum(-(-(len(p) + new) // BLOCK) for p in prompts)
     kw = dict(rank=rank, blocks=blocks)
-    others = [(FP8, torch.float32, "fp8")] + ([(BF16, torch.bfloat16, None)] if yardstick else [])
+    others = [(FP8, torch.float32, "fp8")]
+    others += [(W8A8, torch.float32, W8A8_QUANT)] if w8a8 else []
+    others += [(BF16, torch.bfloat16, None)] if yardstick else []
     rows = []
     for name, path in (("none", None), (f"rank-{rank} adapter", adapter)):
         slot = -1 if path is None else 0

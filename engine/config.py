@@ -24,6 +24,10 @@ class EngineConfig:
     # e4m3 on load (per output channel); a caller's model (``AsyncEngine(config, model=...)``)
     # is quantized at start-up. On CUDA the projections run the fp8 GEMM, float rows freed.
     quantization: str | None = None
+    # fp8 base on CUDA: projections of steps with at least this many tokens run W8A8
+    # (activations quantized per token to e4m3, cuBLASLt's fp8 GEMM; kernels/fp8_w8a8.py)
+    # instead of the weight-only kernel; None: weight-only at every size
+    fp8_w8a8_min_tokens: int | None = None
     # LoRA capacity
     max_loras: int = 4  # GPU slots (distinct adapters per step)
     max_cpu_loras: int = 8  # pinned host tier
@@ -136,6 +140,8 @@ class EngineConfig:
             )
         if self.loader_processes is not None and self.loader_processes < 0:
             raise ValueError("loader_processes must be >= 0")
+        if self.fp8_w8a8_min_tokens is not None and self.fp8_w8a8_min_tokens < 1:
+            raise ValueError("fp8_w8a8_min_tokens must be None or >= 1")
         if self.late_chain_margin_ms is not None and not self.late_chain_margin_ms >= 0:
             raise ValueError("late_chain_margin_ms must be None or >= 0")
         if self.adapter_cache_bytes is not None and self.adapter_cache_bytes < 0:

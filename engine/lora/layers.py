@@ -37,6 +37,8 @@ de-quantized temporary (DoRA's norms at load, the reference forward).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -45,6 +47,7 @@ from loraplex.engine.lora.ops import add_lora
 from loraplex.engine.lora.ops.dora import apply_dora
 from loraplex.engine.lora.ops.runs import add_lora_runs
 from loraplex.engine.model.kernels.fp8_linear import fp8_aug_linear, fp8_aug_linear_torch
+from loraplex.engine.model.kernels.fp8_w8a8 import fp8_w8a8_linear, fp8_w8a8_linear_torch
 
 __all__ = ["LoRALinear"]
 
@@ -90,6 +93,8 @@ class LoRALinear(torch.nn.Module):
         self.bias_aug = torch.nn.Parameter(torch.zeros(n + extra, **kw), False) if bias else None
         self.base_transposed = False  # base rows of weight_aug hold W^T's bytes (CPU path)
         self.float_base = True  # False: the base rows live only in weight_fp8 (fp8 base)
+        # fp8 base: inputs of at least this many tokens run W8A8 (``fp8_gemm``); None: never
+        self.w8a8_min_tokens: int | None = None
         self.lora_a: torch.Tensor | None = None
         lora_b = _b_buffer(max_loras, n, max_rank, kw) if max_loras > 0 else None
         self.register_buffer("lora_b", lora_b)
@@ -198,9 +203,17 @@ class LoRALinear(torch.nn.Module):
         self.lora_a[s, slot].zero_()
         self.lora_b[slot, self.slice_offsets[s] : self.slice_offsets[s + 1]].zero_()
 
+    def fp8_gemm(self, tokens: int, kernels: bool) -> Callable[..., torch.Tensor]:
+        """The fp8 base's GEMM for an input of ``tokens`` rows (same arguments: x, weight_fp8,
+        weight_scale, A rows, bias): W8A8 (kernels/fp8_w8a8.py) from ``w8a8_min_tokens`` on,
+        else weight-only (kernels/fp8_linear.py); ``kernels``: the GPU kernels, else the twins."""
+        if self.w8a8_min_tokens is not None and tokens >= self.w8a8_min_tokens:
+            return fp8_w8a8_linear if kernels else fp8_w8a8_linear_torch
+        return fp8_aug_linear if kernels else fp8_aug_linear_torch
+
     def forward(self, x: torch.Tensor, mapping: LoRAMapping | None) -> torch.Tensor:
         if not self.float_base:  # fp8 base rows only: the fp8 GEMM (its twin off CUDA)
-            gemm = fp8_aug_linear if x.is_cuda else fp8_aug_linear_torch
+            gemm = self.fp8_gemm(x.shape[0], x.is_cuda)
             y = gemm(x.contiguous(), self.weight_fp8, self.weight_scale, None, self.bias)
         elif self.base_transposed:  # x @ W^T on the row-major (in, N) matrix
             wt = self.weight_aug[: self.out_features].view(self.in_features, self.out_features)

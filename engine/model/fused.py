@@ -42,7 +42,6 @@ from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
 from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul, rmsnorm
-from loraplex.engine.model.kernels.fp8_linear import fp8_aug_linear, fp8_aug_linear_torch
 from loraplex.engine.model.paged_attention import paged_attention
 from loraplex.engine.model.protocol import CausalLM
 
@@ -56,7 +55,7 @@ def _linear(x: torch.Tensor, lin: LoRALinear, mapping: LoRAMapping) -> torch.Ten
     or with ``triton=False``)."""
     w, bias = lin.aug_rows(mapping.rank_bound)
     if not lin.float_base:
-        gemm = fp8_aug_linear if x.is_cuda and mapping.triton else fp8_aug_linear_torch
+        gemm = lin.fp8_gemm(x.shape[0], x.is_cuda and mapping.triton)
         rows = w if w.shape[0] else None
         return gemm(x, lin.weight_fp8, lin.weight_scale, rows, bias)
     return linear(x, w, bias)

@@ -45,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="fp8: quantize the base projections to float8 e4m3 on load (pre-quantized fp8 "
         "checkpoints are read as fp8 without it); de-quantized until the fp8 GEMMs exist",
     )  # fmt: skip
+    p.add_argument(
+        "--fp8-w8a8-min-tokens", type=int, metavar="N",
+        help="fp8 base on CUDA: steps of at least N tokens quantize activations per token and "
+        "run the fp8 x fp8 GEMM (default: weight-only fp8 at every size)",
+    )  # fmt: skip
     p.add_argument("--served-model-name", metavar="NAME", help="base model name in the API")
     p.add_argument(
         "--lora-modules", type=parse_lora_module, nargs="+", action="extend", default=[],
@@ -149,7 +154,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "max_loras", "max_cpu_loras", "max_lora_rank", "max_full_module_loras", "lora_extra_vocab_size",
         "max_num_seqs",
         "max_model_len", "mixed_graph_tokens", "loader_processes", "max_concurrent_loads", "adapter_cache_dir",
-        "adapter_cache_bytes", "tensor_parallel_size",
+        "adapter_cache_bytes", "tensor_parallel_size", "fp8_w8a8_min_tokens",
     ):  # fmt: skip
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)

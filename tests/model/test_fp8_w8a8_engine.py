@@ -1,0 +1,99 @@
+"""W8A8 in the forward of an fp8 base (``fp8_w8a8_min_tokens``): which GEMM a step's size picks,
+the result against the weight-only path on the CPU twins, the flag through ``loraplex serve``
+and start-up; on the GPU the Triton + cuBLASLt path against its twins and CUDA-graph decode
+against eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import loraplex.engine.lora.layers as layers_mod
+from loraplex.engine import AsyncEngine, EngineConfig
+from loraplex.engine.model.quant import fp8_layers
+from loraplex.engine.server.cli import build_parser
+from loraplex.engine.server.launch import config_from_args
+from tests.model.test_fp8_forward import TWINS, _load, _rel, _run, _tokens, setup  # noqa: F401
+
+
+def _w8a8(model, min_tokens):
+    for lin in fp8_layers(model):
+        lin.w8a8_min_tokens = min_tokens
+    return model
+
+
+@pytest.mark.parametrize("backend", ["torch", "fused_twins"])
+def test_steps_from_the_threshold_run_w8a8(setup, backend, monkeypatch) -> None:  # noqa: F811
+    base, adapters = setup
+    kw = {"kernel_backend": TWINS} if backend == "fused_twins" else {"kernel_backend": "torch"}
+    only = _run(_load(base, "cpu", torch.float32, drop=True), adapters, torch.float32, **kw)
+    forced = _tokens(only)
+    calls: dict[str, list[int]] = {"w8a8": [], "w8a16": []}
+    for name, key in (("fp8_w8a8_linear_torch", "w8a8"), ("fp8_aug_linear_torch", "w8a16")):
+        real = getattr(layers_mod, name)
+
+        def counted(x, *args, _real=real, _key=key, **kwargs):
+            calls[_key].append(x.shape[0])
+            return _real(x, *args, **kwargs)
+
+        monkeypatch.setattr(layers_mod, name, counted)
+    # the prefill step has ~30 tokens, each decode step 6: prefill W8A8, decode weight-only
+    model = _w8a8(_load(base, "cpu", torch.float32, drop=True), 7)
+    mixed = _run(model, adapters, torch.float32, forced, **kw)
+    assert calls["w8a8"] and min(calls["w8a8"]) >= 7
+    assert calls["w8a16"] and max(calls["w8a16"]) < 7
+    # every step W8A8: close to weight-only, not equal to it. This random tiny model magnifies
+    # rounding: e4m3 activations move its logits 12-19 % (relative norm), as much as e4m3
+    # weights did against the float weights (12-18 %); garbage would be ~100 %. Quality on
+    # real weights: the SmolLM2 KL measurement (benchmarks/fp8_quality.py).
+    model = _w8a8(_load(base, "cpu", torch.float32, drop=True), 1)
+    w8a8 = _run(model, adapters, torch.float32, forced, **kw)
+    for step, (a, b) in enumerate(zip(w8a8, only, strict=True)):
+        assert 0 < _rel(a, b) < 0.3, f"step {step}: {_rel(a, b):.2e}"
+    assert _rel(mixed[1], w8a8[1]) > 0  # decode steps of the mixed run were weight-only
+    # the adapters are live on the W8A8 path: rows of the same prompt length differ by adapter
+    assert _rel(w8a8[1][1], w8a8[1][0]) > 1e-3
+
+
+def test_flag_config_and_startup(setup) -> None:  # noqa: F811
+    with pytest.raises(ValueError, match="fp8_w8a8_min_tokens"):
+        EngineConfig(fp8_w8a8_min_tokens=0)
+    parse = build_parser().parse_args
+    assert config_from_args(parse(["serve"])).fp8_w8a8_min_tokens is None
+    cfg = config_from_args(parse(["serve", "--fp8-w8a8-min-tokens", "16"]))
+    assert cfg.fp8_w8a8_min_tokens == 16
+
+
+async def test_startup_sets_the_threshold_on_fp8_layers(setup) -> None:  # noqa: F811
+    base, _ = setup
+    cfg = EngineConfig(
+        model=str(base), device="cpu", dtype="float32", quantization="fp8", max_loras=2,
+        max_lora_rank=8, fp8_w8a8_min_tokens=4,
+    )  # fmt: skip
+    async with AsyncEngine(cfg) as engine:
+        model = engine._engine_core.model
+        lins = fp8_layers(model)
+        assert lins and all(lin.w8a8_min_tokens == 4 for lin in lins)
+
+
+@pytest.mark.gpu
+def test_triton_w8a8_path_matches_its_twins(setup) -> None:  # noqa: F811
+    base, adapters = setup
+    ref = _run(_w8a8(_load(base, "cuda", torch.bfloat16, False), 1), adapters, torch.bfloat16,
+               kernel_backend=TWINS, use_cuda_graphs=False)  # fmt: skip
+    got = _run(_w8a8(_load(base, "cuda", torch.bfloat16, False), 1), adapters, torch.bfloat16,
+               _tokens(ref), kernel_backend="fused", use_cuda_graphs=False)  # fmt: skip
+    for step, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert _rel(a, b) < 2e-2, f"step {step}: {_rel(a, b):.2e}"
+
+
+@pytest.mark.gpu
+def test_w8a8_cuda_graph_decode_matches_eager(setup) -> None:  # noqa: F811
+    base, adapters = setup
+    graphs = _run(_w8a8(_load(base, "cuda", torch.bfloat16, False), 1), adapters,
+                  torch.bfloat16, kernel_backend="fused", use_cuda_graphs=True)  # fmt: skip
+    eager = _run(_w8a8(_load(base, "cuda", torch.bfloat16, False), 1), adapters,
+                 torch.bfloat16, _tokens(graphs), kernel_backend="fused",
+                 use_cuda_graphs=False)  # fmt: skip
+    for step, (a, b) in enumerate(zip(graphs, eager, strict=True)):
+        assert torch.equal(a, b), f"step {step}: {_rel(a, b):.2e}"
