@@ -62,7 +62,8 @@ async def engine_cases(args, bw, adapters: list[Path], model_dir: Path, rows: li
     for quant, n, pipelined in cases:
         model = random_model(args.cfg, max_loras=n, max_lora_rank=16, device=args.device)
         cfg = EngineConfig(
-            quantization=None if quant == "none" else quant,
+            quantization=None if quant == "none" else "fp8",
+            fp8_w8a8_min_tokens=args.w8a8_min_tokens if quant == "fp8-w8a8" else None,
             model=str(model_dir), device=args.device, dtype="bfloat16", max_loras=n,
             max_cpu_loras=max(n, 1), max_lora_rank=16, max_num_seqs=max(args.batches),
             max_num_batched_tokens=16384, kv_cache_bytes=args.kv_gb << 30, max_model_len=4096,
@@ -246,8 +247,14 @@ def main() -> None:
     )
     ap.add_argument("--adapters", type=int, nargs="+", default=[0, 1, 8, 32])
     ap.add_argument(
-        "--quantization", nargs="+", default=["none"], choices=["none", "fp8"],
-        help="base weights: none (bf16) and/or fp8 (quantized at start-up), each a run",
+        "--quantization", nargs="+", default=["none"], choices=["none", "fp8", "fp8-w8a8"],
+        help="base weights: none (bf16) and/or fp8 (quantized at start-up; fp8-w8a8: with "
+        "activations quantized per token from --w8a8-min-tokens tokens on), each a run",
+    )  # fmt: skip
+    ap.add_argument(
+        "--w8a8-min-tokens", type=int, default=3,
+        help="fp8-w8a8 runs: steps of at least this many tokens run W8A8 (default 3: every "
+        "step past the 1-2-token GEMV)",
     )  # fmt: skip
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     ap.add_argument("--ctx", type=int, default=512)
@@ -311,17 +318,20 @@ def report(rows: list[dict], bw: float, commit: str | None = None) -> str:
         for r in rows
         if r.get("weights", "bf16") == "bf16" and "p50_ms" in r
     }
-    fp8 = [r for r in rows if r.get("weights") == "fp8" and "p50_ms" in r]
+    fp8 = [r for r in rows if r.get("weights", "").startswith("fp8") and "p50_ms" in r]
     if fp8 and bf16:
         lines.append("\nfp8 base against bf16 (p50 step, same adapters / batch / pipelining):\n")
-        lines.append("| adapters | batch | pipelined | fp8 / bf16 | fp8 p50 / fp8 floor |")
-        lines.append("|---:|---:|---|---:|---:|")
+        lines.append(
+            "| weights | adapters | batch | pipelined | fp8 / bf16 | fp8 p50 / fp8 floor |"
+        )
+        lines.append("|---|---:|---:|---|---:|---:|")
         for r in fp8:
             ref = bf16.get((r["adapters"], r["batch"], r["pipelined"]))
             if ref:
                 lines.append(
-                    f"| {r['adapters']} | {r['batch']} | {'on' if r['pipelined'] else 'off'} | "
-                    f"{r['p50_ms'] / ref:.2f} | {r['ratio']:.2f} |"
+                    f"| {r['weights']} | {r['adapters']} | {r['batch']} | "
+                    f"{'on' if r['pipelined'] else 'off'} | {r['p50_ms'] / ref:.2f} | "
+                    f"{r['ratio']:.2f} |"
                 )
     base = {
         (r.get("weights", "bf16"), r["batch"], r["pipelined"]): r["p50_ms"]
