@@ -288,7 +288,7 @@ def fp8_w8a8_linear(
     acc = torch._scaled_mm(q, weight_fp8.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
     dequant_cols(acc, sx, weight_scale[:, 0], bias, out[:, :n])
     if a is not None and e:
-        out[:, n:] = torch.mm(x, a.t())
+        torch.mm(x, a.t(), out=out[:, n:])  # (cuBLAS writes the strided view in place)
     return out
 
 
