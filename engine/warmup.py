@@ -97,9 +97,10 @@ def warm_eager_steps(runner: ModelRunner, max_tokens: int, max_seqs: int, max_le
 @torch.no_grad()
 def warm_slot_writes(model: Any, pool: Any, stream: Any) -> None:
     """One full-size slot write on ``stream`` (the side stream of cold loads) out of a host-pool
-    region, then the slot cleared: allocates the write's device staging buffer and loads its
-    kernels now rather than on the first cold load."""
-    from loraplex.engine.lora.slots import clear_slot, write_slot
+    region, then the slot cleared: allocates the write's device staging buffer, loads its
+    kernels and makes the full layout's scatter plans now rather than on the first cold
+    loads."""
+    from loraplex.engine.lora.slots import clear_slot, prepare_scatter_plans, write_slot
     from loraplex.engine.lora.staging import PackedAdapter, full_layout
 
     region = pool.acquire()
@@ -109,8 +110,10 @@ def warm_slot_writes(model: Any, pool: Any, stream: Any) -> None:
         entries, numel = full_layout(model.cfg, model.layers[0].qkv_proj.max_rank)
         buf = pool.view(region, model.dtype, numel)
         buf.zero_()
+        packed = PackedAdapter(buf, entries, model.layers[0].qkv_proj.max_rank)
+        prepare_scatter_plans(model, packed)  # (rewrites of this layout skip the zero-fill)
         with torch.cuda.stream(stream):
-            write_slot(model, 0, PackedAdapter(buf, entries, model.layers[0].qkv_proj.max_rank))
+            write_slot(model, 0, packed)
             clear_slot(model, 0)
         stream.synchronize()
     finally:

@@ -31,7 +31,13 @@ if TYPE_CHECKING:
     from loraplex.engine.lora.vocab import VocabLoRA
     from loraplex.engine.model.protocol import CausalLM
 
-__all__ = ["write_slot", "clear_slot", "write_slot_reference", "measure_slot_write"]
+__all__ = [
+    "write_slot",
+    "clear_slot",
+    "write_slot_reference",
+    "measure_slot_write",
+    "prepare_scatter_plans",
+]
 
 _ORDER = MODULE_ORDER
 _STAGING_GRAIN = 1 << 20  # elements: staging grows in steps of this
@@ -178,6 +184,15 @@ def _scatter_plan(c: _ModelCache, packed: PackedAdapter, zeros: bool = True) -> 
             c.plans.pop(next(iter(c.plans)))
         plan = c.plans[key] = build_plan(copies, fills, base)
     return plan
+
+
+def prepare_scatter_plans(model: CausalLM, packed: PackedAdapter) -> None:
+    """Make ``packed``'s layout's scatter plans now, with and without the zero-fill (start-up:
+    the first write of a layout, and its first rewrite, then build none on the slot writer)."""
+    c = _cache(model)
+    if c.sites:
+        for zeros in (True, False):
+            _scatter_plan(c, packed, zeros)
 
 
 def _generation(c: _ModelCache) -> int:
