@@ -10,6 +10,7 @@ import torch
 
 import loraplex.engine.lora.layers as layers_mod
 from loraplex.engine import AsyncEngine, EngineConfig
+from loraplex.engine.model.kernels.fp8_w8a8 import prepare_w8a8
 from loraplex.engine.model.quant import fp8_layers
 from loraplex.engine.server.cli import build_parser
 from loraplex.engine.server.launch import config_from_args
@@ -17,8 +18,10 @@ from tests.model.test_fp8_forward import TWINS, _load, _rel, _run, _tokens, setu
 
 
 def _w8a8(model, min_tokens):
+    """As start-up does it (engine/startup.py)."""
     for lin in fp8_layers(model):
         lin.w8a8_min_tokens = min_tokens
+    prepare_w8a8(model.device)
     return model
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "dequant_cols_torch",
     "fp8_w8a8_linear",
     "fp8_w8a8_linear_torch",
+    "prepare_w8a8",
     "quant_rows",
     "quant_rows_torch",
     "w8a8_supported",
@@ -250,10 +251,18 @@ def fp8_w8a8_linear_torch(
 _ONE: dict[torch.device, torch.Tensor] = {}
 
 
+def prepare_w8a8(device: torch.device | str) -> None:
+    """Make the unit scale the GEMM reads on ``device`` (start-up, before any CUDA graph
+    capture: made inside one, its fill would be captured, not run)."""
+    _one(torch.device(device))
+
+
 def _one(device: torch.device) -> torch.Tensor:
-    """A float32 scalar 1 on ``device`` (made once: no allocation inside a CUDA graph)."""
+    """A float32 scalar 1 on ``device``, made once."""
     one = _ONE.get(device)
     if one is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("prepare_w8a8(device) must run before CUDA graph capture")
         one = _ONE[device] = torch.ones((), dtype=torch.float32, device=device)
     return one
 
