@@ -297,7 +297,7 @@ def idle_slot_writes(engine: AsyncEngine) -> dict[str, float]:
     resident all-module adapter (84 MB at the 8B shape, from its host-pool region) and its
     q/k/v/o part (27 MB), next to a plain pinned copy."""
     from loraplex.engine.lora.adapter import LoRAAdapter
-    from loraplex.engine.lora.slots import measure_slot_write
+    from loraplex.engine.lora.slot_timing import measure_slot_write
     from loraplex.engine.lora.staging import pack_adapter, packed_for
 
     internals = engine.testing

@@ -13,7 +13,6 @@ reused per (model, dtype, stream).
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ __all__ = [
     "write_slot",
     "clear_slot",
     "write_slot_reference",
-    "measure_slot_write",
+    "forget_slot_contents",
     "prepare_scatter_plans",
 ]
 
@@ -184,6 +183,12 @@ def _scatter_plan(c: _ModelCache, packed: PackedAdapter, zeros: bool = True) -> 
             c.plans.pop(next(iter(c.plans)))
         plan = c.plans[key] = build_plan(copies, fills, base)
     return plan
+
+
+def forget_slot_contents(model: CausalLM, slot: int) -> None:
+    """Forget what ``slot`` is known to hold: its next write zero-fills what its layout does
+    not fill (as a write into a slot that held another layout)."""
+    _cache(model).zero_state.pop(slot, None)
 
 
 def prepare_scatter_plans(model: CausalLM, packed: PackedAdapter) -> None:
@@ -386,36 +391,3 @@ def write_slot_reference(model: CausalLM, slot: int, adapter: LoRAAdapter) -> No
                 linear.set_lora(slot, module, w.a, w.b)
     _write_dora(_cache(model), slot, adapter)
     _write_full(model, slot, adapter)
-
-
-def measure_slot_write(
-    model: CausalLM,
-    packed: PackedAdapter,
-    repeats: int = 10,
-    *,
-    slot: int = 0,
-    zero_fill: bool = False,
-) -> float:
-    """GB/s of ``write_slot`` (H2D bytes of ``packed`` over wall time); overwrites ``slot``.
-    Rewrites of one layout skip the zero-fill of the rest; ``zero_fill``: every write does it
-    (as a write into a slot that held another layout)."""
-    cuda = model.device.type == "cuda"
-    c = _cache(model)
-
-    def write() -> None:
-        if zero_fill:
-            c.zero_state.pop(slot, None)
-        write_slot(model, slot, packed)
-
-    # warm-up: the staging allocation, and the scatter plan of the timed writes (the first
-    # write into a slot of another layout zero-fills: a plan of its own)
-    write_slot(model, slot, packed)
-    write()
-    if cuda:
-        torch.cuda.synchronize(model.device)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        write()
-    if cuda:
-        torch.cuda.synchronize(model.device)
-    return packed.nbytes * repeats / (time.perf_counter() - t0) / 1e9

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from loraplex.engine.lora.adapter import LoRAAdapter, load_adapter
+from loraplex.engine.lora.slot_timing import measure_slot_write
 from loraplex.engine.lora.slots import (
     clear_slot,
-    measure_slot_write,
     write_slot,
     write_slot_reference,
 )
