@@ -65,6 +65,7 @@ __all__ = [
     "fp8_linear_config",
     "fp8_aug_linear",
     "fp8_aug_linear_torch",
+    "check_operands",
     "prepare_fp8_linear",
 ]
 
@@ -203,14 +204,15 @@ def _fp8_aug_linear_kernel(
                 stride_yt, stride_sn, SPLIT_K, PER_CHANNEL, HAS_BIAS)  # fmt: skip
 
 
-def _check(
+def check_operands(
     x: torch.Tensor,
     weight_fp8: torch.Tensor,
     weight_scale: torch.Tensor,
     a: torch.Tensor | None,
     bias: torch.Tensor | None,
 ) -> int:
-    """The scale group (K columns per scale); raises ValueError on inconsistent shapes."""
+    """The scale group (K columns per scale); raises ValueError on inconsistent shapes (the
+    fp8 GEMMs' shared check: x (T, K), weight (N, K), scales (N, G), A rows (E, K), bias)."""
     if x.dim() != 2 or weight_fp8.dim() != 2 or x.shape[1] != weight_fp8.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} against weight {tuple(weight_fp8.shape)}")
     n, k = weight_fp8.shape
@@ -232,7 +234,7 @@ def fp8_aug_linear_torch(
 ) -> torch.Tensor:
     """The twin: (T, N + E) = x @ [de-quantized W; A].T (+ bias on the first N), computed in
     float32 and rounded once to x's dtype."""
-    group = _check(x, weight_fp8, weight_scale, a, bias)
+    group = check_operands(x, weight_fp8, weight_scale, a, bias)
     w = weight_fp8.float() * weight_scale.float().repeat_interleave(group, dim=1)
     if a is not None:
         w = torch.cat([w, a.float()])
@@ -255,7 +257,7 @@ def fp8_aug_linear(
     (N, G) float32, then against the A rows ``a`` (E, K) in x's dtype; ``bias`` (>= N) added
     to the first N columns. One Triton launch (see the module docstring): the CUDA-core GEMV
     up to GEMV_MAX_TOKENS tokens (or with an ``Fp8GemvConfig``), else the tensor-core GEMM."""
-    group = _check(x, weight_fp8, weight_scale, a, bias)
+    group = check_operands(x, weight_fp8, weight_scale, a, bias)
     if x.stride(1) != 1 or weight_fp8.stride(1) != 1 or (a is not None and a.stride(1) != 1):
         raise ValueError("x, weight_fp8 and A rows must be contiguous along K")
     t, k = x.shape

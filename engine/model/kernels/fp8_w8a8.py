@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.engine.model.kernels.fp8_linear import check_operands
+
 __all__ = [
     "FP8_MAX",
     "dequant_cols",
@@ -214,19 +216,13 @@ def _check(
     a: torch.Tensor | None,
     bias: torch.Tensor | None,
 ) -> None:
-    if x.dim() != 2 or weight_fp8.dim() != 2 or x.shape[1] != weight_fp8.shape[1]:
-        raise ValueError(f"x {tuple(x.shape)} against weight {tuple(weight_fp8.shape)}")
+    check_operands(x, weight_fp8, weight_scale, a, bias)
     if not w8a8_supported(weight_fp8, weight_scale):
         raise ValueError(
             f"W8A8 takes e4m3 weights with one scale per output channel and K, N multiples of "
             f"16; got weight {tuple(weight_fp8.shape)} {weight_fp8.dtype}, scales "
             f"{tuple(weight_scale.shape)}"
         )
-    k = weight_fp8.shape[1]
-    if a is not None and (a.dim() != 2 or a.shape[1] != k or a.dtype != x.dtype):
-        raise ValueError(f"A rows {tuple(a.shape)} {a.dtype}, want (E, {k}) {x.dtype}")
-    if bias is not None and bias.shape[0] < weight_fp8.shape[0]:
-        raise ValueError(f"bias {tuple(bias.shape)} shorter than {weight_fp8.shape[0]}")
 
 
 def fp8_w8a8_linear_torch(
