@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -27,3 +28,13 @@ def tiny(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
         for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
     }
     return model_dir, adapters
+
+
+@pytest.fixture
+def lib(tiny, tmp_path) -> dict[str, Path]:
+    """The tiny adapters copied under tmp_path (a local root of the engine)."""
+    _, adapters = tiny
+    out = {}
+    for name, src in adapters.items():
+        out[name] = Path(shutil.copytree(src, tmp_path / "lib" / name))
+    return out
