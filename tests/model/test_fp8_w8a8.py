@@ -86,6 +86,12 @@ def _case(t: int, n: int, k: int, e: int, bias: bool, dtype: torch.dtype):
 
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+if DEVICE == "cuda":
+    # Hopper's fp8 MMA keeps ~14 bits of its running sum (cuBLASLt promotes to float32 between
+    # K chunks, not after every product): the float32 result sits 2.0-2.2e-4 of the largest
+    # output away from the exact float32 twin (H200, these cases). The rounding steps around
+    # the GEMM stay bit-exact (the quant_rows / dequant_cols tests).
+    TOL[torch.float32] = 1e-3
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
