@@ -63,7 +63,9 @@ async def engine_cases(args, bw, adapters: list[Path], model_dir: Path, rows: li
         model = random_model(args.cfg, max_loras=n, max_lora_rank=16, device=args.device)
         cfg = EngineConfig(
             quantization=None if quant == "none" else "fp8",
-            fp8_w8a8_min_tokens=args.w8a8_min_tokens if quant == "fp8-w8a8" else None,
+            fp8_w8a8_min_tokens={"fp8-w8a8": args.w8a8_min_tokens, "fp8-w8a16": None}.get(
+                quant, "auto"
+            ),
             model=str(model_dir), device=args.device, dtype="bfloat16", max_loras=n,
             max_cpu_loras=max(n, 1), max_lora_rank=16, max_num_seqs=max(args.batches),
             max_num_batched_tokens=16384, kv_cache_bytes=args.kv_gb << 30, max_model_len=4096,
@@ -247,8 +249,10 @@ def main() -> None:
     )
     ap.add_argument("--adapters", type=int, nargs="+", default=[0, 1, 8, 32])
     ap.add_argument(
-        "--quantization", nargs="+", default=["none"], choices=["none", "fp8", "fp8-w8a8"],
-        help="base weights: none (bf16) and/or fp8 (quantized at start-up; fp8-w8a8: with "
+        "--quantization", nargs="+", default=["none"],
+        choices=["none", "fp8", "fp8-w8a16", "fp8-w8a8"],
+        help="base weights: none (bf16) and/or fp8 (quantized at start-up; W8A8 per projection "
+        "as the engine's default picks it; fp8-w8a16: weight-only at every size; fp8-w8a8: "
         "activations quantized per token from --w8a8-min-tokens tokens on), each a run",
     )  # fmt: skip
     ap.add_argument(

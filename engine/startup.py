@@ -24,7 +24,11 @@ from loraplex.engine.lora.staging import slot_image_numel
 from loraplex.engine.mixed_graphs import MixedGraphs
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.kernels.fp8_linear import prepare_fp8_linear
-from loraplex.engine.model.kernels.fp8_w8a8 import prepare_w8a8, w8a8_supported
+from loraplex.engine.model.kernels.fp8_w8a8 import (
+    prepare_w8a8,
+    w8a8_auto_min_tokens,
+    w8a8_supported,
+)
 from loraplex.engine.model.loader import load_model, resolve_dtype
 from loraplex.engine.model.protocol import CausalLM
 from loraplex.engine.model.quant import drop_float_bases, fp8_layers, quantize_model
@@ -108,10 +112,13 @@ def _build(
     if model.device.type == "cuda" and fp8_layers(model):
         drop_float_bases(model)  # before anything holds lora_a; memory counted for KV below
         prepare_fp8_linear(model.device)  # split-K counters, before any graph capture
-    if config.fp8_w8a8_min_tokens is not None:
+    if config.fp8_w8a8_min_tokens is not None and fp8_layers(model):
         for lin in fp8_layers(model):  # (per-channel scales only: others stay weight-only)
             if w8a8_supported(lin.weight_fp8, lin.weight_scale):
-                lin.w8a8_min_tokens = config.fp8_w8a8_min_tokens
+                auto = config.fp8_w8a8_min_tokens == "auto"
+                lin.w8a8_min_tokens = (
+                    w8a8_auto_min_tokens(lin.slice_names) if auto else config.fp8_w8a8_min_tokens
+                )
         prepare_w8a8(model.device)  # before any graph capture
     # each worker's free GPU memory once its shard is loaded (None on CPU)
     frees = [m[1] for m in group.wait_all("loaded")] if group is not None else []

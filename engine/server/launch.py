@@ -33,6 +33,19 @@ def _names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
 
+def parse_w8a8_min_tokens(text: str) -> int | str:
+    """``--fp8-w8a8-min-tokens``: a token count >= 1, ``auto`` or ``off``."""
+    if text in ("auto", "off"):
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"want a token count >= 1, auto or off, got {text!r}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", metavar="MODEL_DIR", help="HF model folder (default: demo)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -46,9 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "checkpoints are read as fp8 without it); de-quantized until the fp8 GEMMs exist",
     )  # fmt: skip
     p.add_argument(
-        "--fp8-w8a8-min-tokens", type=int, metavar="N",
+        "--fp8-w8a8-min-tokens", type=parse_w8a8_min_tokens, metavar="N|auto|off",
         help="fp8 base on CUDA: steps of at least N tokens quantize activations per token and "
-        "run the fp8 x fp8 GEMM (default: weight-only fp8 at every size)",
+        "run the fp8 x fp8 GEMM; auto (default): per projection from the size where that "
+        "measured faster than the weight-only kernel; off: weight-only at every size",
     )  # fmt: skip
     p.add_argument("--served-model-name", metavar="NAME", help="base model name in the API")
     p.add_argument(
@@ -147,6 +161,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "cuda_graphs": not args.enforce_eager,
         "async_scheduling": not args.no_async_scheduling,
     }
+    w8a8 = getattr(args, "fp8_w8a8_min_tokens", None)
+    if w8a8 is not None:
+        kw["fp8_w8a8_min_tokens"] = None if w8a8 == "off" else w8a8
     margin = getattr(args, "late_chain_margin_ms", None)
     if margin is not None:
         kw["late_chain_margin_ms"] = margin if margin >= 0 else None
@@ -154,7 +171,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "max_loras", "max_cpu_loras", "max_lora_rank", "max_full_module_loras", "lora_extra_vocab_size",
         "max_num_seqs",
         "max_model_len", "mixed_graph_tokens", "loader_processes", "max_concurrent_loads", "adapter_cache_dir",
-        "adapter_cache_bytes", "tensor_parallel_size", "fp8_w8a8_min_tokens",
+        "adapter_cache_bytes", "tensor_parallel_size",
     ):  # fmt: skip
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)

@@ -10,7 +10,7 @@ import torch
 
 import loraplex.engine.lora.layers as layers_mod
 from loraplex.engine import AsyncEngine, EngineConfig
-from loraplex.engine.model.kernels.fp8_w8a8 import prepare_w8a8
+from loraplex.engine.model.kernels.fp8_w8a8 import prepare_w8a8, w8a8_auto_min_tokens
 from loraplex.engine.model.quant import fp8_layers
 from loraplex.engine.server.cli import build_parser
 from loraplex.engine.server.launch import config_from_args
@@ -66,13 +66,21 @@ def test_steps_from_the_threshold_run_w8a8(setup, backend, monkeypatch) -> None:
     assert _rel(w8a8[1][1], w8a8[1][0]) > 1e-3
 
 
-def test_flag_config_and_startup(setup) -> None:  # noqa: F811
-    with pytest.raises(ValueError, match="fp8_w8a8_min_tokens"):
-        EngineConfig(fp8_w8a8_min_tokens=0)
+def test_flag_config_and_startup(setup, capsys) -> None:  # noqa: F811
+    for bad in (0, -3, "fast", 2.5, True):
+        with pytest.raises(ValueError, match="fp8_w8a8_min_tokens"):
+            EngineConfig(fp8_w8a8_min_tokens=bad)
+    assert EngineConfig().fp8_w8a8_min_tokens == "auto"
+    assert EngineConfig(fp8_w8a8_min_tokens=None).fp8_w8a8_min_tokens is None
     parse = build_parser().parse_args
-    assert config_from_args(parse(["serve"])).fp8_w8a8_min_tokens is None
-    cfg = config_from_args(parse(["serve", "--fp8-w8a8-min-tokens", "16"]))
-    assert cfg.fp8_w8a8_min_tokens == 16
+    assert config_from_args(parse(["serve"])).fp8_w8a8_min_tokens == "auto"
+    for arg, want in (("16", 16), ("auto", "auto"), ("off", None)):
+        cfg = config_from_args(parse(["serve", "--fp8-w8a8-min-tokens", arg]))
+        assert cfg.fp8_w8a8_min_tokens == want
+    for bad in ("0", "x", "-1"):
+        with pytest.raises(SystemExit):
+            parse(["serve", "--fp8-w8a8-min-tokens", bad])
+        assert "--fp8-w8a8-min-tokens" in capsys.readouterr().err
 
 
 async def test_startup_sets_the_threshold_on_fp8_layers(setup) -> None:  # noqa: F811
@@ -85,6 +93,26 @@ async def test_startup_sets_the_threshold_on_fp8_layers(setup) -> None:  # noqa:
         model = engine._engine_core.model
         lins = fp8_layers(model)
         assert lins and all(lin.w8a8_min_tokens == 4 for lin in lins)
+
+
+@pytest.mark.parametrize("setting", ["auto", None])
+async def test_startup_default_thresholds_per_projection(setup, setting) -> None:  # noqa: F811
+    """``auto`` (the default): each projection from the size where W8A8 measured faster;
+    None: weight-only at every size."""
+    base, _ = setup
+    cfg = EngineConfig(
+        model=str(base), device="cpu", dtype="float32", quantization="fp8", max_loras=2,
+        max_lora_rank=8, fp8_w8a8_min_tokens=setting,
+    )  # fmt: skip
+    async with AsyncEngine(cfg) as engine:
+        got = {
+            lin.slice_names[0]: lin.w8a8_min_tokens for lin in fp8_layers(engine._engine_core.model)
+        }
+    if setting is None:
+        assert set(got.values()) == {None}
+    else:
+        assert got == {"q_proj": 64, "o_proj": 128, "gate_proj": 16, "down_proj": 64}
+        assert w8a8_auto_min_tokens(("w_pack",)) == 64  # a projection the table does not name
 
 
 @pytest.mark.gpu

@@ -43,6 +43,7 @@ __all__ = [
     "prepare_w8a8",
     "quant_rows",
     "quant_rows_torch",
+    "w8a8_auto_min_tokens",
     "w8a8_supported",
 ]
 
@@ -61,6 +62,21 @@ def w8a8_supported(weight_fp8: torch.Tensor, weight_scale: torch.Tensor) -> bool
         and n % 16 == 0
         and k % 16 == 0
     )
+
+
+# Where W8A8 beats the weight-only kernel, per projection (first slice name -> smallest token
+# count): the H200 at Llama-3-8B shapes with eight rank-16 slots' A rows, 1-128 tokens
+# (BENCHMARKS.md, "W8A8 on the H200"). Weight-only wins the 1-token GEMV everywhere and o_proj
+# up to 64 tokens (its four launches cost more than the 4096 x 4096 weight's bytes save);
+# gate_up's 28672 x 4096 weight pays for them from 16 tokens. Prefill sizes all run W8A8.
+_AUTO_MIN_TOKENS = {"q_proj": 64, "o_proj": 128, "gate_proj": 16, "down_proj": 64}
+_AUTO_OTHER = 64  # a projection the table does not name
+
+
+def w8a8_auto_min_tokens(slice_names: tuple[str, ...]) -> int:
+    """The measured W8A8 threshold of the projection holding ``slice_names`` (q/k/v, o,
+    gate/up, down; 64 tokens for any other)."""
+    return _AUTO_MIN_TOKENS.get(slice_names[0] if slice_names else "", _AUTO_OTHER)
 
 
 # -- 1. per-token quantization ------------------------------------------------------------------
