@@ -27,6 +27,7 @@ from loraplex.engine.model.kernels.fp8_linear import prepare_fp8_linear
 from loraplex.engine.model.kernels.fp8_w8a8 import (
     prepare_w8a8,
     w8a8_auto_min_tokens,
+    w8a8_device_ok,
     w8a8_supported,
 )
 from loraplex.engine.model.loader import load_model, resolve_dtype
@@ -112,14 +113,7 @@ def _build(
     if model.device.type == "cuda" and fp8_layers(model):
         drop_float_bases(model)  # before anything holds lora_a; memory counted for KV below
         prepare_fp8_linear(model.device)  # split-K counters, before any graph capture
-    if config.fp8_w8a8_min_tokens is not None and fp8_layers(model):
-        for lin in fp8_layers(model):  # (per-channel scales only: others stay weight-only)
-            if w8a8_supported(lin.weight_fp8, lin.weight_scale):
-                auto = config.fp8_w8a8_min_tokens == "auto"
-                lin.w8a8_min_tokens = (
-                    w8a8_auto_min_tokens(lin.slice_names) if auto else config.fp8_w8a8_min_tokens
-                )
-        prepare_w8a8(model.device)  # before any graph capture
+    set_w8a8_thresholds(model, config.fp8_w8a8_min_tokens)
     # each worker's free GPU memory once its shard is loaded (None on CPU)
     frees = [m[1] for m in group.wait_all("loaded")] if group is not None else []
     per_block = ModelRunner.kv_bytes_per_block(model, config.block_size)
@@ -276,3 +270,27 @@ def _host_bytes() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def set_w8a8_thresholds(model: Any, setting: int | str | None) -> None:
+    """Each fp8 projection's ``w8a8_min_tokens`` from ``EngineConfig.fp8_w8a8_min_tokens``
+    (``auto``: the measured per-projection table; an int: every projection; None: none), then
+    the GEMM's unit scale, before any graph capture. Per-channel scales only: other layers stay
+    weight-only. ``auto`` on a device without fp8 tensor cores keeps weight-only; an explicit
+    count there is refused."""
+    lins = fp8_layers(model)
+    if setting is None or not lins:
+        return
+    if not w8a8_device_ok(model.device):
+        if setting == "auto":
+            log.info("w8a8_unavailable", device=str(model.device), reason="no fp8 tensor cores")
+            return
+        raise ValueError(
+            f"fp8_w8a8_min_tokens={setting}: W8A8 needs fp8 tensor cores (compute capability "
+            f"8.9+), {model.device} has none; leave it 'auto' or None"
+        )
+    for lin in lins:
+        if w8a8_supported(lin.weight_fp8, lin.weight_scale):
+            auto = setting == "auto"
+            lin.w8a8_min_tokens = w8a8_auto_min_tokens(lin.slice_names) if auto else setting
+    prepare_w8a8(model.device)

@@ -9,8 +9,13 @@ import pytest
 import torch
 
 import loraplex.engine.lora.layers as layers_mod
+import loraplex.engine.startup as startup
 from loraplex.engine import AsyncEngine, EngineConfig
-from loraplex.engine.model.kernels.fp8_w8a8 import prepare_w8a8, w8a8_auto_min_tokens
+from loraplex.engine.model.kernels.fp8_w8a8 import (
+    prepare_w8a8,
+    w8a8_auto_min_tokens,
+    w8a8_device_ok,
+)
 from loraplex.engine.model.quant import fp8_layers
 from loraplex.engine.server.cli import build_parser
 from loraplex.engine.server.launch import config_from_args
@@ -143,3 +148,19 @@ def test_w8a8_cuda_graph_decode_matches_eager(setup) -> None:  # noqa: F811
                  use_cuda_graphs=False)  # fmt: skip
     for step, (a, b) in enumerate(zip(graphs, eager, strict=True)):
         assert torch.equal(a, b), f"step {step}: {_rel(a, b):.2e}"
+
+
+def test_devices_without_fp8_tensor_cores_stay_weight_only(setup, monkeypatch) -> None:  # noqa: F811
+    """``auto`` on a GPU without fp8 tensor cores (before compute capability 8.9) keeps the
+    weight-only kernel; an explicit count there is refused at start-up."""
+    base, _ = setup
+    monkeypatch.setattr(startup, "w8a8_device_ok", lambda device: False)
+    model = _load(base, "cpu", torch.float32, drop=True)
+    startup.set_w8a8_thresholds(model, "auto")
+    assert {lin.w8a8_min_tokens for lin in fp8_layers(model)} == {None}
+    with pytest.raises(ValueError, match="fp8 tensor cores"):
+        startup.set_w8a8_thresholds(model, 16)
+    monkeypatch.undo()
+    assert w8a8_device_ok("cpu")
+    startup.set_w8a8_thresholds(model, 16)
+    assert {lin.w8a8_min_tokens for lin in fp8_layers(model)} == {16}

@@ -44,6 +44,7 @@ __all__ = [
     "quant_rows",
     "quant_rows_torch",
     "w8a8_auto_min_tokens",
+    "w8a8_device_ok",
     "w8a8_supported",
 ]
 
@@ -77,6 +78,15 @@ def w8a8_auto_min_tokens(slice_names: tuple[str, ...]) -> int:
     """The measured W8A8 threshold of the projection holding ``slice_names`` (q/k/v, o,
     gate/up, down; 64 tokens for any other)."""
     return _AUTO_MIN_TOKENS.get(slice_names[0] if slice_names else "", _AUTO_OTHER)
+
+
+def w8a8_device_ok(device: torch.device | str) -> bool:
+    """Whether ``device`` runs the fp8 x fp8 GEMM: CUDA devices with fp8 tensor cores (compute
+    capability 8.9+: Ada, Hopper and later); the CPU runs the twins (tests)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 # -- 1. per-token quantization ------------------------------------------------------------------
