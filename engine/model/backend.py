@@ -18,11 +18,12 @@ epilogues' torch twins: ``KernelBackend(fused=True, triton=False)``).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KERNEL_BACKENDS", "KernelBackend", "resolve_kernel_backend"]
+__all__ = ["KERNEL_BACKENDS", "KernelBackend", "resolve_kernel_backend", "triton_reaches"]
 
 KERNEL_BACKENDS = ("auto", "fused", "sgmv", "torch")
 
@@ -51,3 +52,9 @@ def resolve_kernel_backend(
     if backend not in _NAMED:
         raise ValueError(f"kernel backend {backend!r} is not one of {', '.join(KERNEL_BACKENDS)}")
     return _NAMED[backend]
+
+
+def triton_reaches(t: torch.Tensor) -> bool:
+    """Whether a Triton launch can read ``t``: CUDA tensors, or any under the interpreter
+    (``TRITON_INTERPRET=1``: CPU tensors in the tests). Elsewhere the caller runs its twin."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"

@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.engine.model.attention import AttentionMetadata
+from loraplex.engine.model.attention import AttentionMetadata, paged_attention_reference
+from loraplex.engine.model.backend import triton_reaches
 
 __all__ = [
     "PagedInputs", "decode_partitions", "device_sms", "device_tensors", "paged_attention",
@@ -331,7 +332,11 @@ def paged_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Drop-in for ``paged_attention_reference``: the decode kernel when ``meta.is_decode``
-    (one row per sequence), the prefill kernel otherwise."""
+    (one row per sequence), the prefill kernel otherwise; CPU tensors without the Triton
+    interpreter (the fused forward's twins on a host with CUDA) take the reference itself."""
+    if not triton_reaches(q):
+        ref = paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window)
+        return ref if out is None else out.copy_(ref)
     inputs = device_tensors(meta, q.device)
     if meta.is_decode:
         return paged_decode_attention(

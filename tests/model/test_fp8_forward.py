@@ -9,7 +9,6 @@ CUDA-graph decode against eager, bit for bit.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -24,15 +23,6 @@ from loraplex.engine.model_runner import ModelRunner, StepItem
 from tests.helpers.models import ALL_MODULES, make_peft_adapter, make_tiny_model
 
 TWINS = KernelBackend(fused=True, triton=False)
-# the fused forward on CPU tensors: its paged attention stays Triton, which reaches CPU tensors
-# only through the interpreter (set for the whole suite on machines without CUDA)
-FUSED_TWINS_ON_CPU = pytest.param(
-    "fused_twins",
-    marks=pytest.mark.skipif(
-        torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-        reason="fused forward on CPU tensors needs TRITON_INTERPRET=1",
-    ),
-)
 NAMES = [None, "a", "b", "a", None, "b"]
 STEPS = 4
 
@@ -106,7 +96,7 @@ def test_drop_keeps_the_a_rows_and_the_weight(setup) -> None:
     assert len(fp8_layers(model)) == 8 and drop_float_bases(model) == 8
 
 
-@pytest.mark.parametrize("backend", ["torch", FUSED_TWINS_ON_CPU])
+@pytest.mark.parametrize("backend", ["torch", "fused_twins"])
 def test_fp8_gemm_path_matches_float_rows(setup, backend) -> None:
     base, adapters = setup
     kw = {"kernel_backend": TWINS} if backend == "fused_twins" else {"kernel_backend": "torch"}

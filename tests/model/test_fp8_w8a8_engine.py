@@ -20,7 +20,6 @@ from loraplex.engine.model.quant import fp8_layers
 from loraplex.engine.server.cli import build_parser
 from loraplex.engine.server.launch import config_from_args
 from tests.model.test_fp8_forward import (  # noqa: F401
-    FUSED_TWINS_ON_CPU,
     TWINS,
     _load,
     _rel,
@@ -38,7 +37,7 @@ def _w8a8(model, min_tokens):
     return model
 
 
-@pytest.mark.parametrize("backend", ["torch", FUSED_TWINS_ON_CPU])
+@pytest.mark.parametrize("backend", ["torch", "fused_twins"])
 def test_steps_from_the_threshold_run_w8a8(setup, backend, monkeypatch) -> None:  # noqa: F811
     base, adapters = setup
     kw = {"kernel_backend": TWINS} if backend == "fused_twins" else {"kernel_backend": "torch"}

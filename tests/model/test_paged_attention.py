@@ -248,3 +248,29 @@ def test_prefill_llama3_shapes_gpu(window: int | None) -> None:
     c = Case([s[0] for s in seqs], [s[1] for s in seqs], 8, 4, 128, 16, torch.bfloat16)
     out = pa.paged_attention(c.q, c.k, c.v, c.meta, c.scale, window)
     assert not out.isnan().any() and _rel_err(out, c.reference(window)) < 1e-2
+
+
+@pytest.mark.parametrize("ns", [[1, 1, 1], [3, 1, 7]])
+def test_cpu_tensors_without_the_interpreter_take_the_reference(monkeypatch, ns) -> None:
+    """The fused forward's twins on CPU tensors where Triton is not interpreted (a host with
+    CUDA): ``paged_attention`` computes the reference itself and launches nothing."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a Triton launch on CPU tensors")
+
+    monkeypatch.setattr(pa, "_launch", no_launch)
+    g = torch.Generator().manual_seed(5)
+    ctxs, bs, hkv, d = [9, 4, 12], 4, 2, 16
+    k = torch.randn(12, bs, hkv, d, generator=g)
+    v = torch.randn(12, bs, hkv, d, generator=g)
+    q = torch.randn(sum(ns), hkv * 2, d, generator=g)
+    tables = torch.tensor([[1, 2, 3], [4, 0, 0], [5, 6, 7]], dtype=torch.int32)
+    qsl = [0, ns[0], ns[0] + ns[1], sum(ns)]
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), tables, qsl, ctxs, bs,
+                             is_decode=all(n == 1 for n in ns))  # fmt: skip
+    want = paged_attention_reference(q, k, v, meta, 0.25)
+    assert torch.equal(pa.paged_attention(q, k, v, meta, 0.25), want)
+    out = torch.full_like(q, 7.0)
+    assert pa.paged_attention(q, k, v, meta, 0.25, out=out) is out
+    assert torch.equal(out, want)

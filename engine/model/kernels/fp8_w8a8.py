@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.engine.model.backend import triton_reaches
 from loraplex.engine.model.kernels.fp8_linear import check_operands
 
 __all__ = [
@@ -156,7 +157,7 @@ def quant_rows(
         raise ValueError(f"scale {tuple(scale.shape)} {scale.dtype}, want ({t},) float32")
     if t == 0:
         return out, scale
-    if not (x.is_cuda or _interpreting()):
+    if not triton_reaches(x):
         q, s = quant_rows_torch(x)
         out.copy_(q)
         scale.copy_(s)
@@ -220,7 +221,7 @@ def dequant_cols(
         raise ValueError(f"out {tuple(out.shape)} for acc {tuple(acc.shape)}")
     if t == 0:
         return out
-    if not (acc.is_cuda or _interpreting()):
+    if not triton_reaches(acc):
         out.copy_(dequant_cols_torch(acc, sx, sw, bias, out.dtype))
         return out
     bm, bn = 16, 256
@@ -321,9 +322,3 @@ def fp8_w8a8_linear(
     if a is not None and e:
         torch.mm(x, a.t(), out=out[:, n:])  # (cuBLAS writes the strided view in place)
     return out
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
