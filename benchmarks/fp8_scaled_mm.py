@@ -29,7 +29,10 @@ epilogues). The engine's whole projection, with the A rows of ``--slots`` slots 
 - ``w8a16_aug``: ``fp8_aug_linear`` (kernels/fp8_linear.py: the weight-only Triton kernel, or
   the CUDA-core GEMV at 1-2 tokens; what the fp8 engine runs today);
 - ``w8a8_aug``: ``fp8_w8a8_linear`` (kernels/fp8_w8a8.py: per-token quantization, the
-  per-tensor ``_scaled_mm`` in float32, de-quantization, the A rows' GEMM: four launches).
+  per-tensor ``_scaled_mm`` in float32, de-quantization, the A rows' GEMM: four launches),
+  and each of its launches but the GEMM alone (``tensor_f32`` is the GEMM):
+  ``w8a8_quant_part``, ``w8a8_dequant_part``, ``w8a8_arows_part`` (what folding each into a
+  neighbouring kernel could save).
 
     python -m benchmarks.fp8_scaled_mm --out scaled_mm.json
 """
@@ -46,7 +49,7 @@ import torch.nn.functional as F
 from benchmarks.fp8_gemm import SHAPES, copy_bandwidth, cycled
 from benchmarks.record import git_commit
 from loraplex.engine.model.kernels.fp8_linear import fp8_aug_linear
-from loraplex.engine.model.kernels.fp8_w8a8 import fp8_w8a8_linear
+from loraplex.engine.model.kernels.fp8_w8a8 import dequant_cols, fp8_w8a8_linear, quant_rows
 
 FP8 = torch.float8_e4m3fn
 
@@ -71,11 +74,21 @@ def engine_forms(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor, a: torch.Te
     scale = torch.full((w.shape[0], 1), 1 / 16, device=x.device, dtype=torch.float32)
     rows = a if a.shape[0] else None
     w_aug = torch.cat([w, a])
-    return {
+    t, n = x.shape[0], w.shape[0]
+    q, sx = quant_rows(x)
+    one = torch.ones((), device=x.device, dtype=torch.float32)
+    acc = torch._scaled_mm(q, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    y = torch.empty(t, n + a.shape[0], device=x.device, dtype=x.dtype)
+    parts = {
         "bf16_aug": functools.partial(F.linear, x, w_aug),
         "w8a16_aug": functools.partial(fp8_aug_linear, x, wq, scale, rows),
         "w8a8_aug": functools.partial(fp8_w8a8_linear, x, wq, scale, rows),
+        "w8a8_quant_part": functools.partial(quant_rows, x),
+        "w8a8_dequant_part": functools.partial(dequant_cols, acc, sx, scale[:, 0], None, y[:, :n]),
     }
+    if rows is not None:
+        parts["w8a8_arows_part"] = functools.partial(torch.mm, x, a.t(), out=y[:, n:])
+    return parts
 
 
 def forms(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor) -> dict:
@@ -137,6 +150,9 @@ def main() -> None:
             times = {}
             for form in per_copy[0]:
                 try:
+                    if form.endswith("_part"):  # one launch of W8A8: its time only
+                        times[form] = cycled([p[form] for p in per_copy], args.reps) * 1e3
+                        continue
                     got = per_copy[0][form]().float()
                     if form.endswith("_aug"):  # the engine's forms: the same projection
                         want = per_copy[0]["bf16_aug"]().float()
@@ -152,7 +168,8 @@ def main() -> None:
                 wbytes = n * k * (2 if form.startswith("bf16") else 1) + e * k * 2 * (
                     form.endswith("_aug")
                 )
-                base = "bf16_aug" if form.endswith("_aug") else "bf16"
+                wbytes *= not form.endswith("_part")  # (a part reads no weight)
+                base = "bf16_aug" if form.endswith(("_aug", "_part")) else "bf16"
                 row = dict(projection=name, T=t, N=n, K=k, form=form, us=us,
                            weight_tbps=wbytes / (us * 1e-6) / 1e12,
                            vs_bf16=us / times[base] if base in times else None)  # fmt: skip

@@ -47,7 +47,7 @@ if [[ $what == all || $what == rank_epilogues ]]; then  # issue 19: the epilogue
 fi
 if [[ $what == fp8_gemms ]]; then  # issue 15: cuBLASLt fp8 forms, W8A16 vs W8A8 projections (~2 min)
   python3 -m benchmarks.fp8_scaled_mm --out "$OUT/scaled_mm.json" "$@" 2>&1 | grep -v "^  skip" \
-    | tee "$OUT/scaled_mm.log" | grep -E "_aug|TB/s" | tail -40
+    | tee "$OUT/scaled_mm.log" | grep -E "_aug|_part|TB/s" | tail -60
 fi
 if [[ $what == storm ]]; then
   python3 -m benchmarks.storm --out "$OUT/storm.json" --plot "$OUT/storm.png" "$@" 2>&1 | grep -v -E "^\[|\[(info|warn)" \
