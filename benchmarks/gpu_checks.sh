@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one call: GPU-marked tests (kernels, PEFT oracle in bf16/fp16, CUDA graphs),
 # then benchmarks. Results land in $OUT (or ./out). Wheels missing on the GPU machine can be
-# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|fp8_gemms|storm ARGS...|zipf|load_rate]
+# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|fp8|fp8_gemms|storm ARGS...|zipf|load_rate]
 # A copy of the tree without its .git (git archive) stamps results with $LORAPLEX_COMMIT:
 # export it (benchmarks/record.py). Several commits side by side in one call (A/B, bisect):
 # benchmarks/ab_snapshots.sh.
@@ -44,6 +44,14 @@ if [[ $what == all || $what == rank_epilogues ]]; then  # issue 19: the epilogue
   python3 -m benchmarks.norm_configs --ranks 16 64 --batches 32 64 2>&1 | tee "$OUT/rank_norms.log" | tail -10
   python3 -m benchmarks.epilogue_configs --rank 64 --batches 32 64 --loras 8 --out "$OUT/rank_epilogues.md" 2>&1 \
     | tee "$OUT/rank_epilogues.log" | tail -6
+fi
+if [[ $what == fp8 ]]; then  # issue 15 in one call (~8 min): the fp8 GPU tests, then the step
+  python3 -m pytest -q -p no:cacheprovider tests/model/test_fp8_w8a8.py tests/model/test_fp8_w8a8_engine.py \
+    tests/model/test_fp8_forward.py tests/model/test_fp8_linear.py tests/model/test_fp8_gemv.py 2>&1 | tee "$OUT/fp8_tests.log" \
+    | grep -E "passed|failed|Error|^E " | tail -10
+  python3 -m benchmarks.decode --no-hf --adapters 8 --batches 1 16 64 \
+    --quantization none fp8 fp8-w8a16 fp8-w8a8 --append "$OUT/decode.md" "$@" 2>&1 | grep -v "\[info" \
+    | tee "$OUT/decode.log" | tail -30
 fi
 if [[ $what == fp8_gemms ]]; then  # issue 15: cuBLASLt fp8 forms, W8A16 vs W8A8 projections (~2 min)
   python3 -m benchmarks.fp8_scaled_mm --out "$OUT/scaled_mm.json" "$@" 2>&1 | grep -v "^  skip" \
