@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization", choices=("fp8",),
         help="fp8: quantize the base projections to float8 e4m3 on load (pre-quantized fp8 "
-        "checkpoints are read as fp8 without it); de-quantized until the fp8 GEMMs exist",
+        "checkpoints are read as fp8 without it); the GEMMs read the fp8 weights on CUDA, the "
+        "CPU de-quantizes them",
     )  # fmt: skip
     p.add_argument(
         "--fp8-w8a8-min-tokens", type=parse_w8a8_min_tokens, metavar="N|auto|off",
