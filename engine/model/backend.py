@@ -44,17 +44,30 @@ _NAMED = {
 def resolve_kernel_backend(
     backend: str | KernelBackend, device: torch.device | str
 ) -> KernelBackend:
-    """The switches behind ``backend`` on ``device`` (``auto``: fused on CUDA, torch elsewhere)."""
+    """The switches behind ``backend`` on ``device`` (``auto``: fused on CUDA, torch elsewhere).
+    A Triton backend on a device other than CUDA needs the interpreter (``TRITON_INTERPRET=1``),
+    else it is refused."""
     if isinstance(backend, KernelBackend):
         return backend
     if backend == "auto":
         backend = "fused" if torch.device(device).type == "cuda" else "torch"
     if backend not in _NAMED:
         raise ValueError(f"kernel backend {backend!r} is not one of {', '.join(KERNEL_BACKENDS)}")
-    return _NAMED[backend]
+    picked = _NAMED[backend]
+    if picked.triton and torch.device(device).type != "cuda" and not _interpreted():
+        # (refused here, at start-up: the first Triton launch on CPU tensors would fail a step)
+        raise ValueError(
+            f"kernel backend {backend!r} runs Triton kernels, which reach {device} tensors only "
+            f"under TRITON_INTERPRET=1 (the tests); use 'auto' or 'torch' on {device}"
+        )
+    return picked
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def triton_reaches(t: torch.Tensor) -> bool:
     """Whether a Triton launch can read ``t``: CUDA tensors, or any under the interpreter
     (``TRITON_INTERPRET=1``: CPU tensors in the tests). Elsewhere the caller runs its twin."""
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return t.is_cuda or _interpreted()

@@ -12,7 +12,8 @@ from loraplex.engine.model_runner import ModelRunner
 from tests.helpers.models import make_tiny_model
 
 
-def test_names_resolve_per_device() -> None:
+def test_names_resolve_per_device(monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (Triton on CPU tensors: the interpreter)
     assert resolve_kernel_backend("auto", "cpu") == KernelBackend(fused=False, triton=False)
     assert resolve_kernel_backend("auto", "cuda") == KernelBackend(fused=True, triton=True)
     for device in ("cpu", "cuda"):
@@ -23,6 +24,20 @@ def test_names_resolve_per_device() -> None:
     assert resolve_kernel_backend(twins, "cpu") is twins
     with pytest.raises(ValueError, match="triton"):
         resolve_kernel_backend("triton", "cpu")
+
+
+def test_triton_backends_on_cpu_need_the_interpreter(monkeypatch) -> None:
+    """Without TRITON_INTERPRET a Triton backend on the CPU is refused when the runner is made
+    (its first launch on CPU tensors would fail a step of a serving engine)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for name in ("fused", "sgmv"):
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            resolve_kernel_backend(name, "cpu")
+        assert resolve_kernel_backend(name, "cuda").triton  # (no tensors needed to say so)
+    assert resolve_kernel_backend("auto", "cpu") == KernelBackend(fused=False, triton=False)
+    assert resolve_kernel_backend("torch", "cpu") == KernelBackend(fused=False, triton=False)
+    twins = KernelBackend(fused=True, triton=False)  # the fused forward with torch twins
+    assert resolve_kernel_backend(twins, "cpu") is twins
 
 
 def test_config_field() -> None:
