@@ -281,7 +281,9 @@ def prepare_w8a8(device: torch.device | str) -> None:
 
 
 def _one(device: torch.device) -> torch.Tensor:
-    """A float32 scalar 1 on ``device``, made once."""
+    """A float32 scalar 1 on ``device``, made once (``cuda`` and ``cuda:<current>`` are one)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     one = _ONE.get(device)
     if one is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
