@@ -19,7 +19,7 @@ mkdir -p "$dir"
 for c in "$@"; do
   short=$(git rev-parse --short "$c")
   rm -rf "${dir:?}/$short" && mkdir -p "$dir/$short"
-  git archive "$short" | tar -x -C "$dir/$short"
+  git archive "$short" -- . ':(exclude)docs' | tar -x -C "$dir/$short"  # (docs: figures, ~9 MB)
   echo "$short" > "$dir/$short/COMMIT"
   echo "$short" >> "$dir/ORDER.tmp"
 done
@@ -57,3 +57,7 @@ for ((i = 0; i < rounds; i++)); do
 done
 EOF
 echo "snapshots in $dir: $(tr '\n' ' ' < "$dir/ORDER"); carry $dir, then: cd $dir && bash run.sh ROUNDS CMD..."
+mb=$(du -sm "$dir" | cut -f1)
+if (( mb > 60 )); then
+  echo "warning: $dir is $mb MB; a device call carries 64 MiB at most (fewer snapshots, or drop tests/)" >&2
+fi
