@@ -1,7 +1,7 @@
 """AdapterManager on its own: a fake loader, no model, no engine.
 
-Covers single-flight loads, user and slot reference counts, the CPU tier (LRU over idle
-versions), GPU slot assignment and eviction, and failed / cancelled loads.
+Covers single-flight loads, user and slot reference counts, failed / cancelled loads and the
+registry; the CPU tier and GPU slots: test_manager_residency.py (same fakes).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from loraplex.engine.lora.manager import (
     AdapterManager,
     AdapterState,
     AdapterVersion,
-    SlotFullError,
 )
 
 
@@ -271,149 +270,6 @@ async def test_reset_failed_forgets_a_dynamic_version():
     with pytest.raises(AdapterNotFoundError):
         m.get("made-up")
     assert v not in m.versions()
-
-
-# -- CPU tier -----------------------------------------------------------------------------------
-
-
-async def test_cpu_tier_evicts_the_least_recently_used_idle_version():
-    loader, unloaded = FakeLoader(), []
-    m = make_manager(max_loras=1, max_cpu_loras=2, loader=loader, on_unload=unloaded.append)
-    old, newer = loaded(m, "old", last_used=1.0), loaded(m, "newer", last_used=2.0)
-    v = register(m, "third")
-    m.add_user(v)
-    await loader.finish(v)
-    assert v.state is AdapterState.CPU
-    assert old.state is AdapterState.REGISTERED and old.adapter is None and unloaded == [old]
-    assert newer.state is AdapterState.CPU and m.stats["cpu_evictions"] == 1
-
-
-async def test_cpu_tier_keeps_versions_in_use_or_in_a_slot():
-    loader = FakeLoader()
-    m = make_manager(max_loras=1, max_cpu_loras=2, loader=loader)
-    slotted = in_slot(m, "slotted", last_used=1.0)
-    used = loaded(m, "used", last_used=2.0)
-    used.users = 1
-    v = register(m, "third")
-    m.add_user(v)
-    await loader.finish(v)
-    # nothing idle to evict: the tier runs over its size rather than drop what is needed
-    assert [x.state for x in (slotted, used, v)] == [AdapterState.CPU] * 3
-    assert m.stats["cpu_evictions"] == 0
-    used.users = 0
-    assert m.make_room() and used.state is AdapterState.REGISTERED
-    assert not m.make_room()  # the slotted one is held by its slot, the new one by its user
-
-
-def test_make_room_evicts_one_lru_idle_version():
-    m = make_manager(max_loras=1, max_cpu_loras=4)
-    a, b, c = (loaded(m, n, last_used=t) for n, t in (("a", 3.0), ("b", 1.0), ("c", 2.0)))
-    assert m.make_room()
-    assert [x.state for x in (a, b, c)] == [
-        AdapterState.CPU,
-        AdapterState.REGISTERED,
-        AdapterState.CPU,
-    ]
-    assert m.stats["cpu_evictions"] == 1
-
-
-def test_operator_pin_keeps_the_slot_and_so_the_cpu_copy():
-    m = make_manager(max_loras=1, max_cpu_loras=1)
-    pinned = in_slot(m, "pinned")
-    m.pin("pinned")
-    assert not m.make_room() and pinned.state is AdapterState.CPU
-    v = loaded(m, "other")
-    with pytest.raises(SlotFullError):
-        m.assign_slot(v)
-    assert pinned.slot == 0 and m.slot_owner(0) is pinned
-
-
-# -- GPU slots ----------------------------------------------------------------------------------
-
-
-def test_free_slots_are_taken_first_in_order():
-    m = make_manager(max_loras=3, max_cpu_loras=3)
-    a, b = loaded(m, "a"), loaded(m, "b")
-    assert m.can_assign_slot()
-    assert m.assign_slot(a) == 0 and m.assign_slot(b) == 1
-    assert a.slot_ready is False and m.assign_slot(a) == 0  # already has one: unchanged
-    assert m.resident == [a, b] and m.slot_owner(2) is None and m.stats["gpu_evictions"] == 0
-
-
-def test_full_slots_evict_the_lru_unreferenced_owner():
-    m = make_manager(max_loras=3, max_cpu_loras=4)
-    busy = in_slot(m, "busy", last_used=0.5)
-    busy.slot_refs = 1  # a running request reads it: never taken, however old
-    old, recent = in_slot(m, "old", last_used=1.0), in_slot(m, "recent", last_used=2.0)
-    v = loaded(m, "new")
-    assert m.can_assign_slot()
-    assert old.slot == 1
-    assert m.assign_slot(v) == 1
-    assert old.slot is None and old.slot_ready is False and m.slot_owner(1) is v
-    assert v.slot == 1 and v.slot_ready is False  # usable once its write lands
-    assert busy.slot == 0 and recent.slot == 2 and m.stats["gpu_evictions"] == 1
-
-
-@pytest.mark.parametrize(
-    "why, owner, force, takeable",
-    [
-        ("idle", dict(), False, True),
-        ("read by a running request", dict(slot_refs=1), True, False),
-        ("its write has not landed", dict(slot_ready=False), True, False),
-        ("operator pin", dict(pinned=True), True, False),
-        ("requests wait for it", dict(users=2), False, False),
-        ("requests wait for it, a starved request forces", dict(users=2), True, True),
-    ],
-)
-def test_which_owner_may_lose_its_slot(why, owner, force, takeable):
-    m = make_manager(max_loras=2, max_cpu_loras=3)
-    o = in_slot(m, "owner")
-    in_slot(m, "busy").slot_refs = 1  # never takeable (and not every slot is pinned)
-    for k, val in owner.items():
-        setattr(o, k, val)
-    v = loaded(m, "new")
-    # the two entry points decide alike (one idle-slot check)
-    assert m.can_assign_slot(force=force) is takeable, why
-    slot = m.assign_slot(v, force=force)
-    assert (slot == 0) is takeable and (m.slot_owner(0) is (v if takeable else o)), why
-    assert (o.slot is None) is takeable and (v.slot == slot)
-
-
-def test_pin_holds_for_the_current_version_only():
-    m = make_manager(max_loras=1, max_cpu_loras=3)
-    old = in_slot(m, "sql", digest="d1")
-    m.pin("sql")
-    old.users = 1  # a request waits for it: only a starved request could take its slot
-    other = loaded(m, "other")
-    assert not m.can_assign_slot(force=True)  # pinned
-    new = loaded(m, "sql", digest="d2")  # the name gets new content
-    assert new.pinned and m.get("sql") is new  # the pin belongs to the name
-    assert old in m.versions()  # still used: it drains on its slot
-    assert not m.can_assign_slot() and m.assign_slot(other) is None  # it has a user
-    assert m.can_assign_slot(force=True)  # the old version's pin no longer holds
-    assert m.assign_slot(other, force=True) == 0 and old.slot is None
-
-
-def test_all_slots_pinned_raises_slot_full():
-    m = make_manager(max_loras=2, max_cpu_loras=3)
-    in_slot(m, "a")
-    in_slot(m, "b")
-    m.pin("a")
-    m.pin("b")
-    v = loaded(m, "c")
-    assert not m.can_assign_slot(force=True)
-    with pytest.raises(SlotFullError):
-        m.assign_slot(v, force=True)
-    assert v.slot is None
-
-
-def test_slot_eviction_drops_the_evicted_cpu_copy_when_over_the_tier():
-    m = make_manager(max_loras=1, max_cpu_loras=1)
-    old = in_slot(m, "old")
-    v = loaded(m, "new")  # the tier holds two now: old stays while it has its slot
-    assert m.assign_slot(v) == 0
-    assert old.state is AdapterState.REGISTERED and old.adapter is None
-    assert v.state is AdapterState.CPU and m.stats["cpu_evictions"] == 1
 
 
 # -- registry -----------------------------------------------------------------------------------
