@@ -35,11 +35,11 @@ H, INTER, HQ, HKV, D = 4096, 14336, 32, 8, 128
 R = 16  # --rank
 SILU = [
     SiluMulConfig(bt, bn, w, bk)
-    for bt, bn, w, bk in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (0, 64))
+    for bt, bn, w, bk in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (0, 32, 64, 128))
 ]
 QKV = [
     QKVRopeConfig(bt, w, bk) for bt, w, bk in itertools.product((16, 32, 64), (4, 8), (0, 32, 64))
-] + [QKVRopeConfig(1, 4, 0)]
+] + [QKVRopeConfig(bt, w, 0) for bt, w in ((1, 2), (1, 4), (1, 8), (2, 4), (4, 4), (8, 4), (8, 8))]
 
 
 def sorted_slots(t: int, loras: int, dev: str) -> LoRAMapping:
