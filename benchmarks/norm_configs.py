@@ -31,6 +31,13 @@ CONFIGS = [
     NormConfig(block_t=1, block_h=512, num_warps=4, split=True),
     NormConfig(block_t=1, block_h=512, num_warps=8, split=True),
     NormConfig(block_t=1, block_h=1024, num_warps=8, split=True),
+    NormConfig(block_t=2, block_h=1024, num_warps=8, split=True),
+    NormConfig(block_t=4, block_h=1024, num_warps=8, split=True),
+    NormConfig(block_t=4, block_h=512, num_warps=4, split=True),
+    NormConfig(block_t=4, block_h=256, num_warps=4, split=True),
+    NormConfig(block_t=8, block_h=512, num_warps=8, split=True),
+    NormConfig(block_t=16, block_h=256, num_warps=4, split=True),
+    NormConfig(block_t=16, block_h=128, num_warps=4, split=True),
 ]
 
 

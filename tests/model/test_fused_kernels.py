@@ -233,11 +233,14 @@ RUNNERS = {
     "qkv_rope": (_run_qkv_rope, K.lora_qkv_rope_torch),
 }
 CONFIGS = {  # block_t 1 / 4: broadcast delta; 16: tensor-core dot; last 16 / 32: packed delta;
-    # add_rmsnorm True: rows split over column chunks (add_rmsnorm_split.py)
-    "add_rmsnorm": [(1, 32, 4), (4, 32, 4), (16, 16, 4), (1, 32, 4, True), (1, 16, 2, True)],
+    # add_rmsnorm True: rows split over column chunks, 1 / 4 / 16 rows a block (add_rmsnorm_split.py)
+    "add_rmsnorm": [
+        (1, 32, 4), (4, 32, 4), (16, 16, 4), (1, 32, 4, True), (1, 16, 2, True), (4, 16, 2, True),
+        (16, 32, 4, True),
+    ],  # fmt: skip
     "rmsnorm": [(1, 32, 4), (4, 64, 4)],
     "silu_mul": [(16, 32, 4), (1, 64, 4), (2, 128, 4), (16, 32, 4, 16), (16, 64, 4, 32)],
-    "qkv_rope": [(16, 4), (1, 4), (16, 4, 16), (16, 4, 32)],
+    "qkv_rope": [(16, 4), (1, 4), (2, 4), (16, 4, 16), (16, 4, 32)],
 }
 
 

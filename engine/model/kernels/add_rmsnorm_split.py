@@ -3,11 +3,14 @@
 The one-row-per-program kernel (add_rmsnorm.py) reads a row's whole B slice on one SM: at rank
 64 that is 4096 x 64 x 2 bytes = 512 KB per row and launch, which one SM pulls from L2 at a
 fraction of the chip's bandwidth (the fused epilogue got slower with rank, not the GEMMs). Here
-grid ``(T, cdiv(H, BLOCK_H))``: program ``(t, c)`` adds base + LoRA delta + residual for columns
-``c * BLOCK_H ..`` of row ``t``, stores the new residual and its chunk's sum of squares, then
-bumps the row's counter; the last chunk of the row to arrive sums the partials in chunk order
-(the same bits whatever the arrival order), normalises the whole row, and resets the counter
-to 0 for the next launch. Launches sharing the counters must not overlap (one stream runs the
+grid ``(cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))``: program ``(i, c)`` adds base + LoRA delta +
+residual for columns ``c * BLOCK_H ..`` of the ``BLOCK_T`` rows of token block ``i``, stores the
+new residual and each row's sum of squares over its chunk, then bumps the block's counter; the
+last chunk of the block to arrive sums each row's partials in chunk order (the same bits
+whatever the arrival order), normalises the block's rows, and resets the counter to 0 for the
+next launch. Rows come grouped by slot (mapping.py), so a token block of a few rows mostly
+shares one slot and reads its B chunk once instead of once per row; ``BLOCK_T >= 16`` takes the
+delta as a tensor-core dot (``lora_delta``). Launches sharing the counters must not overlap (one stream runs the
 forward, as for the fp8 GEMM's split-K). Semantics: ``reference.lora_add_rmsnorm_torch``.
 Nothing but ``T`` shapes the launch (CUDA-graph safe).
 """
@@ -27,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_ROWS", "MAX_CHUNKS", "prepare_split_norm", "add_rmsnorm_split"]
 
-MAX_ROWS = 256  # rows a split launch may have (decode batches)
+MAX_ROWS = 256  # rows a split launch may have (decode batches); also its token blocks' counters
 MAX_CHUNKS = 64  # column chunks per row
 _work: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -52,38 +55,42 @@ def prepare_split_norm(device: torch.device | str) -> tuple[torch.Tensor, torch.
 @triton.jit
 def _split_kernel(
     ya_ptr, res_ptr, b_ptr, slots_ptr, w_ptr, out_ptr, count_ptr, part_ptr,
-    H, L, R, eps,
+    T, H, L, R, eps,
     stride_yt, stride_yn, stride_rt, stride_rn, stride_bl, stride_bn, stride_br,
     stride_slot, stride_w, stride_ot, stride_on,
     g_ptr, on_ptr, bias_ptr, stride_gl, stride_gn,
     NCHUNK: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
     HAS_LORA: tl.constexpr,
+    USE_DOT: tl.constexpr,
     HAS_DORA: tl.constexpr,
     DORA_BIAS: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
+    blk = tl.program_id(0)
     chunk = tl.program_id(1)
-    tok = (row + tl.arange(0, 1)).to(tl.int64)  # (1,): lora_delta's token block
+    tok = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = tok < T
+    tok = tok.to(tl.int64)
     if HAS_LORA:
-        slots = tl.load(slots_ptr + tok * stride_slot).to(tl.int32)
+        slots = tl.load(slots_ptr + tok * stride_slot, mask=t_mask, other=-1).to(tl.int32)
     else:
-        slots = tl.full((1,), -1, tl.int32)
+        slots = tl.full((BLOCK_T,), -1, tl.int32)
     cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
     c_mask = cols < H
     r_rows = res_ptr + tok[:, None] * stride_rt
-    mask = c_mask[None, :]
+    mask = t_mask[:, None] & c_mask[None, :]
     r = tl.load(r_rows + cols[None, :] * stride_rn, mask=mask, other=0.0).to(tl.float32)
     y = tl.load(
         ya_ptr + tok[:, None] * stride_yt + cols[None, :] * stride_yn, mask=mask, other=0.0
     ).to(tl.float32)
     if HAS_LORA:
-        acc = tl.full((1, BLOCK_H), 0.0, tl.float32)
+        acc = tl.full((BLOCK_T, BLOCK_H), 0.0, tl.float32)
         acc = lora_delta(
             acc, ya_ptr, b_ptr, tok, slots, cols, c_mask, H, 1, L, L, R,
-            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, False,
+            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT,
         )  # fmt: skip
         if HAS_DORA:
             on, any_dora = dora_flags(on_ptr, slots)
@@ -95,30 +102,29 @@ def _split_kernel(
     r = (r + y).to(res_ptr.dtype.element_ty)
     tl.store(r_rows + cols[None, :] * stride_rn, r, mask=mask)
     r = r.to(tl.float32)
-    ss = tl.reduce(tl.reduce(r * r, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
-    tl.store(part_ptr + row * NCHUNK + chunk, ss)
-    tl.debug_barrier()  # every thread's residual and the partial are written before the release
-    done = tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu")
-    if done == NCHUNK - 1:  # the last chunk of the row: its sum in chunk order, then the norm
+    ss = tl.reduce(r * r, 1, tl.standard._sum_combine)  # (BLOCK_T,) this chunk's, per row
+    tl.store(part_ptr + tok * NCHUNK + chunk, ss, mask=t_mask)
+    tl.debug_barrier()  # every thread's residual and the partials are written before the release
+    done = tl.atomic_add(count_ptr + blk, 1, sem="acq_rel", scope="gpu")
+    if done == NCHUNK - 1:  # the block's last chunk: each row's sum in chunk order, the norm
         offs_c = tl.arange(0, BLOCK_C)
         parts = tl.load(
-            part_ptr + row * NCHUNK + offs_c, mask=offs_c < NCHUNK, other=0.0,
-            cache_modifier=".cg",
+            part_ptr + tok[:, None] * NCHUNK + offs_c[None, :],
+            mask=t_mask[:, None] & (offs_c < NCHUNK)[None, :], other=0.0, cache_modifier=".cg",
         )  # fmt: skip
-        sumsq = tl.reduce(parts, 0, tl.standard._sum_combine)
-        tl.atomic_xchg(count_ptr + row, 0, sem="relaxed", scope="gpu")
-        inv = tl.rsqrt(sumsq / H + eps)
+        sumsq = tl.reduce(parts, 1, tl.standard._sum_combine)  # (BLOCK_T,)
+        tl.atomic_xchg(count_ptr + blk, 0, sem="relaxed", scope="gpu")
+        inv = tl.rsqrt(sumsq / H + eps)[:, None]
         for h0 in range(0, H, BLOCK_H):
             cc = h0 + tl.arange(0, BLOCK_H)
-            m = cc < H
+            m = t_mask[:, None] & (cc < H)[None, :]
             v = tl.load(
-                res_ptr + row * stride_rt + cc * stride_rn, mask=m, other=0.0,
-                cache_modifier=".cg",
+                r_rows + cc[None, :] * stride_rn, mask=m, other=0.0, cache_modifier=".cg",
             ).to(tl.float32)  # fmt: skip
             normed = (v * inv).to(res_ptr.dtype.element_ty).to(tl.float32)
-            w = tl.load(w_ptr + cc * stride_w, mask=m, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + cc * stride_w, mask=cc < H, other=0.0).to(tl.float32)[None, :]
             o = (w * normed).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + row * stride_ot + cc * stride_on, o, mask=m)
+            tl.store(out_ptr + tok[:, None] * stride_ot + cc[None, :] * stride_on, o, mask=m)
 
 
 def add_rmsnorm_split(
@@ -134,10 +140,11 @@ def add_rmsnorm_split(
     block_h: int,
     block_r: int,
     num_warps: int,
+    block_t: int = 1,
     dora: DoraRows | None = None,
 ) -> None:
     """The split launch (``T <= MAX_ROWS``, ``cdiv(H, block_h) <= MAX_CHUNKS``); ``rank``: the
-    step's rank rows, ``block_r`` its chunk."""
+    step's rank rows, ``block_r`` its chunk; ``block_t`` rows per program (>= 16: dot delta)."""
     t, h = residual.shape
     nchunk = triton.cdiv(h, block_h)
     if t > MAX_ROWS or nchunk > MAX_CHUNKS:
@@ -147,16 +154,18 @@ def add_rmsnorm_split(
     b_strides = lora_b.stride() if lora_b is not None else (0, 0, 0)
     num_slots = lora_b.shape[0] if lora_b is not None else 0
     d_args, (has_dora, dora_bias) = dora_args(dora if lora_b is not None else None, y_aug)
-    _split_kernel[(t, nchunk)](
+    _split_kernel[(triton.cdiv(t, block_t), nchunk)](
         y_aug, residual, b, token_slots, norm_weight, out, counts, parts,
-        h, num_slots, rank, eps,
+        t, h, num_slots, rank, eps,
         y_aug.stride(0), y_aug.stride(1), residual.stride(0), residual.stride(1), *b_strides,
         token_slots.stride(0), norm_weight.stride(0), out.stride(0), out.stride(1), *d_args,
         NCHUNK=nchunk,
         BLOCK_C=triton.next_power_of_2(nchunk),
+        BLOCK_T=block_t,
         BLOCK_H=block_h,
         BLOCK_R=block_r,
         HAS_LORA=lora_b is not None,
+        USE_DOT=block_t >= 16,
         HAS_DORA=has_dora,
         DORA_BIAS=dora_bias,
         num_warps=num_warps,

@@ -34,12 +34,18 @@ class QKVRopeConfig:
     block_k: int = 0  # > 0: packed LoRA delta (one dot per BLOCK_K rank columns, lora_delta)
 
 
-def qkv_rope_config(num_tokens: int, num_slots: int = 0) -> QKVRopeConfig:
+def qkv_rope_config(num_tokens: int, num_slots: int = 0, rank: int = 16) -> QKVRopeConfig:
     """One token per program for small batches (adapters in parallel), 16-token blocks
     (tensor-core delta, B tiles shared within a block) beyond; the packed delta where the
     H200 sweep (``benchmarks/epilogue_configs.py``, BENCHMARKS.md) found it faster: 6.0 vs
     6.4 µs at T = 64 with 8 slots, 7.6 vs 13.0 µs at T = 64 with 32. ptxas, sm_90, bf16,
-    D = 128, R = 16: 86 registers (1 token, 4 warps), 128 (16 tokens, 8 warps)."""
+    D = 128, R = 16: 86 registers (1 token, 4 warps), 128 (16 tokens, 8 warps).
+
+    Steps reading more than 16 rank rows (``rank``) at small batches: two tokens per program
+    (rows come grouped by slot, so the pair mostly shares its B tile): 8.9 against 14.3 µs at
+    T = 32 with 8 rank-64 slots (``--rank 64`` sweep)."""
+    if num_tokens <= 32 and rank > 16 and num_slots:
+        return QKVRopeConfig(block_t=2, num_warps=4)
     if num_tokens <= 32:
         return QKVRopeConfig(block_t=1, num_warps=4)
     if num_slots >= 16:
@@ -192,7 +198,7 @@ def lora_qkv_rope_triton(
         return
     num_slots, rank = (lora_b.shape[0], lora_b.shape[2]) if lora_b is not None else (0, 1)
     rank = mapping.rank_rows(rank)  # the step's rank rows (lora/ranks.py)
-    cfg = config or qkv_rope_config(t, num_slots)
+    cfg = config or qkv_rope_config(t, num_slots, rank)
     use_dot = cfg.block_t >= 16
     min_n = 16 if use_dot else 1
     hq, head_dim, hkv = q_out.shape[1], q_out.shape[2], k_cache.shape[2]

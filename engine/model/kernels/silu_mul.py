@@ -35,12 +35,18 @@ class SiluMulConfig:
     block_k: int = 0  # > 0: packed LoRA delta (one dot per BLOCK_K rank columns, lora_delta)
 
 
-def silu_mul_config(num_tokens: int, num_slots: int = 0) -> SiluMulConfig:
+def silu_mul_config(num_tokens: int, num_slots: int = 0, rank: int = 16) -> SiluMulConfig:
     """From the H200 sweep (``benchmarks/epilogue_configs.py``, BENCHMARKS.md), rows grouped
     by slot: the packed delta up to 32 tokens (8 slots: 5.1 vs 8.1 µs at T = 8, 5.4 vs 6.1 at
     T = 32), the per-slot loop at T = 64 (5.5 µs), 64-token packed blocks for many slots beyond
     (13.6 vs 16.3 µs at T = 128 with 32 slots). ptxas, sm_90, bf16, R = 16: 114 registers
-    (16 x 64, 4 warps), 126 (16 x 128, 8 warps)."""
+    (16 x 64, 4 warps), 126 (16 x 128, 8 warps).
+
+    Steps reading more than 16 rank rows (``rank``) up to 32 tokens: the per-slot loop over
+    16 x 128 tiles, 11.1 against 16.0 µs for the packed delta at T = 32 with 8 rank-64 slots
+    (``--rank 64`` sweep: the packed form's dot spans every slot's rank columns of the block)."""
+    if num_slots and num_tokens <= 32 and rank > 16:
+        return SiluMulConfig(block_t=16, block_n=128, num_warps=4)
     if num_slots and num_tokens <= 32:
         return SiluMulConfig(block_t=16, block_n=64, num_warps=4, block_k=64)
     if num_tokens <= 64:
@@ -140,7 +146,7 @@ def lora_silu_mul_triton(
         return
     num_slots, rank = (lora_b.shape[0], lora_b.shape[2]) if lora_b is not None else (0, 1)
     rank = mapping.rank_rows(rank)  # the step's rank rows (lora/ranks.py)
-    cfg = config or silu_mul_config(t, num_slots)
+    cfg = config or silu_mul_config(t, num_slots, rank)
     use_dot = cfg.block_t >= 16
     inter = out.shape[1]
     b = lora_b if lora_b is not None else y_aug
