@@ -235,7 +235,12 @@ RUNNERS = {
 CONFIGS = {  # block_t 1 / 4: broadcast delta; 16: tensor-core dot; last 16 / 32: packed delta;
     # add_rmsnorm True: rows split over column chunks, 1 / 4 / 16 rows a block (add_rmsnorm_split.py)
     "add_rmsnorm": [
-        (1, 32, 4), (4, 32, 4), (16, 16, 4), (1, 32, 4, True), (1, 16, 2, True), (4, 16, 2, True),
+        (1, 32, 4),
+        (4, 32, 4),
+        (16, 16, 4),
+        (1, 32, 4, True),
+        (1, 16, 2, True),
+        (4, 16, 2, True),
         (16, 32, 4, True),
     ],  # fmt: skip
     "rmsnorm": [(1, 32, 4), (4, 64, 4)],

@@ -64,7 +64,11 @@ def test_add_rmsnorm_at_a_rank_bound(bound: int, triton: bool) -> None:
     if triton:  # the split rows of steps above rank 16, and the one-row kernel
         from loraplex.engine.model.kernels.add_rmsnorm import NormConfig, lora_add_rmsnorm_triton
 
-        configs += [NormConfig(1, 16, 2, True), NormConfig(4, 16, 2, True), NormConfig(16, 32, 4, True)]
+        configs += [
+            NormConfig(1, 16, 2, True),
+            NormConfig(4, 16, 2, True),
+            NormConfig(16, 32, 4, True),
+        ]
         configs += [NormConfig(1, 64, 4)]
     for cfg in configs:
         res, out = res0.clone(), torch.full_like(res0, float("nan"))
