@@ -48,10 +48,13 @@ def norm_config(num_tokens: int, hidden: int = 4096, rank: int = 0) -> NormConfi
     Steps reading more than ``SPLIT_RANK`` rank rows (``rank``) at decode sizes split each row
     over 1024-column chunks: one program per row read all of a row's B slice (512 KB at rank
     64 and hidden 4096) through one SM (add_rmsnorm_split.py). H200, 8 rank-64 slots, T = 32
-    / 64: 7.5 / 12.6 µs, against 8.5 / 13.8 for 512-column chunks and 14.2 / 14.8 for whole
-    rows (``benchmarks/norm_configs.py --ranks 64``)."""
+    / 64: 7.2 / 12.2 µs, against 8.4 / 13.7 for 512-column chunks and 14.8 for whole rows
+    (``benchmarks/norm_configs.py --ranks 64``); beyond 32 rows, blocks of two rows (rows
+    come grouped by slot: a pair mostly shares its B chunk): 9.3 µs at T = 64, 9.0 at T = 32."""
     if rank > SPLIT_RANK and num_tokens <= 256 and hidden <= 1024 * 64:
-        return NormConfig(block_t=1, block_h=1024, num_warps=8, split=True)
+        return NormConfig(
+            block_t=1 if num_tokens <= 32 else 2, block_h=1024, num_warps=8, split=True
+        )
     if num_tokens <= 256:
         block_h = min(4096, triton.next_power_of_2(hidden))
         return NormConfig(block_t=1, block_h=block_h, num_warps=16 if block_h >= 4096 else 8)
