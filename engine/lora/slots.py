@@ -22,6 +22,7 @@ import torch
 
 from loraplex.engine.lora.scatter import ScatterPlan, build_plan, scatter_triton
 from loraplex.engine.lora.staging import LayoutKey, PackedAdapter, pack_adapter, packed_for
+from loraplex.engine.lora.vocab import mark_vocab_slot
 from loraplex.engine.model.config import MODULE_ORDER, VOCAB_LAYER
 
 if TYPE_CHECKING:
@@ -325,6 +326,7 @@ def write_slot(
         if zero and zeros:
             _zero(zero)
     c.zero_state[slot] = (packed.layout, _generation(c))
+    mark_vocab_slot(model.lora_vocab(), slot, {m for la, m in packed.entries if la == VOCAB_LAYER})
     _write_dora(c, slot, adapter)
     _write_full(model, slot, adapter)
 
@@ -375,6 +377,7 @@ def clear_slot(model: CausalLM, slot: int) -> None:
     if a_views:
         _zero(a_views + b_views)
     c.zero_state[slot] = (_CLEAR, _generation(c))
+    mark_vocab_slot(model.lora_vocab(), slot, set())
     _write_dora(c, slot, None)
     _write_full(model, slot, None)
 

@@ -19,7 +19,7 @@ import torch
 
 from loraplex.engine.lora.ops.vocab import lora_vocab_expand
 
-__all__ = ["VocabLoRA"]
+__all__ = ["VocabLoRA", "mark_vocab_slot"]
 
 
 class VocabLoRA(torch.nn.Module):
@@ -49,6 +49,20 @@ class VocabLoRA(torch.nn.Module):
         # (L, out, R) stored (L, R, out), as LoRALinear's (layers.py): slot writes copy rows
         lora_b = torch.zeros(max_loras, max_rank, out_features, **kw).permute(0, 2, 1)
         self.register_buffer("lora_b", lora_b)
+        # slots whose adapter has this module (the expand skips the others' rows: their B is
+        # zero); written with the slot, on the writer's stream; ``_on`` mirrors it on the host
+        self.register_buffer("lora_on", torch.zeros(max_loras, dtype=torch.int32, device=device))
+        self._on: set[int] = set()
+
+    def mark(self, slot: int, on: bool) -> None:
+        """Flag ``slot`` as holding this module's LoRA or not (a launch only on a change)."""
+        if (slot in self._on) == on:
+            return
+        self.lora_on[slot].fill_(int(on))
+        if on:
+            self._on.add(slot)
+        else:
+            self._on.discard(slot)
 
     def slice_index(self, module: str) -> int:
         return self.slice_names.index(module)
@@ -61,11 +75,13 @@ class VocabLoRA(torch.nn.Module):
         self.lora_a[0, slot, r:].zero_()
         self.lora_b[slot, :, :r].copy_(b, non_blocking=True)
         self.lora_b[slot, :, r:].zero_()
+        self.mark(slot, True)
 
     def reset_lora(self, slot: int, module: str | None = None) -> None:
         self.slot_writes += 1
         self.lora_a[:, slot].zero_()
         self.lora_b[slot].zero_()
+        self.mark(slot, False)
 
     def shrink(self, x: torch.Tensor) -> torch.Tensor:
         """(T, L*R): every slot's ``x @ A^T``; for the embedding ``x`` is the token ids (T,)
@@ -80,4 +96,11 @@ class VocabLoRA(torch.nn.Module):
         """y (T, out) += each row's delta (rows of slot -1 unchanged)."""
         if self.max_loras == 0:
             return
-        lora_vocab_expand(y, self.shrink(x), self.lora_b, token_slots, triton=triton)
+        lora_vocab_expand(y, self.shrink(x), self.lora_b, token_slots, self.lora_on, triton=triton)
+
+
+def mark_vocab_slot(vocab: dict[str, VocabLoRA], slot: int, modules: set[str]) -> None:
+    """After a packed slot write (slots.py): flag ``slot`` in each vocab module the adapter
+    has (``modules``), clear it in the others."""
+    for name, mod in vocab.items():
+        mod.mark(slot, name in modules)

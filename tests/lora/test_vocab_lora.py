@@ -17,7 +17,7 @@ from loraplex.engine.lora.combine import combine_adapters
 from loraplex.engine.lora.errors import AdapterConfigError, AdapterShapeError, AdapterTargetError
 from loraplex.engine.lora.ops.vocab import lora_vocab_expand, lora_vocab_expand_torch
 from loraplex.engine.lora.preflight import preflight
-from loraplex.engine.lora.slots import write_slot, write_slot_reference
+from loraplex.engine.lora.slots import clear_slot, write_slot, write_slot_reference
 from loraplex.engine.lora.staging import stage_packed
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.config import VOCAB_LAYER, ModelConfig
@@ -167,19 +167,24 @@ def test_expand_kernel_matches_its_twin():
     shrink = torch.randn(T, L * R, generator=g)
     slots = torch.tensor([g.seed() % (L + 1) - 1 for _ in range(T)], dtype=torch.int32)
     slots[:16] = -1  # a whole block of base rows
-    slots[17] = 2
+    slots[16:] = torch.tensor([1, 2, 1, 0, -1], dtype=torch.int32)
     y = torch.randn(T, N, generator=g)
-    want = y.clone()
-    for t, s in enumerate(slots.tolist()):
-        if s >= 0:
-            want[t] += shrink[t, s * R : (s + 1) * R] @ lora_b[s].T
-    twin, kern = y.clone(), y.clone()
-    lora_vocab_expand_torch(twin, shrink, lora_b, slots)
-    lora_vocab_expand(kern, shrink, lora_b, slots, triton=True)
-    torch.testing.assert_close(twin, want)
-    torch.testing.assert_close(kern, want)
-    base = slots < 0
-    assert torch.equal(kern[base], y[base])  # base rows untouched
+    for on in ([1, 1, 1], [1, 0, 1]):  # slot 1's adapter without this module: its rows skip
+        on = torch.tensor(on, dtype=torch.int32)
+        want = y.clone()
+        for t, s in enumerate(slots.tolist()):
+            if s >= 0 and on[s]:
+                want[t] += shrink[t, s * R : (s + 1) * R] @ lora_b[s].T
+        twin, kern = y.clone(), y.clone()
+        lora_vocab_expand_torch(twin, shrink, lora_b, slots, on)
+        lora_vocab_expand(kern, shrink, lora_b, slots, on, triton=True)
+        torch.testing.assert_close(twin, want)
+        torch.testing.assert_close(kern, want)
+        base = (slots < 0) | (on[slots.clamp(min=0).long()] == 0)
+        assert torch.equal(kern[base], y[base]) and torch.equal(twin[base], y[base])
+        assert not torch.equal(kern[~base], y[~base])
+    with pytest.raises(ValueError, match="int32"):
+        lora_vocab_expand(y, shrink, lora_b, slots, on.long(), triton=False)
 
 
 @pytest.mark.parametrize("scatter", ["torch", "triton"])
@@ -200,10 +205,17 @@ def test_slot_write_of_vocab_modules(setup, scatter):
         got, ref = models[0].lora_vocab()[mod], models[1].lora_vocab()[mod]
         assert torch.equal(got.lora_a, ref.lora_a) and torch.equal(got.lora_b, ref.lora_b)
         assert got.lora_b[1].abs().sum() > 0 and got.lora_b[0].abs().sum() == 0
+        # the slot's flag (the expand reads rows of flagged slots only), in both writes
+        assert got.lora_on.tolist() == ref.lora_on.tolist() == [0, 1, 0]
     plain = load_adapter(adapters["plain"], models[0].cfg, max_lora_rank=8)
     write_slot(models[0], 1, plain, scatter=scatter)
-    for mod in models[0].lora_vocab().values():
+    write_slot_reference(models[1], 1, plain)
+    for mod in [*models[0].lora_vocab().values(), *models[1].lora_vocab().values()]:
         assert mod.lora_a.abs().sum() == 0 and mod.lora_b.abs().sum() == 0
+        assert mod.lora_on.tolist() == [0, 0, 0]
+    write_slot(models[0], 2, vocab, scatter=scatter)
+    clear_slot(models[0], 2)
+    assert all(m.lora_on.tolist() == [0, 0, 0] for m in models[0].lora_vocab().values())
 
 
 def test_vocab_refusals(setup, tmp_path):

@@ -1,7 +1,8 @@
 """Triton: the embedding / LM head LoRA expand (``ops/vocab.py`` states its meaning).
 
 Grid ``(cdiv(T, BLOCK_T), cdiv(N, BLOCK_N))``: a program owns a tile of ``y``; a block of base
-rows (every slot -1) returns before any load, so base rows cost a launch and nothing else.
+rows (every slot -1, or a slot ``on`` does not flag) returns after its slot and flag loads, so
+those rows cost a launch and nothing else.
 Rows of a block sharing a slot share its B tile (``lora_delta``, tensor-core dots). Nothing but
 ``T`` shapes the launch: it is captured in the decode CUDA graphs.
 """
@@ -28,6 +29,7 @@ def _vocab_expand_kernel(
     h_ptr,
     b_ptr,
     slots_ptr,
+    on_ptr,
     T,
     N,
     L,
@@ -46,6 +48,9 @@ def _vocab_expand_kernel(
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = tok < T
     slots = tl.load(slots_ptr + tok, mask=t_mask, other=-1).to(tl.int32)
+    live = slots >= 0
+    on = tl.load(on_ptr + tl.where(live, slots, 0), mask=live, other=0)
+    slots = tl.where(on != 0, slots, -1)  # (a slot without this module: its B is zero)
     if tl.reduce(slots, 0, tl.standard._elementwise_max) >= 0:
         # NOTE: a new name, not ``tok`` re-typed: compiled Triton refuses a variable whose type
         # changes inside an if (the interpreter accepts it)
@@ -64,7 +69,11 @@ def _vocab_expand_kernel(
 
 
 def lora_vocab_expand_triton(
-    y: torch.Tensor, shrink: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
+    y: torch.Tensor,
+    shrink: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    on: torch.Tensor,
 ) -> None:
     t = y.shape[0]
     if t == 0:
@@ -72,7 +81,7 @@ def lora_vocab_expand_triton(
     num_slots, n, rank = lora_b.shape
     grid = (triton.cdiv(t, BLOCK_T), triton.cdiv(n, BLOCK_N))
     _vocab_expand_kernel[grid](
-        y, shrink, lora_b, token_slots, t, n, num_slots, rank,
+        y, shrink, lora_b, token_slots, on, t, n, num_slots, rank,
         y.stride(0), y.stride(1), shrink.stride(0), shrink.stride(1), *lora_b.stride(),
         BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N, BLOCK_R=block_r(rank, True),
     )  # fmt: skip

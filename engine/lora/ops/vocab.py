@@ -1,10 +1,13 @@
 """The expand of the embedding / LM head LoRA (lora/vocab.py), by token slots::
 
     for t in range(T):
-        if slot[t] >= 0:
+        if slot[t] >= 0 and on[slot[t]]:
             y[t] += shrink[t, slot[t]*R : (slot[t]+1)*R] @ lora_b[slot[t]].T
 
 ``shrink`` (T, L*R) holds every slot's shrink of each row; only the row's own slot is read.
+``on`` (L,) int32 flags the slots whose adapter has this module (their B is zero otherwise, so
+the skip changes no bit): rows of other slots cost what base rows cost, no B tile and no
+read-modify-write of their logits (33 MB of float32 logits for 64 rows of a 128k vocabulary).
 Accumulated in float32, added to ``y`` in its dtype (the logits are float32). The Triton kernel
 (``triton_vocab.py``) depends on T alone (CUDA graphs) and does no work for blocks of base rows;
 the torch twin groups rows by slot on the host (tests, CPU).
@@ -22,6 +25,7 @@ def lora_vocab_expand(
     shrink: torch.Tensor,
     lora_b: torch.Tensor,
     token_slots: torch.Tensor,
+    on: torch.Tensor,
     *,
     triton: bool,
 ) -> None:
@@ -33,21 +37,28 @@ def lora_vocab_expand(
         raise ValueError(
             f"shrink {tuple(shrink.shape)} / token_slots: want ({T}, {L * R}) / ({T},)"
         )
+    if tuple(on.shape) != (L,) or on.dtype != torch.int32:
+        raise ValueError(f"on {tuple(on.shape)} {on.dtype}, want ({L},) int32")
     if triton:
         from loraplex.engine.lora.ops.triton_vocab import lora_vocab_expand_triton
 
-        lora_vocab_expand_triton(y, shrink, lora_b, token_slots)
+        lora_vocab_expand_triton(y, shrink, lora_b, token_slots, on)
     else:
-        lora_vocab_expand_torch(y, shrink, lora_b, token_slots)
+        lora_vocab_expand_torch(y, shrink, lora_b, token_slots, on)
 
 
 def lora_vocab_expand_torch(
-    y: torch.Tensor, shrink: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
+    y: torch.Tensor,
+    shrink: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    on: torch.Tensor,
 ) -> None:
-    """The twin: one GEMM per slot present (reads the slots on the host)."""
+    """The twin: one GEMM per flagged slot present (reads the slots on the host)."""
     R = lora_b.shape[2]
     slots = token_slots.long()
-    for slot in sorted(set(slots.tolist()) - {-1}):
+    flagged = set(on.nonzero().flatten().tolist())
+    for slot in sorted(set(slots.tolist()) & flagged):
         rows = (slots == slot).nonzero().squeeze(1)
         h = shrink.index_select(0, rows)[:, slot * R : (slot + 1) * R].float()
         delta = h @ lora_b[slot].float().t()  # (n, N)
