@@ -4,6 +4,7 @@ as the engine sends them). Each config is timed alone in a CUDA graph and checke
 torch twin; the fastest per case is marked.
 
     python -m benchmarks.epilogue_configs [--out FILE] [--rank 64 --batches 32 64 --loras 8]
+                                          [--cold-l2]   # inputs evicted from L2 before each launch
 
 Columns: (block_t, block_n | -, warps, block_k); block_k > 0 is the packed delta (one dot per
 block_k rank columns of every slot), 0 the per-slot loop.
@@ -16,8 +17,8 @@ import functools
 import itertools
 
 import torch
-from triton.testing import do_bench_cudagraph
 
+from benchmarks.graph_timing import graph_us
 from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.kernels.qkv_rope import (
     QKVRopeConfig,
@@ -33,6 +34,7 @@ from loraplex.engine.model.kernels.silu_mul import (
 
 H, INTER, HQ, HKV, D = 4096, 14336, 32, 8, 128
 R = 16  # --rank
+COLD_L2 = False  # --cold-l2 (benchmarks/graph_timing.py)
 SILU = [
     SiluMulConfig(bt, bn, w, bk)
     for bt, bn, w, bk in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (0, 32, 64, 128))
@@ -73,7 +75,7 @@ def silu_case(t: int, loras: int) -> list[tuple[str, float, float]]:
         fn = functools.partial(lora_silu_mul_triton, y, b, slots, out, config=cfg)
         try:
             fn()
-            us = do_bench_cudagraph(fn, rep=30) * 1e3
+            us = graph_us(fn, cold_l2=COLD_L2)
             rows.append(
                 (
                     f"({cfg.block_t}, {cfg.block_n}, {cfg.num_warps}, {cfg.block_k})",
@@ -120,7 +122,7 @@ def qkv_case(t: int, loras: int) -> list[tuple[str, float, float]]:
         try:
             fn()
             e = max(err(q, q0), err(kc, kc0), err(vc, vc0))
-            us = do_bench_cudagraph(fn, rep=30) * 1e3
+            us = graph_us(fn, cold_l2=COLD_L2)
             rows.append((f"({cfg.block_t}, -, {cfg.num_warps}, {cfg.block_k})", us, e))
         except Exception as ex:  # noqa: BLE001
             rows.append(
@@ -139,9 +141,10 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--loras", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--cold-l2", action="store_true", help="B from HBM, as in a step")
     args = ap.parse_args()
-    global R
-    R = args.rank
+    global R, COLD_L2
+    R, COLD_L2 = args.rank, args.cold_l2
     lines = [
         "| op | loras | T | fastest (block_t, block_n, warps, block_k) | µs | engine default µs | rel err | top 3 |",
         "|---|---:|---:|---|---:|---:|---:|---|",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one call: GPU-marked tests (kernels, PEFT oracle in bf16/fp16, CUDA graphs),
 # then benchmarks. Results land in $OUT (or ./out). Wheels missing on the GPU machine can be
-# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|fp8|fp8_gemms|storm ARGS...|zipf|load_rate]
+# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|rank64|fp8|fp8_gemms|storm ARGS...|zipf|load_rate]
 # A copy of the tree without its .git (git archive) stamps results with $LORAPLEX_COMMIT:
 # export it (benchmarks/record.py). Several commits side by side in one call (A/B, bisect):
 # benchmarks/ab_snapshots.sh.
@@ -44,6 +44,15 @@ if [[ $what == all || $what == rank_epilogues ]]; then  # issue 19: the epilogue
   python3 -m benchmarks.norm_configs --ranks 16 64 --batches 32 64 2>&1 | tee "$OUT/rank_norms.log" | tail -10
   python3 -m benchmarks.epilogue_configs --rank 64 --batches 32 64 --loras 8 --out "$OUT/rank_epilogues.md" 2>&1 \
     | tee "$OUT/rank_epilogues.log" | tail -6
+fi
+if [[ $what == rank64 ]]; then  # issue 19 item 5: the rank-64 step's launches with a cold L2 (~7 min)
+  python3 -m benchmarks.layer_breakdown --batches 32 --loras 8 --rank 64 --cold-l2 2>&1 | tee "$OUT/rank64_layer.log" | tail -3
+  python3 -m benchmarks.norm_configs --ranks 64 --batches 32 64 --cold-l2 2>&1 | tee "$OUT/rank64_norms.log" | tail -4
+  python3 -m benchmarks.epilogue_configs --rank 64 --batches 32 64 --loras 8 --cold-l2 \
+    --out "$OUT/rank64_epilogues.md" 2>&1 | tee "$OUT/rank64_epilogues.log" | tail -6
+  for p in 1 2 4; do for bn in 32 64; do  # attention at 32 streams: 27 µs against a 17 µs floor
+    echo "block_n $bn: $(python3 benchmarks/attention.py --batches 32 --ctx 512 --partitions $p --block-n $bn 2>&1 | tail -1)"
+  done; done | tee "$OUT/rank64_attention.log"
 fi
 if [[ $what == fp8 ]]; then  # issue 15 in one call (~8 min): the fp8 GPU tests, then the step
   python3 -m pytest -q -p no:cacheprovider tests/model/test_fp8_w8a8.py tests/model/test_fp8_w8a8_engine.py \

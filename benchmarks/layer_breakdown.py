@@ -5,6 +5,8 @@ backend the engine picks (``model/gemm.py``), rows grouped by slot; the LM head 
     python -m benchmarks.layer_breakdown [--batches 1 32 64 128] [--loras 0 8 32]
     python -m benchmarks.layer_breakdown --rank 64 [--bound 8]   # slots of rank 64, a step
                                                                   # reading ranks < bound only
+    python -m benchmarks.layer_breakdown --cold-l2   # each launch with its inputs out of L2, as
+                                                     # in the step (benchmarks/graph_timing.py)
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from triton.testing import do_bench_cudagraph
 
+from benchmarks.graph_timing import graph_us
 from benchmarks.synthetic import LLAMA3_8B, random_model
 from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model import gemm
@@ -21,9 +23,12 @@ from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul
 from loraplex.engine.model.paged_attention import paged_decode_attention
 
+COLD_L2 = False  # --cold-l2: every launch after an L2 eviction, as after the step's GEMMs
+
 
 def bench(fn) -> float:
-    return do_bench_cudagraph(fn, rep=50) * 1e3  # µs
+    fn()  # compiled before any capture
+    return graph_us(fn, cold_l2=COLD_L2, rep=50)  # µs
 
 
 def case(model, loras: int, t: int, ctx_len: int, bound: int | None = None) -> dict[str, float]:
@@ -83,7 +88,10 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--rank", type=int, default=16, help="max_lora_rank of the slots")
     ap.add_argument("--bound", type=int, default=None, help="rank rows a step reads")
+    ap.add_argument("--cold-l2", action="store_true", help="each launch after an L2 eviction")
     args = ap.parse_args()
+    global COLD_L2
+    COLD_L2 = args.cold_l2
     cfg = dict(LLAMA3_8B, num_hidden_layers=1)
     rows = []
     for loras in args.loras:

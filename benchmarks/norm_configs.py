@@ -2,7 +2,7 @@
 at decode sizes, per LoRA rank; each config is also checked against the torch twin. B is laid
 out as the engine's slots (rank-major, lora/layers.py); split configs are add_rmsnorm_split.py.
 
-    python -m benchmarks.norm_configs [--ranks 16 64] [--batches 1 32 64 128]
+    python -m benchmarks.norm_configs [--ranks 16 64] [--batches 1 32 64 128] [--cold-l2]
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import argparse
 import functools
 
 import torch
-from triton.testing import do_bench_cudagraph
 
+from benchmarks.graph_timing import graph_us
 from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.kernels.add_rmsnorm import (
     NormConfig,
@@ -45,6 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--ranks", type=int, nargs="+", default=[16])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 128])
+    ap.add_argument("--cold-l2", action="store_true", help="B from HBM, as in a step")
     args = ap.parse_args()
     h = 4096
     for r in args.ranks:
@@ -71,7 +72,7 @@ def main() -> None:
                         fn = functools.partial(
                             lora_add_rmsnorm_triton, y, res, lb, slots, w, 1e-5, out, config=cfg
                         )
-                        us = do_bench_cudagraph(fn, rep=30) * 1e3
+                        us = graph_us(fn, cold_l2=args.cold_l2)
                         cells.append(f"{us:.1f}us/{e:.0e}")
                     except Exception as ex:  # noqa: BLE001
                         cells.append(f"fail:{type(ex).__name__}")
