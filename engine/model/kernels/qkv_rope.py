@@ -41,11 +41,12 @@ def qkv_rope_config(num_tokens: int, num_slots: int = 0, rank: int = 16) -> QKVR
     6.4 µs at T = 64 with 8 slots, 7.6 vs 13.0 µs at T = 64 with 32. ptxas, sm_90, bf16,
     D = 128, R = 16: 86 registers (1 token, 4 warps), 128 (16 tokens, 8 warps).
 
-    Steps reading more than 16 rank rows (``rank``) at small batches: two tokens per program
+    Steps reading more than 16 rank rows (``rank``) with fewer than 16 slots (measured with 8;
+    more slots keep the rank-16 choices) at small batches: two tokens per program
     (rows come grouped by slot, so the pair mostly shares its B tile): 8.9 against 14.3 µs at
     T = 32 with 8 rank-64 slots (``--rank 64`` sweep); at T = 64 the per-slot loop on 16-token
     blocks, 9.8 against 13.5 µs for the packed delta."""
-    if num_tokens <= 32 and rank > 16 and num_slots:
+    if num_tokens <= 32 and rank > 16 and 0 < num_slots < 16:
         return QKVRopeConfig(block_t=2, num_warps=4)
     if num_tokens <= 64 and rank > 16 and 0 < num_slots < 16:
         return QKVRopeConfig(block_t=16, num_warps=4)

@@ -42,11 +42,12 @@ def silu_mul_config(num_tokens: int, num_slots: int = 0, rank: int = 16) -> Silu
     (13.6 vs 16.3 µs at T = 128 with 32 slots). ptxas, sm_90, bf16, R = 16: 114 registers
     (16 x 64, 4 warps), 126 (16 x 128, 8 warps).
 
-    Steps reading more than 16 rank rows (``rank``) up to 32 tokens: the per-slot loop over
+    Steps reading more than 16 rank rows (``rank``) with fewer than 16 slots (measured with 8;
+    more slots keep the rank-16 choices) up to 32 tokens: the per-slot loop over
     16 x 128 tiles, 11.1 against 16.0 µs for the packed delta at T = 32 with 8 rank-64 slots
     (``--rank 64`` sweep: the packed form's dot spans every slot's rank columns of the block);
     at T = 64 the packed delta in 32-column chunks on 16 x 128 tiles, 13.8 against 18.3 µs."""
-    if num_slots and num_tokens <= 32 and rank > 16:
+    if 0 < num_slots < 16 and num_tokens <= 32 and rank > 16:
         return SiluMulConfig(block_t=16, block_n=128, num_warps=4)
     if 0 < num_slots < 16 and num_tokens <= 64 and rank > 16:
         return SiluMulConfig(block_t=16, block_n=128, num_warps=4, block_k=32)
