@@ -6,44 +6,27 @@ Inputs: safetensors headers from a grammar of entries (raw JSON text, so duplica
 lying header lengths, data of any length and content; a valid tiny adapter's file with a few
 random edits (reaches the shape/rank/target checks); random bytes; adapter_config.json from a
 grammar of PEFT keys with hostile values and regexes over a regex alphabet; arbitrary JSON.
-Then fixed mutations of the valid adapter, each with the error it must give. Examples are
-bounded and derandomized (the same cases every run); each example has a deadline. Both parsers
-must also agree (see ``_run``).
+Examples are bounded and derandomized (the same cases every run); each example has a deadline.
+Both parsers must also agree (see ``_run``). Fixed mutations of the valid adapter, each with the
+error it must give, are in test_adapter_mutations.py.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import struct
-import tempfile
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import save_file
 
-from loraplex.engine.lora import errors
-from loraplex.engine.lora.adapter import load_adapter
-from loraplex.engine.lora.errors import (
-    AdapterConfigError,
-    AdapterFormatError,
-    AdapterShapeError,
-    AdapterValueError,
-    LoRAError,
-)
+from loraplex.engine.lora.errors import AdapterConfigError
 from loraplex.engine.lora.peft_config import parse_peft_config_json
-from loraplex.engine.lora.preflight import preflight
-from tests.resolvers.tiny_adapter import tiny_model_config
+from tests.robustness.adapter_fixtures import GOOD_CONFIG, KEYS, _pack, _run, _valid, _valid_file
 
-MC = tiny_model_config()  # hidden 16, q 16, kv 8, intermediate 32, 2 layers
-W, C = "adapter_model.safetensors", "adapter_config.json"
-MAX_RANK = 8
 FUZZ = settings(
     max_examples=120,
     deadline=timedelta(seconds=5),  # a hang (ReDoS, runaway loop) fails the example
@@ -51,81 +34,6 @@ FUZZ = settings(
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-GOOD_CONFIG = {
-    "peft_type": "LORA",
-    "r": 2,
-    "lora_alpha": 4,
-    "target_modules": ["q_proj", "v_proj", "down_proj"],
-}
-_PARENT = {"q_proj": "self_attn", "v_proj": "self_attn", "down_proj": "mlp"}
-_SHAPES = {"q_proj": (16, 16), "v_proj": (16, 8), "down_proj": (32, 16)}  # (in, out)
-KEYS = [
-    f"base_model.model.model.layers.{layer}.{_PARENT[m]}.{m}.lora_{ab}.weight"
-    for layer in (0, 1)
-    for m in _PARENT
-    for ab in "AB"
-]
-
-
-def _good_tensors(rank: int = 2) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    out = {}
-    for key in KEYS:
-        d_in, d_out = _SHAPES[key.split(".")[-3]]
-        shape = (rank, d_in) if ".lora_A." in key else (d_out, rank)
-        out[key] = torch.randn(*shape, generator=gen) * 0.1
-    return out
-
-
-@functools.cache
-def _valid_file() -> bytes:
-    with tempfile.TemporaryDirectory() as tmp:
-        save_file(_good_tensors(), str(Path(tmp) / W))
-        return (Path(tmp) / W).read_bytes()
-
-
-def _valid() -> tuple[dict[str, Any], bytes]:
-    """A fresh copy of the valid tiny adapter's (header, data)."""
-    raw = _valid_file()
-    n = int.from_bytes(raw[:8], "little")
-    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
-
-
-def _pack(header: dict[str, Any] | str | bytes, data: bytes, n: int | None = None) -> bytes:
-    """A safetensors file: the 8-byte length (``n``: a lie, if given), the header, the data."""
-    if isinstance(header, bytes):
-        raw = header
-    else:
-        raw = (header if isinstance(header, str) else json.dumps(header)).encode()
-    return (len(raw) if n is None else n).to_bytes(8, "little") + raw + data
-
-
-def _run(config: bytes, weights: bytes) -> list[str]:
-    """Write the two files, run both parsers; return what each did (error class or "ok").
-
-    The parsers agree: preflight (header only) passes exactly the files load_adapter loads,
-    except for weight values, which only load_adapter reads."""
-    outcomes = []
-    with tempfile.TemporaryDirectory() as tmp:
-        d = Path(tmp)
-        (d / C).write_bytes(config)
-        (d / W).write_bytes(weights)
-        for check in (
-            lambda: preflight(d, MC, max_lora_rank=MAX_RANK, max_bytes=1 << 20),
-            lambda: load_adapter(d, MC, max_lora_rank=MAX_RANK),
-        ):
-            try:
-                check()
-                outcomes.append("ok")
-            except LoRAError as e:  # anything else fails the example
-                assert str(e) and len(str(e)) < 2000, e
-                outcomes.append(type(e).__name__)
-    if outcomes[0] == "ok":
-        assert outcomes[1] in ("ok", "AdapterValueError"), outcomes
-    if outcomes[1] == "ok":
-        assert outcomes[0] == "ok", outcomes
-    return outcomes
-
 
 # -- safetensors ------------------------------------------------------------------------------
 
@@ -331,83 +239,3 @@ def test_fuzzed_configs_give_only_typed_errors(config: dict[str, Any]) -> None:
 def test_config_parser_gives_only_typed_errors(text: bytes) -> None:
     with pytest.raises(AdapterConfigError):
         parse_peft_config_json(text)
-
-
-# -- mutations of a valid tiny adapter --------------------------------------------------------
-
-
-def _first(header: dict[str, Any]) -> str:
-    return min((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
-
-
-def _set(header: dict[str, Any], field: str, value: Any) -> dict[str, Any]:
-    h = json.loads(json.dumps(header))
-    h[_first(h)][field] = value
-    return h
-
-
-F, S, V = AdapterFormatError, AdapterShapeError, AdapterValueError
-
-
-def _mutations() -> dict[str, tuple[bytes, type[LoRAError] | None, type[LoRAError]]]:
-    """name -> (weights file, what preflight raises (None: passes), what load_adapter raises)."""
-    header, data = _valid()
-    text = json.dumps(header)
-    key = _first(header)
-    dup = text[:-1] + ", " + json.dumps(key) + ": " + json.dumps(header[key]) + "}"
-    size, end = len(data), header[key]["data_offsets"][1]
-    nan = struct.pack("<f", math.nan)
-    return {
-        "truncated": (_pack(header, data[:-10]), F, F),
-        "trailing bytes": (_pack(header, data + b"\0" * 8), F, LoRAError),
-        "header length short": (_pack(header, data, len(text) - 5), F, F),
-        "header length long": (_pack(header, data, len(text) + 5), F, F),
-        "header length huge": (_pack(header, data, 2**63), F, F),
-        "header length past file": (_pack(header, data, len(text) + size + 1), F, F),
-        "empty file": (b"", F, F),
-        "only length": (_pack("", b"", 0)[:8], F, F),
-        "overlapping offsets": (_pack(_set(header, "data_offsets", [4, end]), data), F, F),
-        "offsets past data": (_pack(_set(header, "data_offsets", [0, size + 64]), data), F, F),
-        "reversed offsets": (_pack(_set(header, "data_offsets", [64, 0]), data), F, F),
-        "negative offset": (_pack(_set(header, "data_offsets", [-4, 60]), data), F, F),
-        "dtype F64": (_pack(_set(header, "dtype", "F64"), data), LoRAError, LoRAError),
-        "dtype lower-case": (_pack(_set(header, "dtype", "f32"), data), LoRAError, LoRAError),
-        "dtype not a string": (_pack(_set(header, "dtype", 7), data), LoRAError, LoRAError),
-        "shape does not fit data": (_pack(_set(header, "shape", [2, 15]), data), F, LoRAError),
-        "shape transposed": (
-            _pack(_set(header, "shape", header[key]["shape"][::-1]), data),
-            LoRAError,  # rank 16 above the limit, or the shape
-            S,
-        ),
-        "shape huge": (_pack(_set(header, "shape", [2**40, 2**40]), data), F, LoRAError),
-        "shape negative": (_pack(_set(header, "shape", [-2, -16]), data), F, LoRAError),
-        "shape 1-D": (_pack(_set(header, "shape", [32]), data), F, LoRAError),
-        "duplicate key": (_pack(dup, data), F, F),
-        "header not an object": (_pack("[1, 2]", data), F, F),
-        "header not utf-8": (_pack(b"\xff\xfe", data), F, F),
-        "metadata not strings": (_pack({**header, "__metadata__": {"a": 1}}, data), F, LoRAError),
-        "nan in data": (_pack(header, nan * (size // 4)), None, V),
-        "3e38 in data": (_pack(header, struct.pack("<f", 3e38) * (size // 4)), None, V),
-    }
-
-
-MUTATIONS = _mutations()
-
-
-@pytest.mark.parametrize("name", MUTATIONS)
-def test_mutated_adapter_is_refused_with_a_typed_error(name: str) -> None:
-    weights, at_preflight, at_load = MUTATIONS[name]
-    got = _run(json.dumps(GOOD_CONFIG).encode(), weights)
-    want_preflight = "ok" if at_preflight is None else at_preflight
-    for outcome, want in ((got[0], want_preflight), (got[1], at_load)):
-        if want == "ok":
-            assert outcome == "ok", (name, got)
-        else:
-            assert outcome != "ok" and issubclass(getattr(errors, outcome), want), (name, got)
-
-
-def test_unmutated_adapter_loads() -> None:
-    """The baseline the mutations and the fuzzers start from is valid for both parsers."""
-    config = json.dumps(GOOD_CONFIG).encode()
-    assert _run(config, _valid_file()) == ["ok", "ok"]
-    assert _run(config, _pack(*_valid())) == ["ok", "ok"]  # as re-packed by the mutations
