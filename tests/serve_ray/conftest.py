@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import openai
@@ -29,6 +31,7 @@ ADMIN_TOKEN = "serve-ray-admin-token"
 SETS = ("a", "b")
 PER_SET = 40
 FLAGS = ["--device", "cpu", "--max-loras", "4", "--max-cpu-loras", "4", "--max-num-seqs", "8"]
+PROMPT = "Once upon a time"
 
 
 class LoopThread:
@@ -71,6 +74,14 @@ def extra_modules() -> list[tuple[str, str, None]]:
     return [
         (f"{s}{i:02d}", str(folders[i % len(folders)]), None) for s in SETS for i in range(PER_SET)
     ]
+
+
+def _wait(predicate, timeout: float = 60, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="session")
@@ -126,3 +137,14 @@ def cluster() -> Iterator[Cluster]:
         with contextlib.suppress(Exception):  # the CLI test may have taken the app over
             undeploy()
         ray_cluster.stop()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """test_cluster.py ends by killing a replica and handing the app to the CLI: its tests run
+    after every other test of the session's cluster, whatever order the files came in."""
+    last = Path(__file__).with_name("test_cluster.py")
+    ours = [item for item in items if item.path == last]
+    rest = [item for item in items if item.path != last]
+    users = [k for k, item in enumerate(rest) if "cluster" in getattr(item, "fixturenames", ())]
+    if ours and users:
+        items[:] = rest[: users[-1] + 1] + ours + rest[users[-1] + 1 :]
