@@ -7,6 +7,12 @@ import os
 import pytest
 import torch
 
+# assertions inside the shared helper modules get pytest's full failure report too
+pytest.register_assert_rewrite(
+    "tests.engine.lifecycle_helpers", "tests.robustness.adapter_fixtures",
+    "tests.robustness.server_fixtures",
+)  # fmt: skip
+
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through the interpreter (set before triton is imported).
     os.environ.setdefault("TRITON_INTERPRET", "1")
