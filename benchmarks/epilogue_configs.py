@@ -5,6 +5,7 @@ torch twin; the fastest per case is marked.
 
     python -m benchmarks.epilogue_configs [--out FILE] [--rank 64 --batches 32 64 --loras 8]
                                           [--cold-l2]   # inputs evicted from L2 before each launch
+                                          [--ops silu_mul]
 
 Columns: (block_t, block_n | -, warps, block_k); block_k > 0 is the packed delta (one dot per
 block_k rank columns of every slot), 0 the per-slot loop.
@@ -38,6 +39,9 @@ COLD_L2 = False  # --cold-l2 (benchmarks/graph_timing.py)
 SILU = [
     SiluMulConfig(bt, bn, w, bk)
     for bt, bn, w, bk in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (0, 32, 64, 128))
+] + [  # token blocks under 16: no tensor-core dot, one or two slots a program (rows grouped)
+    SiluMulConfig(bt, bn, w, 0)
+    for bt, bn, w in itertools.product((1, 2, 4, 8), (64, 128, 256, 512), (2, 4, 8))
 ]
 QKV = [
     QKVRopeConfig(bt, w, bk) for bt, w, bk in itertools.product((16, 32, 64), (4, 8), (0, 32, 64))
@@ -142,6 +146,7 @@ def main() -> None:
     ap.add_argument("--loras", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--cold-l2", action="store_true", help="B from HBM, as in a step")
+    ap.add_argument("--ops", nargs="+", choices=["silu_mul", "qkv_rope"], default=None)
     args = ap.parse_args()
     global R, COLD_L2
     R, COLD_L2 = args.rank, args.cold_l2
@@ -150,6 +155,8 @@ def main() -> None:
         "|---|---:|---:|---|---:|---:|---:|---|",
     ]
     for op, case in (("silu_mul", silu_case), ("qkv_rope", qkv_case)):
+        if args.ops and op not in args.ops:
+            continue
         for loras, t in itertools.product(args.loras, args.batches):
             rows = case(t, loras)
             bad = [r for r in rows if r[2] > 2e-2]
