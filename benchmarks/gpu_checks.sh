@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one call: GPU-marked tests (kernels, PEFT oracle in bf16/fp16, CUDA graphs),
 # then benchmarks. Results land in $OUT (or ./out). Wheels missing on the GPU machine can be
-# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|rank64|fp8|fp8_gemms|storm ARGS...|zipf|load_rate]
+# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|rank64|base32|fp8|fp8_gemms|storm ARGS...|zipf|load_rate]
 # A copy of the tree without its .git (git archive) stamps results with $LORAPLEX_COMMIT:
 # export it (benchmarks/record.py). Several commits side by side in one call (A/B, bisect):
 # benchmarks/ab_snapshots.sh.
@@ -53,6 +53,16 @@ if [[ $what == rank64 ]]; then  # issue 19 item 5: the rank-64 step's launches w
   for p in 1 2 4; do for bn in 32 64; do  # attention at 32 streams: 27 µs against a 17 µs floor
     echo "block_n $bn: $(python3 benchmarks/attention.py --batches 32 --ctx 512 --partitions $p --block-n $bn 2>&1 | tail -1)"
   done; done | tee "$OUT/rank64_attention.log"
+fi
+if [[ $what == base32 ]]; then  # issue 19 item 5: the base step's own gaps at 32 streams (~6 min)
+  # the projection GEMMs with rank-64 A rows, cuBLAS / cuBLASLt / our split-K GEMM, cold L2
+  python3 -m benchmarks.base_configs --batches 32 64 --rank 64 --cold-l2 --triton --only gemms \
+    --out "$OUT/base32.md" 2>&1 | grep -v "^  " | tee "$OUT/base32_gemms.log" | tail -20
+  # attention at 32 streams over contexts: is one partition (faster at ctx 512) safe longer?
+  for ctx in 512 2048 4000; do
+    python3 -m benchmarks.base_configs --batches 32 --ctx $ctx --cold-l2 --only attention \
+      --out "$OUT/base32.md" 2>&1 | tee "$OUT/base32_attention_$ctx.log" | grep -E "\| (auto|1|2|4) \| 64 "
+  done
 fi
 if [[ $what == fp8 ]]; then  # issue 15 in one call (~8 min): the fp8 GPU tests, then the step
   python3 -m pytest -q -p no:cacheprovider tests/model/test_fp8_w8a8.py tests/model/test_fp8_w8a8_engine.py \
