@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from loraplex.engine.model.kernels.lora_delta import dora_args, dora_flags, dora_rows, lora_delta
+from loraplex.engine.model.kernels.workspace import per_device
 
 if TYPE_CHECKING:
     from loraplex.engine.lora.mapping import DoraRows
@@ -39,17 +40,14 @@ def prepare_split_norm(device: torch.device | str) -> tuple[torch.Tensor, torch.
     """(row counters (MAX_ROWS,) int32, zero between launches; partial sums (MAX_ROWS,
     MAX_CHUNKS) float32) of ``device``, allocated once outside any CUDA graph capture (the
     warm-up call before each capture allocates them)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    work = _work.get(device)
-    if work is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("prepare_split_norm(device) must run before CUDA graph capture")
-        counts = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
-        parts = torch.zeros(MAX_ROWS, MAX_CHUNKS, dtype=torch.float32, device=device)
-        work = _work[device] = (counts, parts)
-    return work
+    return per_device(
+        _work, device,
+        lambda d: (
+            torch.zeros(MAX_ROWS, dtype=torch.int32, device=d),
+            torch.zeros(MAX_ROWS, MAX_CHUNKS, dtype=torch.float32, device=d),
+        ),
+        "prepare_split_norm",
+    )  # fmt: skip
 
 
 @triton.jit

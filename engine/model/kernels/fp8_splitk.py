@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.engine.model.kernels.workspace import per_device
+
 __all__ = ["prepare_fp8_linear"]
 
 _COUNTERS = 1 << 16  # tile counters per device for split-K (int32, zero between launches)
@@ -72,12 +74,7 @@ def _store_tile(acc, y_ptr, part_ptr, count_ptr, ws_ptr, bias_ptr, rows, row_ok,
 def prepare_fp8_linear(device: torch.device | str) -> torch.Tensor:
     """The split-K tile counters of ``device`` (allocated and zeroed once, outside any CUDA
     graph capture: the engine calls this before capturing)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    counters = _counters.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("prepare_fp8_linear(device) must run before CUDA graph capture")
-        counters = _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-    return counters
+    return per_device(
+        _counters, device, lambda d: torch.zeros(_COUNTERS, dtype=torch.int32, device=d),
+        "prepare_fp8_linear",
+    )  # fmt: skip

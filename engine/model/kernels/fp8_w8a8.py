@@ -34,6 +34,7 @@ import triton.language as tl
 
 from loraplex.engine.model.backend import triton_reaches
 from loraplex.engine.model.kernels.fp8_linear import check_operands
+from loraplex.engine.model.kernels.workspace import per_device
 
 __all__ = [
     "FP8_MAX",
@@ -282,14 +283,9 @@ def prepare_w8a8(device: torch.device | str) -> None:
 
 def _one(device: torch.device) -> torch.Tensor:
     """A float32 scalar 1 on ``device``, made once (``cuda`` and ``cuda:<current>`` are one)."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    one = _ONE.get(device)
-    if one is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("prepare_w8a8(device) must run before CUDA graph capture")
-        one = _ONE[device] = torch.ones((), dtype=torch.float32, device=device)
-    return one
+    return per_device(
+        _ONE, device, lambda d: torch.ones((), dtype=torch.float32, device=d), "prepare_w8a8"
+    )
 
 
 def fp8_w8a8_linear(
