@@ -65,6 +65,7 @@ __all__ = [
     "fp8_linear_config",
     "fp8_aug_linear",
     "fp8_aug_linear_torch",
+    "aug_output",
     "check_operands",
     "prepare_fp8_linear",
 ]
@@ -225,6 +226,17 @@ def check_operands(
     return k // weight_scale.shape[1]
 
 
+def aug_output(x: torch.Tensor, width: int, out: torch.Tensor | None) -> torch.Tensor:
+    """The (T, width) output in x's dtype of an augmented GEMM: ``out`` checked (contiguous
+    columns), or a new one."""
+    t = x.shape[0]
+    if out is None:
+        return torch.empty(t, width, dtype=x.dtype, device=x.device)
+    if out.shape != (t, width) or out.stride(1) != 1 or out.dtype != x.dtype:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype}, want ({t}, {width}) {x.dtype}")
+    return out
+
+
 def fp8_aug_linear_torch(
     x: torch.Tensor,
     weight_fp8: torch.Tensor,
@@ -272,10 +284,7 @@ def fp8_aug_linear(
         raise ValueError(f"K {k} is not a multiple of SPLIT_K x BLOCK_K of {cfg}")
     if isinstance(cfg, Fp8GemvConfig) and t > GEMV_TOKENS:
         raise ValueError(f"the GEMV takes at most {GEMV_TOKENS} tokens, got {t}")
-    if out is None:
-        out = torch.empty(t, n + e, dtype=x.dtype, device=x.device)
-    elif out.shape != (t, n + e) or out.stride(1) != 1 or out.dtype != x.dtype:
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype}, want ({t}, {n + e}) {x.dtype}")
+    out = aug_output(x, n + e, out)
     if t == 0:
         return out
     if isinstance(cfg, Fp8GemvConfig):

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from loraplex.engine.model.backend import triton_reaches
-from loraplex.engine.model.kernels.fp8_linear import check_operands
+from loraplex.engine.model.kernels.fp8_linear import aug_output, check_operands
 from loraplex.engine.model.kernels.workspace import per_device
 
 __all__ = [
@@ -307,10 +307,7 @@ def fp8_w8a8_linear(
     t = x.shape[0]
     n = weight_fp8.shape[0]
     e = a.shape[0] if a is not None else 0
-    if out is None:
-        out = torch.empty(t, n + e, dtype=x.dtype, device=x.device)
-    elif out.shape != (t, n + e) or out.stride(1) != 1 or out.dtype != x.dtype:
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype}, want ({t}, {n + e}) {x.dtype}")
+    out = aug_output(x, n + e, out)
     if t == 0:
         return out
     q, sx = quant_rows(x)
