@@ -36,6 +36,7 @@ from loraplex.engine.model.kernels.silu_mul import (
 H, INTER, HQ, HKV, D = 4096, 14336, 32, 8, 128
 R = 16  # --rank
 COLD_L2 = False  # --cold-l2 (benchmarks/graph_timing.py)
+B_COLUMN_MAJOR = False  # --b-layout column-major
 SILU = [
     SiluMulConfig(bt, bn, w, bk)
     for bt, bn, w, bk in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (0, 32, 64, 128))
@@ -57,7 +58,8 @@ def sorted_slots(t: int, loras: int, dev: str) -> LoRAMapping:
 def _b(loras: int, n: int, g: torch.Generator) -> torch.Tensor:
     """(L, n, R) bf16 stored (L, R, n), as the engine's slots (lora/layers.py)."""
     b = 0.05 * torch.randn(loras, R, n, device="cuda", generator=g)
-    return b.to(torch.bfloat16).permute(0, 2, 1)
+    b = b.to(torch.bfloat16).permute(0, 2, 1)
+    return b.contiguous() if B_COLUMN_MAJOR else b  # --b-layout column-major: (L, n, R) stored so
 
 
 def err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -147,9 +149,15 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--cold-l2", action="store_true", help="B from HBM, as in a step")
     ap.add_argument("--ops", nargs="+", choices=["silu_mul", "qkv_rope"], default=None)
+    ap.add_argument(
+        "--b-layout", choices=["rank-major", "column-major"], default="rank-major",
+        help="B of a slot stored (R, n) as the engine's slots (default) or (n, R): a program's "
+        "column block then one contiguous run",
+    )  # fmt: skip
     args = ap.parse_args()
-    global R, COLD_L2
+    global R, COLD_L2, B_COLUMN_MAJOR
     R, COLD_L2 = args.rank, args.cold_l2
+    B_COLUMN_MAJOR = args.b_layout == "column-major"
     lines = [
         "| op | loras | T | fastest (block_t, block_n, warps, block_k) | µs | engine default µs | rel err | top 3 |",
         "|---|---:|---:|---|---:|---:|---:|---|",

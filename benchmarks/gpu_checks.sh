@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one call: GPU-marked tests (kernels, PEFT oracle in bf16/fp16, CUDA graphs),
 # then benchmarks. Results land in $OUT (or ./out). Wheels missing on the GPU machine can be
-# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|rank64|base32|fp8|fp8_gemms|storm ARGS...|zipf|load_rate]
+# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|rank64|base32|b_layout|fp8|fp8_gemms|storm ARGS...|zipf|load_rate]
 # A copy of the tree without its .git (git archive) stamps results with $LORAPLEX_COMMIT:
 # export it (benchmarks/record.py). Several commits side by side in one call (A/B, bisect):
 # benchmarks/ab_snapshots.sh.
@@ -62,6 +62,14 @@ if [[ $what == base32 ]]; then  # issue 19 item 5: the base step's own gaps at 3
   for ctx in 512 2048 4000; do
     python3 -m benchmarks.base_configs --batches 32 --ctx $ctx --cold-l2 --only attention \
       --out "$OUT/base32.md" 2>&1 | tee "$OUT/base32_attention_$ctx.log" | grep -E "\| (auto|1|2|4) \| 64 "
+  done
+fi
+if [[ $what == b_layout ]]; then  # issue 19 item 5: does a column-major B speed the rank-64 expand? (~4 min)
+  for lay in rank-major column-major; do
+    python3 -m benchmarks.norm_configs --ranks 64 --batches 32 --cold-l2 --b-layout $lay 2>&1 \
+      | grep "loras 8" | sed "s/^/$lay: /" | tee -a "$OUT/b_layout.log"
+    python3 -m benchmarks.epilogue_configs --rank 64 --batches 32 64 --loras 8 --cold-l2 \
+      --b-layout $lay 2>&1 | grep "^| \(silu\|qkv\)" | sort -u | sed "s/^/$lay: /" | tee -a "$OUT/b_layout.log"
   done
 fi
 if [[ $what == fp8 ]]; then  # issue 15 in one call (~8 min): the fp8 GPU tests, then the step

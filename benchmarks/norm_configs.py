@@ -46,6 +46,11 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[16])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 128])
     ap.add_argument("--cold-l2", action="store_true", help="B from HBM, as in a step")
+    ap.add_argument(
+        "--b-layout", choices=["rank-major", "column-major"], default="rank-major",
+        help="B of a slot stored (R, H) as the engine's slots (default) or (H, R): a program's "
+        "column chunk then one contiguous run",
+    )  # fmt: skip
     args = ap.parse_args()
     h = 4096
     for r in args.ranks:
@@ -58,6 +63,8 @@ def main() -> None:
                 w = (1 + 0.1 * torch.randn(h, device=dev, generator=g)).to(torch.bfloat16)
                 b = 0.01 * torch.randn(max(loras, 1), r, h, device=dev, generator=g)
                 b = b.to(torch.bfloat16).permute(0, 2, 1)  # (L, H, R) stored (L, R, H)
+                if args.b_layout == "column-major":
+                    b = b.contiguous()  # (L, H, R) stored so
                 ts = torch.arange(t, device=dev, dtype=torch.int32) * max(loras, 1) // t
                 slots = LoRAMapping(ts)  # rows grouped by slot, as the engine sends them
                 lb = b if loras else None
