@@ -64,7 +64,7 @@ if [[ $what == base32 ]]; then  # issue 19 item 5: the base step's own gaps at 3
       --out "$OUT/base32.md" 2>&1 | tee "$OUT/base32_attention_$ctx.log" | grep -E "\| (auto|1|2|4) \| 64 "
   done
 fi
-if [[ $what == b_layout ]]; then  # issue 19 item 5: does a column-major B speed the rank-64 expand? (~4 min)
+if [[ $what == b_layout ]]; then  # issue 19 item 5: does a column-major B speed the rank-64 expand? (~6 min)
   for lay in rank-major column-major; do
     python3 -m benchmarks.norm_configs --ranks 64 --batches 32 --cold-l2 --b-layout $lay 2>&1 \
       | grep "loras 8" | sed "s/^/$lay: /" | tee -a "$OUT/b_layout.log"
