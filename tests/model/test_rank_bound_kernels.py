@@ -4,17 +4,12 @@ rows of ranks < r_b gives what the full-rank step gives when every row's adapter
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from loraplex.engine.lora.mapping import LoRAMapping  # noqa: E402
-from loraplex.engine.model import kernels as K  # noqa: E402
-from loraplex.engine.model.rope import RotaryEmbedding  # noqa: E402
+from loraplex.engine.lora.mapping import LoRAMapping
+from loraplex.engine.model import kernels as K
+from loraplex.engine.model.rope import RotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 L, R, EPS = 3, 64, 1e-5
