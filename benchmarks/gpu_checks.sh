@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one call: GPU-marked tests (kernels, PEFT oracle in bf16/fp16, CUDA graphs),
 # then benchmarks. Results land in $OUT (or ./out). Wheels missing on the GPU machine can be
-# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|rank64|base32|b_layout|fp8|fp8_gemms|storm ARGS...|zipf|load_rate]
+# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|rank64|base32|b_layout|ncu|fp8|fp8_gemms|storm ARGS...|zipf|load_rate]
 # A copy of the tree without its .git (git archive) stamps results with $LORAPLEX_COMMIT:
 # export it (benchmarks/record.py). Several commits side by side in one call (A/B, bisect):
 # benchmarks/ab_snapshots.sh.
@@ -70,6 +70,20 @@ if [[ $what == b_layout ]]; then  # issue 19 item 5: does a column-major B speed
       | grep "loras 8" | sed "s/^/$lay: /" | tee -a "$OUT/b_layout.log"
     python3 -m benchmarks.epilogue_configs --rank 64 --batches 32 64 --loras 8 --cold-l2 \
       --b-layout $lay 2>&1 | grep "^| \(silu\|qkv\)" | sort -u | sed "s/^/$lay: /" | tee -a "$OUT/b_layout.log"
+  done
+fi
+if [[ $what == ncu ]]; then  # issue 19 item 5: why the rank-64 expand reads B at ~2.3 TB/s (~5 min)
+  # every launch of one decode layer (32 streams, 8 rank-64 slots, then no LoRA), once each,
+  # under Nsight Compute (caches flushed before each kernel: cold, as in the step)
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+  for loras in 8 0; do
+    timeout 280 "$NCU" --clock-control none --nvtx --nvtx-include "layer/" \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+      --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+      python3 -m benchmarks.layer_breakdown --batches 32 --loras $loras --rank 64 --launch-only 1 \
+      > "$OUT/ncu_loras$loras.txt" 2>&1
+    echo "loras $loras: rc $?"; grep -E "^  [_a-zA-Z].*\(|Duration|DRAM Throughput|Achieved Occupancy" \
+      "$OUT/ncu_loras$loras.txt" | head -60
   done
 fi
 if [[ $what == fp8 ]]; then  # issue 15 in one call (~8 min): the fp8 GPU tests, then the step

@@ -7,6 +7,7 @@ backend the engine picks (``model/gemm.py``), rows grouped by slot; the LM head 
                                                                   # reading ranks < bound only
     python -m benchmarks.layer_breakdown --cold-l2   # each launch with its inputs out of L2, as
                                                      # in the step (benchmarks/graph_timing.py)
+    python -m benchmarks.layer_breakdown --launch-only 3   # untimed, for ncu (gpu_checks.sh ncu)
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def bench(fn) -> float:
 
 def case(model, loras: int, t: int, ctx_len: int, bound: int | None = None) -> dict[str, float]:
     """Time every launch of one decode layer at batch ``t``."""
+    return {k: bench(fn) for k, fn in launches(model, loras, t, ctx_len, bound).items()}
+
+
+def launches(model, loras: int, t: int, ctx_len: int, bound: int | None = None) -> dict:
+    """Every launch of one decode layer at batch ``t`` (and the LM head), by name."""
     mc = model.cfg
     layer = model.layers[0]
     dev = "cuda"
@@ -76,9 +82,8 @@ def case(model, loras: int, t: int, ctx_len: int, bound: int | None = None) -> d
         "down gemm": lambda: linear(act, w_d),
         "add_rmsnorm(down)": lambda: lora_add_rmsnorm(d, residual, layer.down_proj.lora_b, mapping, w, 1e-5, out),
     }  # fmt: skip
-    times = {k: bench(fn) for k, fn in parts.items()}
-    times["lm_head (per step)"] = bench(lambda: linear(h, model.lm_head).float())
-    return times
+    parts["lm_head (per step)"] = lambda: linear(h, model.lm_head).float()
+    return parts
 
 
 def main() -> None:
@@ -89,6 +94,10 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16, help="max_lora_rank of the slots")
     ap.add_argument("--bound", type=int, default=None, help="rank rows a step reads")
     ap.add_argument("--cold-l2", action="store_true", help="each launch after an L2 eviction")
+    ap.add_argument(
+        "--launch-only", type=int, default=0, metavar="N",
+        help="run every launch N times eagerly, untimed (for a profiler: gpu_checks.sh ncu)",
+    )  # fmt: skip
     args = ap.parse_args()
     global COLD_L2
     COLD_L2 = args.cold_l2
@@ -102,6 +111,19 @@ def main() -> None:
                 lin.lora_a.normal_(0, 0.01)
                 lin.lora_b.normal_(0, 0.01)
         for t in args.batches:
+            if args.launch_only:  # inside NVTX range "layer", in the order of ``launches``
+                parts = launches(model, loras, t, args.ctx, args.bound)
+                for fn in parts.values():
+                    fn()  # compiled, BLAS heuristics settled: outside the profiled range
+                torch.cuda.synchronize()
+                torch.cuda.nvtx.range_push("layer")
+                for fn in parts.values():
+                    for _ in range(args.launch_only):
+                        fn()
+                torch.cuda.synchronize()
+                torch.cuda.nvtx.range_pop()
+                print(f"loras {loras} batch {t}: {len(parts)} launches x{args.launch_only}")
+                continue
             times = case(model, loras, t, args.ctx, args.bound)
             rows.append((loras, t, times))
             total = sum(v for k, v in times.items() if "per step" not in k)
@@ -111,6 +133,8 @@ def main() -> None:
             print("   " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()), flush=True)
         del model
         torch.cuda.empty_cache()
+    if not rows:
+        return
     names = list(rows[0][2])
     print("\n| loras | batch | " + " | ".join(names) + " | total µs | x32 ms |")
     print("|---:|---:|" + "---:|" * (len(names) + 2))
