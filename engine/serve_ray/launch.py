@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import signal
 from typing import Any
 
 from loraplex.engine.serve_ray.routing import POLICIES
@@ -73,52 +72,27 @@ async def serve_cluster(
 ) -> None:
     """Run the ingress on ``handle``'s replicas until ``stop`` is set (default: SIGINT /
     SIGTERM); ``ready(url)`` is called once it listens."""
-    import structlog
-
     from loraplex.engine.serve_ray.board import Board
     from loraplex.engine.serve_ray.cluster_engine import ClusterEngine
     from loraplex.engine.serve_ray.ingress import create_ingress_app
-    from loraplex.engine.server.launch import shutdown_server, start_server
 
-    log = structlog.get_logger("loraplex.server")
     async with ClusterEngine(handle, Board.named("loraplex")) as engine:
         app = create_ingress_app(
             engine, admin_token=admin_token, metrics_top_k=metrics_top_k, limits=limits
         )
-        runner, bound = await start_server(app, host, port, limits=limits)
-        if stop is None:
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
-        url = f"http://{host}:{bound}"
-        log.info("serving", url=url, model=engine.model_name)
-        if ready is not None:
-            ready(url)
-        try:
-            await stop.wait()
-        finally:
-            await shutdown_server(runner)
+        await serve_launch.serve_until_stopped(
+            app, host, port, limits=limits, stop=stop, ready=ready, model=engine.model_name
+        )
 
 
 def run(args: argparse.Namespace) -> int:
     import structlog
 
-    from loraplex.engine.logging import configure_logging
-    from loraplex.engine.server.limits import limits_from_args
-    from loraplex.engine.server.lora_modules import check_lora_modules
-
-    configure_logging(args.log_level, True if args.log_json else None)
     log = structlog.get_logger("loraplex.server")
     try:
-        config = serve_launch.config_from_args(args)
+        config, limits, token = serve_launch.settings_from_args(args)
         if config.lora_extra_vocab_size:  # the ingress encodes prompts with the base tokenizer
             raise ValueError("--lora-extra-vocab-size is not supported by serve-ray")
-        limits = limits_from_args(args)
-        check_lora_modules(args.lora_modules, [config.served_model_name or ""])
-        token = (
-            serve_launch.read_admin_token(args.admin_token_file) if args.admin_token_file else None
-        )
     except (ValueError, OSError) as e:
         log.error("bad_configuration", error=str(e))
         return 2

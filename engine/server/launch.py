@@ -26,6 +26,8 @@ __all__ = [
     "config_from_args",
     "start_server",
     "shutdown_server",
+    "serve_until_stopped",
+    "settings_from_args",
 ]
 
 
@@ -250,34 +252,57 @@ async def shutdown_server(runner: web.AppRunner, timeout: float | None = None) -
     await runner.cleanup()
 
 
-async def _serve(app: web.Application, host: str, port: int) -> None:
+async def serve_until_stopped(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    limits: ServerLimits | None = None,
+    stop: asyncio.Event | None = None,
+    ready: Any = None,
+    **log_fields: Any,
+) -> None:
+    """Serve ``app`` until ``stop`` is set (default: SIGINT / SIGTERM), then shut down
+    gracefully; ``ready(url)`` is called once it listens, ``log_fields`` join its log line."""
     import structlog
 
-    runner, bound = await start_server(app, host, port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    structlog.get_logger("loraplex.server").info("serving", url=f"http://{host}:{bound}")
+    runner, bound = await start_server(app, host, port, limits=limits)
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+    url = f"http://{host}:{bound}"
+    structlog.get_logger("loraplex.server").info("serving", url=url, **log_fields)
+    if ready is not None:
+        ready(url)
     try:
         await stop.wait()
     finally:
         await shutdown_server(runner)
 
 
+def settings_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerLimits, str | None]:
+    """The engine config, server limits and admin token of a serving command's flags, with
+    logging configured first; ValueError / OSError for a bad configuration."""
+    from loraplex.engine.logging import configure_logging
+
+    configure_logging(args.log_level, True if args.log_json else None)
+    config = config_from_args(args)
+    limits = limits_from_args(args)
+    check_lora_modules(args.lora_modules, [config.served_model_name or ""])
+    token = read_admin_token(args.admin_token_file) if args.admin_token_file else None
+    return config, limits, token
+
+
 def run(args: argparse.Namespace) -> int:
     import structlog
 
-    from loraplex.engine.logging import configure_logging
     from loraplex.engine.server.app import create_app_from_config
 
-    configure_logging(args.log_level, True if args.log_json else None)
     log = structlog.get_logger("loraplex.server")
     try:
-        config = config_from_args(args)
-        limits = limits_from_args(args)
-        check_lora_modules(args.lora_modules, [config.served_model_name or ""])
-        token = read_admin_token(args.admin_token_file) if args.admin_token_file else None
+        config, limits, token = settings_from_args(args)
     except (ValueError, OSError) as e:
         log.error("bad_configuration", error=str(e))
         return 2
@@ -289,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
         limits=limits,
     )
     try:
-        asyncio.run(_serve(app, args.host, args.port))
+        asyncio.run(serve_until_stopped(app, args.host, args.port))
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - start-up failures: one clear line, exit 1
