@@ -50,7 +50,7 @@ async def case(args, bw, model_dir: Path, adapters: list[Path], rank: int, max_r
         model=str(model_dir), device=args.device, dtype="bfloat16", max_loras=n,
         max_cpu_loras=max(n, 1), max_lora_rank=max_rank, max_num_seqs=batch,
         max_num_batched_tokens=16384, kv_cache_bytes=args.kv_gb << 30, max_model_len=4096,
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, cuda_graph_sizes=(batch,),  # the steps timed: one size
     )  # fmt: skip
     async with AsyncEngine(cfg, model=model) as engine:
         names: list[str | None] = [] if adapters else [None]

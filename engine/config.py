@@ -60,6 +60,10 @@ class EngineConfig:
     # auto: fused on CUDA, torch on CPU
     kernel_backend: str = "auto"
     cuda_graphs: bool = True  # decode through captured CUDA graphs (GPU only)
+    # decode batch sizes captured as graphs: a step replays the smallest that holds its rows,
+    # a larger one runs eagerly; None: 1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to max_num_seqs
+    # (cuda_graph.BUCKETS). Fewer sizes: a faster start-up, more padding rows per step
+    cuda_graph_sizes: tuple[int, ...] | None = None
     # steps that mix decode rows with short prefill chunks (each <= 64 tokens, at most this many
     # tokens in all) replay CUDA graphs too (cold loads' short prompts don't stall streams);
     # 0: such steps run eagerly
@@ -117,6 +121,16 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.cuda_graph_sizes is not None:
+            sizes = tuple(sorted(set(self.cuda_graph_sizes)))
+            if not sizes or any(
+                type(b) is not int or not 1 <= b <= self.max_num_seqs for b in sizes
+            ):
+                raise ValueError(
+                    f"cuda_graph_sizes must be batch sizes in 1..max_num_seqs "
+                    f"({self.max_num_seqs}), got {self.cuda_graph_sizes!r}"
+                )
+            object.__setattr__(self, "cuda_graph_sizes", sizes)
         if self.max_loras < 0 or self.max_cpu_loras < 0:
             raise ValueError("max_loras and max_cpu_loras must be >= 0")
         if self.tensor_parallel_size < 1:

@@ -87,11 +87,15 @@ class DecodeGraphs:
         block_size: int,
         max_blocks_per_seq: int,
         max_batch: int = 256,
+        sizes: tuple[int, ...] | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.buckets = tuple(b for b in BUCKETS if b <= max_batch)
+        # the batch buckets: ``sizes`` (EngineConfig.cuda_graph_sizes) or BUCKETS up to max_batch
+        self.buckets = (
+            tuple(sorted(sizes)) if sizes else tuple(b for b in BUCKETS if b <= max_batch)
+        )
         self.max_batch = self.buckets[-1]
         dev = model.device
         n = self.max_batch

@@ -52,6 +52,7 @@ class ModelRunner:
         use_cuda_graphs: bool = True,
         max_graph_batch: int = 256,
         kernel_backend: str | KernelBackend = "auto",
+        graph_sizes: tuple[int, ...] | None = None,
     ) -> None:
         max_model_len = max_model_len or model.cfg.max_position_embeddings
         cfg = model.cfg
@@ -88,6 +89,7 @@ class ModelRunner:
                 block_size=block_size,
                 max_blocks_per_seq=-(-max_model_len // block_size),
                 max_batch=max_graph_batch,
+                sizes=graph_sizes,
             )
 
     def write_slot(self, slot: int, adapter: Any) -> None:

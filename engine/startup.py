@@ -139,6 +139,7 @@ def _build(
         max_model_len=max_len,
         use_cuda_graphs=config.cuda_graphs,
         max_graph_batch=config.max_num_seqs,
+        graph_sizes=config.cuda_graph_sizes,
         kernel_backend=config.kernel_backend,
     )
     runner = ModelRunner(model, **kw) if group is None else ParallelRunner(group, model, **kw)

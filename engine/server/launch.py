@@ -95,6 +95,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     p.add_argument(
+        "--cuda-graph-sizes", type=int, nargs="+", metavar="N",
+        help="decode batch sizes captured as CUDA graphs (a step replays the smallest that "
+        "holds it; larger steps run eagerly); default 1 2 4 8 16 24 32 48 64 ... up to "
+        "--max-num-seqs",
+    )  # fmt: skip
+    p.add_argument(
         "--mixed-graph-tokens", type=int, metavar="N",
         help="steps of decodes + short prefills (chunks <= 64 tokens, <= N tokens in all) "
         "replay CUDA graphs too (default 256; 0: eager)",
@@ -162,6 +168,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "enabled_plugins": tuple(args.plugins) if args.plugins is not None else None,
         "kernel_backend": args.kernel_backend,
         "cuda_graphs": not args.enforce_eager,
+        "cuda_graph_sizes": tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
         "async_scheduling": not args.no_async_scheduling,
     }
     w8a8 = getattr(args, "fp8_w8a8_min_tokens", None)

@@ -192,3 +192,26 @@ def test_rank_buckets_are_captured_and_picked_gpu(tmp_path):
     for slots in ([0, -1], [1, 0], [-1, -1]):
         runner.execute([StepItem([3], 0, [i], s) for i, s in enumerate(slots)])
     assert seen == [8, 64, 8]
+
+
+@pytest.mark.gpu
+def test_chosen_graph_sizes_gpu(tmp_path):
+    """``graph_sizes`` (EngineConfig.cuda_graph_sizes) are the only batch buckets captured: a
+    step replays the smallest that holds it (padding rows), a larger one runs eagerly, and
+    both give the eager runner's logits."""
+    from loraplex.engine.model.loader import load_model
+    from loraplex.engine.model_runner import ModelRunner, StepItem
+
+    model_dir = make_tiny_model(tmp_path / "base", kind="llama", seed=2)
+    model = load_model(model_dir, dtype=torch.float32, device="cuda", max_loras=1)
+    runner = ModelRunner(model, num_blocks=32, block_size=4, max_graph_batch=8, graph_sizes=(4,))
+    eager = ModelRunner(model, num_blocks=32, block_size=4, use_cuda_graphs=False)
+    assert runner.graphs is not None and runner.graphs.buckets == (4,)
+    runner.graphs.capture_all()
+    assert {b for b, _ in runner.graphs.graphs} == {4}
+    for rows, graphed in ((3, True), (4, True), (5, False)):
+        items = [StepItem([7 + i], 0, [i], -1) for i in range(rows)]
+        got = runner.execute(items)
+        assert runner.last_was_graph is graphed
+        want = eager.execute(items)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

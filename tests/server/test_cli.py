@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from loraplex.engine.config import EngineConfig
 from loraplex.engine.lora.digest import adapter_digest
 from loraplex.engine.server.cli import build_parser
 from loraplex.engine.server.launch import LoraModule, config_from_args, parse_lora_module
@@ -125,6 +126,14 @@ def test_flags_map_onto_engine_config(tmp_path):
     assert tp.tensor_parallel_size == 2
     ray = build_parser().parse_args(["serve-ray", "--tensor-parallel-size", "2"])
     assert config_from_args(ray).tensor_parallel_size == 2  # serve-ray passes serve flags on
+    sizes = ["serve", "--max-num-seqs", "32", "--cuda-graph-sizes", "32", "8", "8"]
+    assert config_from_args(build_parser().parse_args(sizes)).cuda_graph_sizes == (8, 32)
+    assert demo.cuda_graph_sizes is None  # the default buckets up to --max-num-seqs
+    with pytest.raises(ValueError, match="cuda_graph_sizes"):
+        config_from_args(build_parser().parse_args(sizes[:3] + ["--cuda-graph-sizes", "64"]))
+    for bad in [(), (0, 4), (4.0,), ("4",)]:
+        with pytest.raises(ValueError, match="cuda_graph_sizes"):
+            EngineConfig(cuda_graph_sizes=bad)  # type: ignore[arg-type]
 
 
 def test_serve_ray_refuses_adapters_that_add_tokens():
