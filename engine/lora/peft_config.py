@@ -15,11 +15,15 @@ its backtracking work against a module name of ``MAX_MODULE_NAME_CHARS`` is at m
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import re
 import reprlib
+import threading
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,7 +142,7 @@ class PeftLoRAConfig:
         else:
             m = None
             for pat in self.layers_pattern:
-                m = re.match(_layers_regex(pat), _match_name(module_name))
+                m = _compiled(_layers_regex(pat)).match(_match_name(module_name))
                 if m is not None:
                     break
         return int(m.group("idx")) if m else None
@@ -185,8 +189,9 @@ def _check_regex(name: str, pattern: str) -> None:
             f"{MAX_REGEX_CHARS} and {MAX_REGEX_GROUPS})",
         )
     try:
-        re.compile(pattern)
-        work = regex_work(pattern, MAX_MODULE_NAME_CHARS)
+        _compiled(pattern)
+        with _quiet():  # it parses the pattern too
+            work = regex_work(pattern, MAX_MODULE_NAME_CHARS)
     except (re.error, RecursionError, OverflowError, ValueError) as e:
         raise _fail(name, f"is not a valid or supported regex ({pattern[:200]!r}: {e})") from None
     if work > MAX_REGEX_STEPS:
@@ -198,12 +203,33 @@ def _check_regex(name: str, pattern: str) -> None:
         )
 
 
+@functools.lru_cache(maxsize=1024)
+def _compiled(pattern: str) -> re.Pattern[str]:
+    """``re.compile`` without the parser's FutureWarnings (``[[``, ``--`` ...: syntax a later
+    Python may read otherwise): an adapter's pattern is data, its oddities no log lines."""
+    with _quiet():
+        return re.compile(pattern)
+
+
+_QUIET = threading.RLock()
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Python's regex parser without its FutureWarnings (the filters are global: one thread
+    at a time changes them)."""
+    with _QUIET, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
 @functools.lru_cache(maxsize=8192)
 def _fullmatch(pattern: str, name: str, anchored_end: bool = True) -> bool:
     """``re.fullmatch`` (or ``re.match`` for patterns that anchor themselves), remembered: the
     loaders ask about the same (pattern, module name) several times, and a pattern just under
     ``MAX_REGEX_STEPS`` may cost milliseconds a match."""
-    m = re.fullmatch(pattern, name) if anchored_end else re.match(pattern, name)
+    rx = _compiled(pattern)
+    m = rx.fullmatch(name) if anchored_end else rx.match(name)
     return m is not None
 
 

@@ -155,3 +155,15 @@ def test_error_message_is_short_and_json_safe() -> None:
         parse_peft_config({**BASE, "target_modules": pattern})
     assert len(str(ei.value)) < 600
     json.dumps({"message": str(ei.value)})
+
+
+def test_odd_but_bounded_patterns_log_no_python_warnings() -> None:
+    """A nested-set look-alike (``[[``) compiles with a FutureWarning from Python's parser:
+    the adapter's pattern is data, admitted or refused without warnings on the log."""
+    import warnings
+
+    cfg = dict(BASE, target_modules=r".*[[a-z]_proj")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parsed = parse_peft_config(cfg)
+        assert parsed.targets("model.layers.0.self_attn.q_proj")
