@@ -15,15 +15,10 @@ its backtracking work against a module name of ``MAX_MODULE_NAME_CHARS`` is at m
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import math
 import re
 import reprlib
-import threading
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +28,8 @@ from loraplex.engine.lora.regex_bounds import (
     MAX_REGEX_CHARS,
     MAX_REGEX_GROUPS,
     MAX_REGEX_STEPS,
+    compiled,
+    fullmatch,
     regex_work,
 )
 
@@ -118,7 +115,7 @@ class PeftLoRAConfig:
             # NOTE: PEFT forbids layers_to_transform with a regex target, so none applies here.
             if tm == ALL_LINEAR:  # every linear layer but the output head
                 return not module_name.endswith(("lm_head", "embed_tokens"))
-            return _fullmatch(tm, _match_name(module_name))
+            return fullmatch(tm, _match_name(module_name))
         if module_name in tm:
             return True  # an exact name bypasses layers_to_transform, as in PEFT
         if not any(module_name.endswith("." + t) for t in tm):
@@ -133,7 +130,7 @@ class PeftLoRAConfig:
         if not ex:
             return False
         if isinstance(ex, str):
-            return _fullmatch(ex, _match_name(module_name))
+            return fullmatch(ex, _match_name(module_name))
         return module_name in ex or any(module_name.endswith("." + e) for e in ex)
 
     def _layer_index(self, module_name: str) -> int | None:
@@ -142,7 +139,7 @@ class PeftLoRAConfig:
         else:
             m = None
             for pat in self.layers_pattern:
-                m = _compiled(_layers_regex(pat)).match(_match_name(module_name))
+                m = compiled(_layers_regex(pat)).match(_match_name(module_name))
                 if m is not None:
                     break
         return int(m.group("idx")) if m else None
@@ -161,7 +158,7 @@ def _layers_regex(pat: str) -> str:
 
 def _pattern_key(patterns: dict[str, Any], module_name: str) -> str | None:
     for key in patterns:  # first match in file order wins
-        if _fullmatch(_key_regex(key), _match_name(module_name), anchored_end=False):
+        if fullmatch(_key_regex(key), _match_name(module_name), anchored_end=False):
             return key
     return None
 
@@ -189,9 +186,8 @@ def _check_regex(name: str, pattern: str) -> None:
             f"{MAX_REGEX_CHARS} and {MAX_REGEX_GROUPS})",
         )
     try:
-        _compiled(pattern)
-        with _quiet():  # it parses the pattern too
-            work = regex_work(pattern, MAX_MODULE_NAME_CHARS)
+        compiled(pattern)
+        work = regex_work(pattern, MAX_MODULE_NAME_CHARS)
     except (re.error, RecursionError, OverflowError, ValueError) as e:
         raise _fail(name, f"is not a valid or supported regex ({pattern[:200]!r}: {e})") from None
     if work > MAX_REGEX_STEPS:
@@ -201,36 +197,6 @@ def _check_regex(name: str, pattern: str) -> None:
             f"(limit {MAX_REGEX_STEPS}): nested or repeated unbounded quantifiers such as "
             "'(.*)*' or '.*.*.*' are refused; simplify it or list the modules",
         )
-
-
-@functools.lru_cache(maxsize=1024)
-def _compiled(pattern: str) -> re.Pattern[str]:
-    """``re.compile`` without the parser's FutureWarnings (``[[``, ``--`` ...: syntax a later
-    Python may read otherwise): an adapter's pattern is data, its oddities no log lines."""
-    with _quiet():
-        return re.compile(pattern)
-
-
-_QUIET = threading.RLock()
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Python's regex parser without its FutureWarnings (the filters are global: one thread
-    at a time changes them)."""
-    with _QUIET, warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        yield
-
-
-@functools.lru_cache(maxsize=8192)
-def _fullmatch(pattern: str, name: str, anchored_end: bool = True) -> bool:
-    """``re.fullmatch`` (or ``re.match`` for patterns that anchor themselves), remembered: the
-    loaders ask about the same (pattern, module name) several times, and a pattern just under
-    ``MAX_REGEX_STEPS`` may cost milliseconds a match."""
-    rx = _compiled(pattern)
-    m = rx.fullmatch(name) if anchored_end else rx.match(name)
-    return m is not None
 
 
 def _match_name(module_name: str) -> str:

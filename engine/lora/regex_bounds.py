@@ -10,7 +10,12 @@ and stops every other thread. ``regex_work`` bounds the steps of one match again
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import re
+import threading
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 try:  # Python >= 3.11
@@ -25,6 +30,8 @@ __all__ = [
     "MAX_REGEX_CHARS",
     "MAX_REGEX_GROUPS",
     "MAX_REGEX_STEPS",
+    "compiled",
+    "fullmatch",
     "regex_work",
 ]
 
@@ -58,7 +65,8 @@ def regex_work(pattern: str, n: int) -> int:
     Lookarounds and atomic groups end one way.
     Backreferences are refused (ValueError). Values saturate at ``_WORK_CAP``.
     """
-    parsed = _sre_parse.parse(pattern)
+    with _quiet():
+        parsed = _sre_parse.parse(pattern)
     # NOTE: under IGNORECASE different literals may match one character: no exclusion then
     flags = getattr(getattr(parsed, "state", None), "flags", re.IGNORECASE)
     exclusive = not (flags & re.IGNORECASE or _LOCAL_I.search(pattern))
@@ -120,3 +128,33 @@ def _node_work(op: Any, av: Any, n: int, excl: bool) -> tuple[int, int]:
                     break
         return (1 if op is _POSSESSIVE else paths), work
     raise ValueError(f"{op} is not supported here (e.g. backreferences)")
+
+
+_QUIET = threading.RLock()
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Python's regex parser without its FutureWarnings (``[[``, ``--`` ...: syntax a later
+    Python may read otherwise): an adapter's pattern is data, its oddities no log lines. The
+    warning filters are global: one thread at a time changes them."""
+    with _QUIET, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+@functools.lru_cache(maxsize=1024)
+def compiled(pattern: str) -> re.Pattern[str]:
+    """``re.compile(pattern)``, quietly (``_quiet``), once per pattern."""
+    with _quiet():
+        return re.compile(pattern)
+
+
+@functools.lru_cache(maxsize=8192)
+def fullmatch(pattern: str, name: str, anchored_end: bool = True) -> bool:
+    """``re.fullmatch`` (or ``re.match`` for patterns that anchor themselves), remembered: the
+    loaders ask about the same (pattern, module name) several times, and a pattern just under
+    ``MAX_REGEX_STEPS`` may cost milliseconds a match. Only for admitted patterns."""
+    rx = compiled(pattern)
+    m = rx.fullmatch(name) if anchored_end else rx.match(name)
+    return m is not None
