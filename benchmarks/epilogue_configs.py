@@ -6,9 +6,11 @@ torch twin; the fastest per case is marked.
     python -m benchmarks.epilogue_configs [--out FILE] [--rank 64 --batches 32 64 --loras 8]
                                           [--cold-l2]   # inputs evicted from L2 before each launch
                                           [--ops silu_mul]
+                                          [--pipelined]  # the per-slot loop with and without stages
 
-Columns: (block_t, block_n | -, warps, block_k); block_k > 0 is the packed delta (one dot per
-block_k rank columns of every slot), 0 the per-slot loop.
+Columns: (block_t, block_n | -, warps, block_k[, stages]); block_k > 0 is the packed delta (one
+dot per block_k rank columns of every slot), 0 the per-slot loop; stages > 0 that loop without
+its branch, software-pipelined (lora_delta's STAGES: B tiles in flight through shared memory).
 """
 
 from __future__ import annotations
@@ -47,6 +49,32 @@ SILU = [
 QKV = [
     QKVRopeConfig(bt, w, bk) for bt, w, bk in itertools.product((16, 32, 64), (4, 8), (0, 32, 64))
 ] + [QKVRopeConfig(bt, w, 0) for bt, w in ((1, 2), (1, 4), (1, 8), (2, 4), (4, 4), (8, 4), (8, 8))]
+# --pipelined: the per-slot loop at 0 (branching), 2 and 3 stages, side by side
+SILU_PIPE = [
+    SiluMulConfig(bt, bn, w, 0, s)
+    for bt, bn, w in [
+        (16, 64, 4),
+        (16, 128, 4),
+        (16, 128, 8),
+        (32, 128, 4),
+        (2, 256, 4),
+        (4, 128, 4),
+    ]
+    for s in (0, 2, 3)
+]
+QKV_PIPE = [
+    QKVRopeConfig(bt, w, 0, s)
+    for bt, w in [(1, 4), (2, 4), (4, 4), (16, 4), (16, 8), (32, 4)]
+    for s in (0, 2, 3)
+]
+
+
+def label(cfg: SiluMulConfig | QKVRopeConfig) -> str:
+    """(block_t, block_n | -, warps, block_k[, stages])."""
+    stages = f", s{cfg.stages}" if cfg.stages else ""
+    return (
+        f"({cfg.block_t}, {getattr(cfg, 'block_n', '-')}, {cfg.num_warps}, {cfg.block_k}{stages})"
+    )
 
 
 def sorted_slots(t: int, loras: int, dev: str) -> LoRAMapping:
@@ -84,7 +112,7 @@ def silu_case(t: int, loras: int) -> list[tuple[str, float, float]]:
             us = graph_us(fn, cold_l2=COLD_L2)
             rows.append(
                 (
-                    f"({cfg.block_t}, {cfg.block_n}, {cfg.num_warps}, {cfg.block_k})",
+                    label(cfg),
                     us,
                     err(out, ref),
                 )
@@ -92,7 +120,7 @@ def silu_case(t: int, loras: int) -> list[tuple[str, float, float]]:
         except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
             rows.append(
                 (
-                    f"({cfg.block_t}, {cfg.block_n}, {cfg.num_warps}, {cfg.block_k}) {type(e).__name__}",
+                    f"{label(cfg)} {type(e).__name__}",
                     float("inf"),
                     0.0,
                 )
@@ -129,11 +157,11 @@ def qkv_case(t: int, loras: int) -> list[tuple[str, float, float]]:
             fn()
             e = max(err(q, q0), err(kc, kc0), err(vc, vc0))
             us = graph_us(fn, cold_l2=COLD_L2)
-            rows.append((f"({cfg.block_t}, -, {cfg.num_warps}, {cfg.block_k})", us, e))
+            rows.append((label(cfg), us, e))
         except Exception as ex:  # noqa: BLE001
             rows.append(
                 (
-                    f"({cfg.block_t}, -, {cfg.num_warps}, {cfg.block_k}) {type(ex).__name__}",
+                    f"{label(cfg)} {type(ex).__name__}",
                     float("inf"),
                     0.0,
                 )
@@ -154,12 +182,18 @@ def main() -> None:
         help="B of a slot stored (R, n) as the engine's slots (default) or (n, R): a program's "
         "column block then one contiguous run",
     )  # fmt: skip
+    ap.add_argument(
+        "--pipelined", action="store_true",
+        help="only the per-slot loop's configs, each at 0 (branching), 2 and 3 stages",
+    )  # fmt: skip
     args = ap.parse_args()
-    global R, COLD_L2, B_COLUMN_MAJOR
+    global R, COLD_L2, B_COLUMN_MAJOR, SILU, QKV
+    if args.pipelined:
+        SILU, QKV = SILU_PIPE, QKV_PIPE
     R, COLD_L2 = args.rank, args.cold_l2
     B_COLUMN_MAJOR = args.b_layout == "column-major"
     lines = [
-        "| op | loras | T | fastest (block_t, block_n, warps, block_k) | µs | engine default µs | rel err | top 3 |",
+        "| op | loras | T | fastest (block_t, block_n, warps, block_k[, stages]) | µs | engine default µs | rel err | top 3 |",
         "|---|---:|---:|---|---:|---:|---:|---|",
     ]
     for op, case in (("silu_mul", silu_case), ("qkv_rope", qkv_case)):
@@ -170,7 +204,7 @@ def main() -> None:
             bad = [r for r in rows if r[2] > 2e-2]
             ok = sorted((r for r in rows if r[2] <= 2e-2), key=lambda r: r[1])
             d = (silu_mul_config if op == "silu_mul" else qkv_rope_config)(t, loras, R)
-            key = f"({d.block_t}, {getattr(d, 'block_n', '-')}, {d.num_warps}, {d.block_k})"
+            key = label(d)
             default = next((r[1] for r in rows if r[0] == key), float("nan"))
             best = ok[0]
             top = "; ".join(f"{r[0]} {r[1]:.1f}" for r in ok[:3])
@@ -179,6 +213,10 @@ def main() -> None:
                 line += f" ({len(bad)} configs off the twin: {bad[0][0]} {bad[0][2]:.1e})"
             print(line, flush=True)
             lines.append(line)
+            if args.pipelined:  # every config, in sweep order (0 / 2 / 3 stages side by side)
+                every = ", ".join(f"{r[0]} {r[1]:.1f}" for r in rows)
+                print(f"| {op} all | {loras} | {t} | {every} |", flush=True)
+                lines.append(f"| {op} all | {loras} | {t} | {every} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -3,6 +3,7 @@ at decode sizes, per LoRA rank; each config is also checked against the torch tw
 out as the engine's slots (rank-major, lora/layers.py); split configs are add_rmsnorm_split.py.
 
     python -m benchmarks.norm_configs [--ranks 16 64] [--batches 1 32 64 128] [--cold-l2]
+                                      [--pipelined]  # split rows, the LoRA loop at 0 / 2 / 3 stages
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ CONFIGS = [
     NormConfig(block_t=16, block_h=256, num_warps=4, split=True),
     NormConfig(block_t=16, block_h=128, num_warps=4, split=True),
 ]
+PIPELINED = [  # --pipelined: split rows with the per-slot LoRA loop branching (0) or pipelined
+    NormConfig(block_t=bt, block_h=bh, num_warps=w, split=True, stages=s)
+    for bt, bh, w in [(1, 1024, 8), (1, 512, 4), (2, 1024, 8), (4, 256, 4), (16, 256, 4)]
+    for s in (0, 2, 3)
+]
+
+
+def label(c: NormConfig) -> str:
+    return f"({c.block_t}, {c.block_h}, {c.num_warps}, {c.split}" + (
+        f", s{c.stages})" if c.stages else ")"
+    )
 
 
 def main() -> None:
@@ -51,7 +63,9 @@ def main() -> None:
         help="B of a slot stored (R, H) as the engine's slots (default) or (H, R): a program's "
         "column chunk then one contiguous run",
     )  # fmt: skip
+    ap.add_argument("--pipelined", action="store_true", help="the PIPELINED configs only")
     args = ap.parse_args()
+    configs = PIPELINED if args.pipelined else CONFIGS
     h = 4096
     for r in args.ranks:
         for loras in (0, 8):
@@ -71,7 +85,7 @@ def main() -> None:
                 ref_res, ref_out = res0.clone(), torch.empty_like(res0)
                 lora_add_rmsnorm_torch(y, ref_res, lb, slots, w, 1e-5, ref_out)
                 cells = []
-                for cfg in CONFIGS:
+                for cfg in configs:
                     res, out = res0.clone(), torch.empty_like(res0)
                     try:
                         lora_add_rmsnorm_triton(y, res, lb, slots, w, 1e-5, out, config=cfg)
@@ -84,10 +98,9 @@ def main() -> None:
                     except Exception as ex:  # noqa: BLE001
                         cells.append(f"fail:{type(ex).__name__}")
                 d = norm_config(t, h, r if loras else 0)
-                default = (d.block_t, d.block_h, d.num_warps, d.split)
-                print(f"rank {r} loras {loras} T {t} (default {default}): " + " | ".join(cells),
+                print(f"rank {r} loras {loras} T {t} (default {label(d)}): " + " | ".join(cells),
                       flush=True)  # fmt: skip
-    print("configs:", [(c.block_t, c.block_h, c.num_warps, c.split) for c in CONFIGS])
+    print("configs:", [label(c) for c in configs])
 
 
 if __name__ == "__main__":

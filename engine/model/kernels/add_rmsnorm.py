@@ -33,6 +33,7 @@ class NormConfig:
     block_h: int = 256
     num_warps: int = 4
     split: bool = False  # rows split over column chunks (add_rmsnorm_split.py; LoRA only)
+    stages: int = 0  # split only, > 0: its per-slot LoRA loop pipelined (lora_delta)
 
 
 SPLIT_RANK = 16  # steps reading more rank rows split their rows (add_rmsnorm_split.py)
@@ -179,7 +180,7 @@ def _launch(
         assert y_aug is not None and token_slots is not None
         add_rmsnorm_split(
             y_aug, residual, lora_b, token_slots, norm_weight, eps, out, rank=rank,
-            block_h=cfg.block_h, num_warps=cfg.num_warps, block_t=cfg.block_t,
+            block_h=cfg.block_h, num_warps=cfg.num_warps, block_t=cfg.block_t, stages=cfg.stages,
             block_r=block_r(rank, use_dot, cfg.block_t * cfg.block_h, cfg.num_warps), dora=dora,
         )  # fmt: skip
         return

@@ -75,6 +75,7 @@ def lora_delta(
     BLOCK_R: tl.constexpr,
     USE_DOT: tl.constexpr,
     BLOCK_K: tl.constexpr = 0,
+    STAGES: tl.constexpr = 0,
 ):
     """``acc[i, j] += delta[tok[i], cols[j]]``; returns ``acc`` (fp32).
 
@@ -90,6 +91,14 @@ def lora_delta(
     keeps only its own slot's columns (masked load) and the delta is a dot over ``k`` in chunks
     of ``BLOCK_K`` against ``lora_b`` gathered as (R * span, N): one dot per chunk instead of
     one per slot. The same products as the per-slot loop; the fp32 sums in another order.
+
+    ``STAGES > 0`` (``BLOCK_K == 0``): the per-slot loop without a branch, pipelined. One loop
+    over (slot of ``lo .. hi``, rank chunk) loads that slot's shrinks of the block's rows (the
+    other rows masked to zero) and its ``B`` tile (masked off entirely for a slot no row of the
+    block holds), so Triton's software pipeliner keeps ``STAGES - 1`` ``B`` tiles in flight
+    through shared memory while the current one is multiplied, instead of one load, its wait and
+    its dot after another. Each token's nonzero terms come in the same order (its slot's rank
+    chunks, ascending) as in the branching loop, the others add exact zeros: the same sums.
 
     Otherwise one gather per rank chunk loads every token's own shrinks; the loop over the
     slots present masks them per slot (the masked terms add exact zeros: the same sums, bit
@@ -122,6 +131,31 @@ def lora_delta(
                 other=0.0,
             )  # (BLOCK_K, BN)
             acc += tl.dot(h, b.to(h.dtype), input_precision="ieee")
+        return acc
+    if STAGES > 0:
+        n_r = tl.cdiv(R, BLOCK_R)
+        for i in tl.range(0, (hi - lo) * n_r, num_stages=STAGES):
+            slot = lo + i // n_r
+            offs_r = (i % n_r) * BLOCK_R + tl.arange(0, BLOCK_R)
+            r_mask = offs_r < R
+            sel = slots == slot
+            n_sel = tl.reduce(sel.to(tl.int32), 0, tl.standard._elementwise_max)
+            live = tl.where(col_mask, n_sel, 0) > 0  # (BN,): col_mask, or none for an absent slot
+            h = tl.load(
+                h_rows + (k_col + slot * step_l + offs_r[None, :] * step_r) * stride_yn,
+                mask=sel[:, None] & r_mask[None, :],
+                other=0.0,
+            )  # (BT, BLOCK_R)
+            b = tl.load(
+                b_ptr + slot * stride_bl + cols[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                mask=r_mask[:, None] & live[None, :],
+                other=0.0,
+            )  # (BLOCK_R, BN)
+            if USE_DOT:
+                acc += tl.dot(h, b.to(h.dtype), input_precision="ieee")
+            else:
+                prod = h.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
+                acc += tl.reduce(prod, 1, tl.standard._sum_combine)
         return acc
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)

@@ -32,6 +32,7 @@ class QKVRopeConfig:
     block_t: int = 16
     num_warps: int = 4
     block_k: int = 0  # > 0: packed LoRA delta (one dot per BLOCK_K rank columns, lora_delta)
+    stages: int = 0  # > 0 (block_k 0): the per-slot loop pipelined, B tiles in flight (lora_delta)
 
 
 def qkv_rope_config(num_tokens: int, num_slots: int = 0, rank: int = 16) -> QKVRopeConfig:
@@ -77,6 +78,7 @@ def _qkv_rope_kernel(
     HAS_LORA: tl.constexpr,
     USE_DOT: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
     HAS_DORA: tl.constexpr,
     DORA_BIAS: tl.constexpr,
 ):  # fmt: skip
@@ -104,12 +106,12 @@ def _qkv_rope_kernel(
         d1 = tl.full((BLOCK_T, BLOCK_HALF), 0.0, tl.float32)
         d1 = lora_delta(
             d1, ya_ptr, b_ptr, tok, slots, c1, h_mask, n_base + s * L, 1, 3 * L, L, R,
-            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
+            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K, STAGES,
         )  # fmt: skip
         d2 = tl.full((BLOCK_T, BLOCK_HALF), 0.0, tl.float32)
         d2 = lora_delta(
             d2, ya_ptr, b_ptr, tok, slots, c2, h_mask, n_base + s * L, 1, 3 * L, L, R,
-            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
+            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K, STAGES,
         )  # fmt: skip
         if HAS_DORA:  # after the deltas: their loads go out before the flag gather
             on, any_dora = dora_flags(on_ptr, slots)
@@ -164,7 +166,7 @@ def _qkv_rope_kernel(
             dv = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)
             dv = lora_delta(
                 dv, ya_ptr, b_ptr, tok, slots, cv, d_mask, n_base + 2 * L, 1, 3 * L, L, R,
-                stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
+                stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K, STAGES,
             )  # fmt: skip
             if HAS_DORA:  # noqa: SIM102 (any_dora exists only under the constexpr)
                 if any_dora:
@@ -229,6 +231,7 @@ def lora_qkv_rope_triton(
         HAS_LORA=lora_b is not None,
         USE_DOT=use_dot,
         BLOCK_K=cfg.block_k if use_dot else 0,
+        STAGES=cfg.stages if not (use_dot and cfg.block_k) else 0,
         HAS_DORA=has_dora,
         DORA_BIAS=dora_bias,
         num_warps=cfg.num_warps,

@@ -33,6 +33,7 @@ class SiluMulConfig:
     block_n: int = 128
     num_warps: int = 4
     block_k: int = 0  # > 0: packed LoRA delta (one dot per BLOCK_K rank columns, lora_delta)
+    stages: int = 0  # > 0 (block_k 0): the per-slot loop pipelined, B tiles in flight (lora_delta)
 
 
 def silu_mul_config(num_tokens: int, num_slots: int = 0, rank: int = 16) -> SiluMulConfig:
@@ -91,6 +92,7 @@ def _silu_mul_kernel(
     HAS_LORA: tl.constexpr,
     USE_DOT: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
     HAS_DORA: tl.constexpr,
     DORA_BIAS: tl.constexpr,
 ):
@@ -108,12 +110,12 @@ def _silu_mul_kernel(
         dg = tl.full((BLOCK_T, BLOCK_N), 0.0, tl.float32)
         dg = lora_delta(
             dg, ya_ptr, b_ptr, tok, slots, cols, c_mask, 2 * inter, 1, 2 * L, L, R,
-            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
+            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K, STAGES,
         )  # fmt: skip
         du = tl.full((BLOCK_T, BLOCK_N), 0.0, tl.float32)
         du = lora_delta(
             du, ya_ptr, b_ptr, tok, slots, inter + cols, c_mask, 2 * inter + L, 1, 2 * L, L, R,
-            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
+            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K, STAGES,
         )  # fmt: skip
         if HAS_DORA:  # after the deltas: their loads go out before the flag gather
             on, any_dora = dora_flags(on_ptr, slots)
@@ -180,6 +182,7 @@ def lora_silu_mul_triton(
         HAS_LORA=lora_b is not None,
         USE_DOT=use_dot,
         BLOCK_K=cfg.block_k if use_dot else 0,
+        STAGES=cfg.stages if not (use_dot and cfg.block_k) else 0,
         HAS_DORA=has_dora,
         DORA_BIAS=dora_bias,
         num_warps=cfg.num_warps,
