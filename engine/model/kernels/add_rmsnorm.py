@@ -22,6 +22,7 @@ from loraplex.engine.model.kernels.lora_delta import (
     dora_flags,
     dora_rows,
     lora_delta,
+    wide_rank_stages,
 )
 
 __all__ = ["NormConfig", "norm_config", "lora_add_rmsnorm_triton", "rmsnorm_triton"]
@@ -54,8 +55,9 @@ def norm_config(num_tokens: int, hidden: int = 4096, rank: int = 0) -> NormConfi
     come grouped by slot: a pair mostly shares its B chunk): 9.3 µs at T = 64, 9.0 at T = 32."""
     if rank > SPLIT_RANK and num_tokens <= 256 and hidden <= 1024 * 64:
         return NormConfig(
-            block_t=1 if num_tokens <= 32 else 2, block_h=1024, num_warps=8, split=True
-        )
+            block_t=1 if num_tokens <= 32 else 2, block_h=1024, num_warps=8, split=True,
+            stages=wide_rank_stages(),
+        )  # fmt: skip
     if num_tokens <= 256:
         block_h = min(4096, triton.next_power_of_2(hidden))
         return NormConfig(block_t=1, block_h=block_h, num_warps=16 if block_h >= 4096 else 8)

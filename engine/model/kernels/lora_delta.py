@@ -28,6 +28,8 @@ Only Triton builtins (``tl.reduce`` with the standard combine functions, not ``t
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import TYPE_CHECKING
 
 import triton
@@ -38,10 +40,21 @@ if TYPE_CHECKING:
 
     from loraplex.engine.lora.mapping import DoraRows
 
-__all__ = ["lora_delta", "dora_flags", "dora_rows", "dora_args", "block_r"]
+__all__ = ["lora_delta", "dora_flags", "dora_rows", "dora_args", "block_r", "wide_rank_stages"]
 
 
 THREAD_ELEMS = 128  # fp32 products per thread of one broadcast chunk (R = 16 at 1 x 4096, 16 warps)
+
+
+@functools.cache
+def wide_rank_stages() -> int:
+    """``stages`` of the per-slot loop in the epilogues' configs for steps above rank 16
+    (``LORAPLEX_EPILOGUE_STAGES``, default 0: the branching loop). A switch to A/B the
+    pipelined loop on the decode step (benchmarks/ab_env.sh) before a default is chosen."""
+    raw = os.environ.get("LORAPLEX_EPILOGUE_STAGES", "0")
+    if not raw.isdigit() or int(raw) > 4:
+        raise ValueError(f"LORAPLEX_EPILOGUE_STAGES={raw!r}: 0-4")
+    return int(raw)
 
 
 def block_r(rank: int, use_dot: bool, tile: int = 0, num_warps: int = 16) -> int:

@@ -22,6 +22,7 @@ from loraplex.engine.model.kernels.lora_delta import (
     dora_flags,
     dora_rows,
     lora_delta,
+    wide_rank_stages,
 )
 
 __all__ = ["SiluMulConfig", "silu_mul_config", "lora_silu_mul_triton"]
@@ -49,7 +50,7 @@ def silu_mul_config(num_tokens: int, num_slots: int = 0, rank: int = 16) -> Silu
     (``--rank 64`` sweep: the packed form's dot spans every slot's rank columns of the block);
     at T = 64 the packed delta in 32-column chunks on 16 x 128 tiles, 13.8 against 18.3 µs."""
     if 0 < num_slots < 16 and num_tokens <= 32 and rank > 16:
-        return SiluMulConfig(block_t=16, block_n=128, num_warps=4)
+        return SiluMulConfig(block_t=16, block_n=128, num_warps=4, stages=wide_rank_stages())
     if 0 < num_slots < 16 and num_tokens <= 64 and rank > 16:
         return SiluMulConfig(block_t=16, block_n=128, num_warps=4, block_k=32)
     if num_slots and num_tokens <= 32:
