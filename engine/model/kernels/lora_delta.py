@@ -67,6 +67,17 @@ def block_r(rank: int, use_dot: bool, tile: int = 0, num_warps: int = 16) -> int
 
 
 @triton.jit
+def _mul_add(acc, h, b, USE_DOT: tl.constexpr):
+    """``acc + h @ b`` in fp32: one tensor-core dot, or a broadcast multiply and a reduction."""
+    if USE_DOT:
+        acc += tl.dot(h, b.to(h.dtype), input_precision="ieee")
+    else:
+        prod = h.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
+        acc += tl.reduce(prod, 1, tl.standard._sum_combine)
+    return acc
+
+
+@triton.jit
 def lora_delta(
     acc,
     ya_ptr,
@@ -164,11 +175,7 @@ def lora_delta(
                 mask=r_mask[:, None] & live[None, :],
                 other=0.0,
             )  # (BLOCK_R, BN)
-            if USE_DOT:
-                acc += tl.dot(h, b.to(h.dtype), input_precision="ieee")
-            else:
-                prod = h.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
-                acc += tl.reduce(prod, 1, tl.standard._sum_combine)
+            acc = _mul_add(acc, h, b, USE_DOT)
         return acc
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
@@ -191,11 +198,7 @@ def lora_delta(
                     mask=r_mask[:, None] & col_mask[None, :],
                     other=0.0,
                 )  # (BLOCK_R, BN)
-                if USE_DOT:
-                    acc += tl.dot(h, b.to(h.dtype), input_precision="ieee")
-                else:
-                    prod = h.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
-                    acc += tl.reduce(prod, 1, tl.standard._sum_combine)
+                acc = _mul_add(acc, h, b, USE_DOT)
     return acc
 
 
