@@ -8,9 +8,10 @@ torch twin; the fastest per case is marked.
                                           [--ops silu_mul]
                                           [--pipelined]  # the per-slot loop with and without stages
 
-Columns: (block_t, block_n | -, warps, block_k[, stages]); block_k > 0 is the packed delta (one
-dot per block_k rank columns of every slot), 0 the per-slot loop; stages > 0 that loop without
-its branch, software-pipelined (lora_delta's STAGES: B tiles in flight through shared memory).
+Columns: (block_t, block_n | -, warps, block_k[, stages[ paired]]); block_k > 0 is the packed
+delta (one dot per block_k rank columns of every slot), 0 the per-slot loop; stages > 0 that loop
+without its branch, software-pipelined (lora_delta's STAGES: B tiles in flight through shared
+memory); paired: silu_mul's gate and up slices in one such loop (lora_delta_pair).
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ QKV = [
     QKVRopeConfig(bt, w, bk) for bt, w, bk in itertools.product((16, 32, 64), (4, 8), (0, 32, 64))
 ] + [QKVRopeConfig(bt, w, 0) for bt, w in ((1, 2), (1, 4), (1, 8), (2, 4), (4, 4), (8, 4), (8, 8))]
 # --pipelined: the per-slot loop at 0 (branching), 2 and 3 stages, side by side
-SILU_PIPE = [
-    SiluMulConfig(bt, bn, w, 0, s)
+SILU_PIPE = [  # and gate + up in one pipelined loop (paired)
+    SiluMulConfig(bt, bn, w, 0, s, paired)
     for bt, bn, w in [
         (16, 64, 4),
         (16, 128, 4),
@@ -60,7 +61,7 @@ SILU_PIPE = [
         (2, 256, 4),
         (4, 128, 4),
     ]
-    for s in (0, 2, 3)
+    for s, paired in ((0, False), (2, False), (3, False), (2, True), (3, True))
 ]
 QKV_PIPE = [
     QKVRopeConfig(bt, w, 0, s)
@@ -72,6 +73,7 @@ QKV_PIPE = [
 def label(cfg: SiluMulConfig | QKVRopeConfig) -> str:
     """(block_t, block_n | -, warps, block_k[, stages])."""
     stages = f", s{cfg.stages}" if cfg.stages else ""
+    stages += " paired" if getattr(cfg, "paired", False) and cfg.stages else ""
     return (
         f"({cfg.block_t}, {getattr(cfg, 'block_n', '-')}, {cfg.num_warps}, {cfg.block_k}{stages})"
     )

@@ -184,6 +184,7 @@ def main() -> None:
     cases = [("silu_mul", None)]
     cases += [("silu_mul", SiluMulConfig(16, 128, 4, 0, s)) for s in (0, 2, 3)]
     cases += [("silu_mul", SiluMulConfig(16, 64, 4, 0, s)) for s in (0, 2)]
+    cases += [("silu_mul", SiluMulConfig(16, bn, 4, 0, 2, True)) for bn in (64, 128)]  # paired
     cases += [("silu_mul", SiluMulConfig(16, 128, 4, 32))]
     cases += [("qkv_rope", None)] + [("qkv_rope", QKVRopeConfig(2, 4, 0, s)) for s in (0, 2)]
     cases += [("qkv_rope", QKVRopeConfig(16, 4, 0, s)) for s in (0, 2)]

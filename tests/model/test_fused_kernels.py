@@ -255,6 +255,8 @@ CONFIGS = {  # block_t 1 / 4: broadcast delta; 16: tensor-core dot; last 16 / 32
         (16, 64, 4, 32),
         (16, 32, 4, 0, 2),
         (2, 128, 4, 0, 3),
+        (16, 32, 4, 0, 2, True),  # gate and up in one pipelined loop
+        (2, 128, 4, 0, 3, True),
     ],  # fmt: skip
     "qkv_rope": [(16, 4), (1, 4), (2, 4), (16, 4, 16), (16, 4, 32), (16, 4, 0, 2), (2, 4, 0, 3)],
 }
@@ -263,7 +265,12 @@ PIPELINED = {  # op: (config without stages, the same pipelined): the same sums,
         ((1, 16, 2, True), (1, 16, 2, True, 2)),
         ((16, 32, 4, True), (16, 32, 4, True, 3)),
     ],
-    "silu_mul": [((16, 32, 4), (16, 32, 4, 0, 2)), ((2, 128, 4), (2, 128, 4, 0, 3))],
+    "silu_mul": [
+        ((16, 32, 4), (16, 32, 4, 0, 2)),
+        ((2, 128, 4), (2, 128, 4, 0, 3)),
+        ((16, 32, 4), (16, 32, 4, 0, 2, True)),
+        ((2, 128, 4), (2, 128, 4, 0, 3, True)),
+    ],
     "qkv_rope": [((16, 4), (16, 4, 0, 2)), ((2, 4), (2, 4, 0, 3))],
 }
 
@@ -400,7 +407,7 @@ def test_dispatch_by_the_mapping_and_shape_errors(monkeypatch: pytest.MonkeyPatc
 
 def test_wide_rank_stages_switch(monkeypatch) -> None:
     """LORAPLEX_EPILOGUE_STAGES sets the pipelined loop in the configs of steps above rank 16
-    only; a bad value is refused."""
+    only (Np: silu_mul's slices paired too); a bad value is refused."""
     from loraplex.engine.model.kernels import add_rmsnorm, lora_delta, qkv_rope, silu_mul
 
     def configs():
@@ -416,16 +423,19 @@ def test_wide_rank_stages_switch(monkeypatch) -> None:
         )
 
     try:
-        for raw, want in (("0", 0), ("3", 3)):
+        for raw, want, paired in (("0", 0, False), ("3", 3, False), ("2p", 2, True)):
             monkeypatch.setenv("LORAPLEX_EPILOGUE_STAGES", raw)
             lora_delta.wide_rank_stages.cache_clear()
             wide, narrow = configs()
             assert [c.stages for c in wide] == [want] * len(wide)
+            assert wide[0].paired is paired
             assert [c.stages for c in narrow] == [0] * len(narrow)
-        monkeypatch.setenv("LORAPLEX_EPILOGUE_STAGES", "x")
-        lora_delta.wide_rank_stages.cache_clear()
-        with pytest.raises(ValueError, match="LORAPLEX_EPILOGUE_STAGES"):
-            configs()
+            assert not narrow[0].paired
+        for bad in ("x", "0p", "5", "p"):
+            monkeypatch.setenv("LORAPLEX_EPILOGUE_STAGES", bad)
+            lora_delta.wide_rank_stages.cache_clear()
+            with pytest.raises(ValueError, match="LORAPLEX_EPILOGUE_STAGES"):
+                configs()
     finally:
         monkeypatch.delenv("LORAPLEX_EPILOGUE_STAGES")
         lora_delta.wide_rank_stages.cache_clear()

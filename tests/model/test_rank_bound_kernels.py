@@ -91,6 +91,7 @@ def test_silu_mul_at_a_rank_bound(bound: int, triton: bool) -> None:
 
         configs += [SiluMulConfig(16, 32, 4, 16), SiluMulConfig(1, 64, 4)]
         configs += [SiluMulConfig(16, 32, 4, 0, 2), SiluMulConfig(1, 64, 4, 0, 3)]  # pipelined
+        configs += [SiluMulConfig(16, 32, 4, 0, 2, True)]  # gate and up in one loop
     for cfg in configs:
         out = torch.full_like(want, float("nan"))
         if cfg is None:

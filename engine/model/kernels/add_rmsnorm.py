@@ -56,7 +56,7 @@ def norm_config(num_tokens: int, hidden: int = 4096, rank: int = 0) -> NormConfi
     if rank > SPLIT_RANK and num_tokens <= 256 and hidden <= 1024 * 64:
         return NormConfig(
             block_t=1 if num_tokens <= 32 else 2, block_h=1024, num_warps=8, split=True,
-            stages=wide_rank_stages(),
+            stages=wide_rank_stages()[0],
         )  # fmt: skip
     if num_tokens <= 256:
         block_h = min(4096, triton.next_power_of_2(hidden))

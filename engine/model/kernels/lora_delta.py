@@ -40,21 +40,32 @@ if TYPE_CHECKING:
 
     from loraplex.engine.lora.mapping import DoraRows
 
-__all__ = ["lora_delta", "dora_flags", "dora_rows", "dora_args", "block_r", "wide_rank_stages"]
+__all__ = [
+    "lora_delta",
+    "lora_delta_pair",
+    "dora_flags",
+    "dora_rows",
+    "dora_args",
+    "block_r",
+    "wide_rank_stages",
+]
 
 
 THREAD_ELEMS = 128  # fp32 products per thread of one broadcast chunk (R = 16 at 1 x 4096, 16 warps)
 
 
 @functools.cache
-def wide_rank_stages() -> int:
-    """``stages`` of the per-slot loop in the epilogues' configs for steps above rank 16
-    (``LORAPLEX_EPILOGUE_STAGES``, default 0: the branching loop). A switch to A/B the
-    pipelined loop on the decode step (benchmarks/ab_env.sh) before a default is chosen."""
+def wide_rank_stages() -> tuple[int, bool]:
+    """(``stages`` of the per-slot loop in the epilogues' configs for steps above rank 16,
+    whether silu_mul pairs its slices in one loop): ``LORAPLEX_EPILOGUE_STAGES`` = N or Np,
+    default 0 (the branching loop). A switch to A/B the pipelined loop on the decode step
+    (benchmarks/ab_env.sh) before a default is chosen."""
     raw = os.environ.get("LORAPLEX_EPILOGUE_STAGES", "0")
-    if not raw.isdigit() or int(raw) > 4:
-        raise ValueError(f"LORAPLEX_EPILOGUE_STAGES={raw!r}: 0-4")
-    return int(raw)
+    paired = raw.endswith("p")
+    digits = raw[:-1] if paired else raw
+    if not digits.isdigit() or int(digits) > 4 or (paired and int(digits) == 0):
+        raise ValueError(f"LORAPLEX_EPILOGUE_STAGES={raw!r}: 0-4, or 1p-4p (silu_mul paired)")
+    return int(digits), paired
 
 
 def block_r(rank: int, use_dot: bool, tile: int = 0, num_warps: int = 16) -> int:
@@ -75,6 +86,61 @@ def _mul_add(acc, h, b, USE_DOT: tl.constexpr):
         prod = h.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
         acc += tl.reduce(prod, 1, tl.standard._sum_combine)
     return acc
+
+
+@triton.jit
+def _slot_tiles(
+    h_rows, b_ptr, slots, cols, col_mask, k_col, slot, r0, step_l, step_r, R,
+    stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """One step of the branch-free per-slot loop: (the block rows' shrinks of ``slot`` for
+    ranks ``r0 ..`` (BT, BLOCK_R), other rows 0; that slot's B tile (BLOCK_R, BN), not loaded
+    at all when no row of the block holds the slot)."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    sel = slots == slot
+    n_sel = tl.reduce(sel.to(tl.int32), 0, tl.standard._elementwise_max)
+    live = tl.where(col_mask, n_sel, 0) > 0  # (BN,): col_mask, or none for an absent slot
+    h = tl.load(
+        h_rows + (k_col + slot * step_l + offs_r[None, :] * step_r) * stride_yn,
+        mask=sel[:, None] & r_mask[None, :],
+        other=0.0,
+    )
+    b = tl.load(
+        b_ptr + slot * stride_bl + cols[None, :] * stride_bn + offs_r[:, None] * stride_br,
+        mask=r_mask[:, None] & live[None, :],
+        other=0.0,
+    )
+    return h, b
+
+
+@triton.jit
+def lora_delta_pair(
+    acc_a, acc_b, ya_ptr, b_ptr, tok, slots, cols, col_mask, off_b, k_col_a, k_col_b,
+    step_l, step_r, L, R, stride_yt, stride_yn, stride_bl, stride_bn, stride_br,
+    BLOCK_R: tl.constexpr, USE_DOT: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """Two slices' deltas in one pipelined per-slot loop (``lora_delta`` with ``STAGES``):
+    ``acc_a`` of columns ``cols`` (shrinks from ``k_col_a``), ``acc_b`` of ``off_b + cols``
+    (from ``k_col_b``), steps alternating between them, so the pipeline runs on from one slice's
+    tiles to the other's instead of draining between two loops (silu_mul's gate and up). Each
+    step's product goes to its slice's tile; the other gets an exact zero. Returns both."""
+    lo = tl.reduce(tl.where(slots >= 0, slots, L), 0, tl.standard._elementwise_min)
+    hi = tl.reduce(slots, 0, tl.standard._elementwise_max) + 1
+    h_rows = ya_ptr + tok[:, None] * stride_yt
+    n_r = tl.cdiv(R, BLOCK_R)
+    for i in tl.range(0, 2 * (hi - lo) * n_r, num_stages=STAGES):
+        j = i // 2
+        second = (i % 2) == 1
+        h, b = _slot_tiles(
+            h_rows, b_ptr, slots, cols + tl.where(second, off_b, 0), col_mask,
+            tl.where(second, k_col_b, k_col_a), lo + j // n_r, (j % n_r) * BLOCK_R,
+            step_l, step_r, R, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R,
+        )  # fmt: skip
+        d = _mul_add(tl.zeros_like(acc_a), h, b, USE_DOT)
+        acc_a += tl.where(second, 0.0, d)
+        acc_b += tl.where(second, d, 0.0)
+    return acc_a, acc_b
 
 
 @triton.jit
@@ -159,22 +225,10 @@ def lora_delta(
     if STAGES > 0:
         n_r = tl.cdiv(R, BLOCK_R)
         for i in tl.range(0, (hi - lo) * n_r, num_stages=STAGES):
-            slot = lo + i // n_r
-            offs_r = (i % n_r) * BLOCK_R + tl.arange(0, BLOCK_R)
-            r_mask = offs_r < R
-            sel = slots == slot
-            n_sel = tl.reduce(sel.to(tl.int32), 0, tl.standard._elementwise_max)
-            live = tl.where(col_mask, n_sel, 0) > 0  # (BN,): col_mask, or none for an absent slot
-            h = tl.load(
-                h_rows + (k_col + slot * step_l + offs_r[None, :] * step_r) * stride_yn,
-                mask=sel[:, None] & r_mask[None, :],
-                other=0.0,
-            )  # (BT, BLOCK_R)
-            b = tl.load(
-                b_ptr + slot * stride_bl + cols[None, :] * stride_bn + offs_r[:, None] * stride_br,
-                mask=r_mask[:, None] & live[None, :],
-                other=0.0,
-            )  # (BLOCK_R, BN)
+            h, b = _slot_tiles(
+                h_rows, b_ptr, slots, cols, col_mask, k_col, lo + i // n_r, (i % n_r) * BLOCK_R,
+                step_l, step_r, R, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R,
+            )  # fmt: skip
             acc = _mul_add(acc, h, b, USE_DOT)
         return acc
     for r0 in range(0, R, BLOCK_R):

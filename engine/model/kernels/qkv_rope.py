@@ -49,9 +49,9 @@ def qkv_rope_config(num_tokens: int, num_slots: int = 0, rank: int = 16) -> QKVR
     T = 32 with 8 rank-64 slots (``--rank 64`` sweep); at T = 64 the per-slot loop on 16-token
     blocks, 9.8 against 13.5 µs for the packed delta."""
     if num_tokens <= 32 and rank > 16 and 0 < num_slots < 16:
-        return QKVRopeConfig(block_t=2, num_warps=4, stages=wide_rank_stages())
+        return QKVRopeConfig(block_t=2, num_warps=4, stages=wide_rank_stages()[0])
     if num_tokens <= 64 and rank > 16 and 0 < num_slots < 16:
-        return QKVRopeConfig(block_t=16, num_warps=4, stages=wide_rank_stages())
+        return QKVRopeConfig(block_t=16, num_warps=4, stages=wide_rank_stages()[0])
     if num_tokens <= 32:
         return QKVRopeConfig(block_t=1, num_warps=4)
     if num_slots >= 16:
