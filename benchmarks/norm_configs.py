@@ -68,7 +68,7 @@ def main() -> None:
     configs = PIPELINED if args.pipelined else CONFIGS
     h = 4096
     for r in args.ranks:
-        for loras in (0, 8):
+        for loras in (8,) if args.pipelined else (0, 8):
             for t in args.batches:
                 dev = "cuda"
                 g = torch.Generator(device=dev).manual_seed(t)
