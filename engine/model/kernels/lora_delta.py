@@ -124,7 +124,9 @@ def lora_delta_pair(
     ``acc_a`` of columns ``cols`` (shrinks from ``k_col_a``), ``acc_b`` of ``off_b + cols``
     (from ``k_col_b``), steps alternating between them, so the pipeline runs on from one slice's
     tiles to the other's instead of draining between two loops (silu_mul's gate and up). Each
-    step's product goes to its slice's tile; the other gets an exact zero. Returns both."""
+    step's product goes to its slice's tile; the other gets an exact zero. The product is
+    summed apart and then added (``lora_delta`` may accumulate into its tile inside the dot), so
+    on a GPU the fp32 sums can round differently from the unpaired loop. Returns both."""
     lo = tl.reduce(tl.where(slots >= 0, slots, L), 0, tl.standard._elementwise_min)
     hi = tl.reduce(slots, 0, tl.standard._elementwise_max) + 1
     h_rows = ya_ptr + tok[:, None] * stride_yt
