@@ -1,0 +1,260 @@
+"""Can a projection's LoRA run beside its base GEMM instead of after it?
+
+At rank 64 with 8 slots and 32 streams the LoRA costs the step 1.32 ms, twice its bytes, and the
+goal of 1.2 x the step's floor lies 0.19 ms above the step with no adapter at all
+(BENCHMARKS.md, "Rank 64 at 32 streams"): the adapters' bytes must move while the base step
+leaves bandwidth unused (the skinny GEMMs read at 64-93 % of the copy bandwidth, attention at
+58 %), not after. Each projection (Llama-3-8B shapes, bf16, 8 rank-64 slots, rows grouped by
+slot), timed in one CUDA graph with a cold L2 (graph_timing.py) as GEMM + epilogue:
+
+    today        the augmented GEMM (base + A rows), the epilogue with the LoRA expand
+    base         the base GEMM, the epilogue without LoRA (what the LoRA adds is today - base)
+    prefetch     today, with the projection's B read into the L2 on a side stream beside the
+                 GEMM (evict-last loads), so the epilogue's expand finds it there
+    side         the base GEMM on the main stream; on a side stream the shrink (a GEMM of the A
+                 rows) and ``lora_expand_delta`` into an fp32 buffer; joined, the delta added to
+                 the base output (one more launch), the epilogue without LoRA
+    side-noadd   side without the add: what an epilogue reading the delta itself would cost,
+                 less its read of the delta (a bound; the output lacks the delta)
+    side-serial  side's launches on one stream (what the fork itself buys)
+
+    python -m benchmarks.lora_overlap [--batches 32 64] [--rank 64] [--loras 8] [--check]
+
+``--check`` compares side's outputs with today's (bf16 roundings apart) before timing. On a
+machine without a GPU the forks run in order, untimed (``check`` only; the tests do so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.engine.lora.mapping import LoRAMapping
+from loraplex.engine.model.gemm import linear
+from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul
+from loraplex.engine.model.kernels.lora_expand_delta import lora_expand_delta
+
+__all__ = ["VARIANTS", "projections", "check", "main"]
+
+VARIANTS = ("today", "base", "prefetch", "side", "side-noadd", "side-serial")
+
+
+@triton.jit
+def _touch_l2(ptr, n, sink, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Read ``ITERS`` blocks of ``ptr`` with evict-last loads; store their sum only if it is a
+    value it never is, so the loads stay."""
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for i in range(ITERS):
+        offs = (tl.program_id(0) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_last")
+        acc += x.to(tl.float32)
+    total = tl.reduce(acc, 0, tl.standard._sum_combine)
+    if total == -1.2345e30:
+        tl.store(sink + tl.program_id(0), total)
+
+
+def touch_l2(buf: torch.Tensor, sink: torch.Tensor, block: int = 2048, iters: int = 4) -> None:
+    """Bring every byte of ``buf`` (contiguous storage) into the L2 (GPU; a no-op elsewhere)."""
+    if not buf.is_cuda:
+        return
+    flat = buf.view(-1)
+    grid = (triton.cdiv(flat.numel(), block * iters),)
+    _touch_l2[grid](flat, flat.numel(), sink, BLOCK=block, ITERS=iters, num_warps=8)
+
+
+def _storage(b: torch.Tensor) -> torch.Tensor:
+    """lora_b (L, N, R) over (L, R, N) storage: that storage, contiguous."""
+    return b.permute(0, 2, 1) if b.permute(0, 2, 1).is_contiguous() else b.contiguous()
+
+
+class _Fork:
+    """Run a body on a side stream beside the main stream's work, joined after (in a CUDA
+    graph: a parallel branch); in order where there are no streams."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def beside(self):
+        if self.side is None:
+            yield
+            return
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            yield
+
+    def join(self) -> None:
+        if self.side is not None:
+            torch.cuda.current_stream().wait_stream(self.side)
+
+
+def projections(model, t: int, ctx_len: int = 512, *, triton_kernels: bool = True) -> dict:
+    """{projection: {variant: fn}} for one layer of ``model`` at batch ``t``; each fn returns
+    the tensor its epilogue wrote."""
+    mc = model.cfg
+    layer = model.layers[0]
+    dev = layer.qkv_proj.weight_aug.device
+    dtype = layer.qkv_proj.weight_aug.dtype
+    g = torch.Generator(device=dev).manual_seed(0)
+    lin0 = layer.qkv_proj
+    num_loras = lin0.max_loras
+    slots = (torch.arange(t, device=dev, dtype=torch.int32) * max(num_loras, 1) // t).int()
+    mapping = LoRAMapping(slots, triton=triton_kernels)
+    base_map = LoRAMapping(torch.full_like(slots, -1), triton=triton_kernels)
+    bs = 16
+    nblk = -(-(ctx_len + 1) // bs)
+    kv_shape = (t * nblk + 1, bs, mc.num_kv_heads, mc.head_dim)
+    k_cache = torch.randn(kv_shape, generator=g, device=dev).to(dtype)
+    v_cache = torch.randn(kv_shape, generator=g, device=dev).to(dtype)
+    tables = torch.arange(t * nblk, device=dev, dtype=torch.int32).view(t, nblk)
+    pos = torch.full((t,), ctx_len, device=dev, dtype=torch.int64)
+    smap = (tables[:, -1].long() * bs + (ctx_len % bs)).contiguous()
+    q = torch.empty(t, mc.num_heads, mc.head_dim, dtype=dtype, device=dev)
+    act = torch.empty(t, mc.intermediate_size, dtype=dtype, device=dev)
+    h_out = torch.empty(t, mc.hidden_size, dtype=dtype, device=dev)
+    residual = torch.randn(t, mc.hidden_size, generator=g, device=dev).to(dtype)
+    w_norm = layer.post_attention_layernorm.weight
+    eps = mc.rms_norm_eps
+    rope = model.rope
+
+    def x_of(k: int) -> torch.Tensor:
+        return torch.randn(t, k, generator=g, device=dev).to(dtype)
+
+    def qkv_epi(y, b, m):
+        lora_qkv_rope(y, b, m, pos, rope.cos, rope.sin, k_cache, v_cache, smap, q)
+        return q
+
+    def norm_epi(y, b, m):
+        res = residual.clone()  # the same residual each call (its own launch in every variant)
+        lora_add_rmsnorm(y, res, b, m, w_norm, eps, h_out)
+        return h_out
+
+    def silu_epi(y, b, m):
+        lora_silu_mul(y, b, m, act)
+        return act
+
+    specs = {
+        "qkv": (layer.qkv_proj, qkv_epi),
+        "o": (layer.o_proj, norm_epi),
+        "gate_up": (layer.gate_up_proj, silu_epi),
+        "down": (layer.down_proj, norm_epi),
+    }
+    fork = _Fork(dev)
+    sink = torch.zeros(1 << 16, dtype=torch.float32, device=dev)
+    out = {}
+    for name, (lin, epi) in specs.items():
+        x = x_of(lin.in_features)
+        n = lin.out_features
+        w_aug = lin.aug_rows(None)[0]
+        w_base, a_rows = w_aug[:n], w_aug[n:]
+        b = lin.lora_b
+        b_flat = _storage(b)
+        shrink = torch.empty(t, a_rows.shape[0], dtype=dtype, device=dev)
+        delta = torch.empty(t, n, dtype=torch.float32, device=dev)
+        offsets = lin.slice_offsets
+
+        def today(x=x, w=w_aug, b=b, epi=epi):
+            return epi(linear(x, w), b, mapping)
+
+        def base(x=x, w=w_base, epi=epi):
+            return epi(linear(x, w), None, base_map)
+
+        def prefetch(x=x, w=w_aug, b=b, bf=b_flat, epi=epi):
+            with fork.beside():
+                touch_l2(bf, sink)
+            y = linear(x, w)
+            fork.join()
+            return epi(y, b, mapping)
+
+        def side_lora(x=x, a=a_rows, b=b, sh=shrink, d=delta, off=offsets):
+            torch.mm(x, a.t(), out=sh)
+            lora_expand_delta(sh, b, mapping, off, d)
+
+        def side(x=x, w=w_base, epi=epi, lora=side_lora, d=delta, add=True, forked=True):
+            with fork.beside() if forked else contextlib.nullcontext():
+                lora()
+            y = linear(x, w)
+            if forked:
+                fork.join()
+            if add:
+                y.add_(d)  # round(base + delta), as the epilogues round
+            return epi(y, None, base_map)
+
+        out[name] = {
+            "today": today,
+            "base": base,
+            "prefetch": prefetch,
+            "side": side,
+            "side-noadd": lambda side=side: side(add=False),
+            "side-serial": lambda side=side: side(forked=False),
+        }
+    return out
+
+
+def check(model, t: int, *, triton_kernels: bool = True, tol: float = 2e-2) -> dict[str, float]:
+    """Max abs difference of side's (and prefetch's) outputs against today's, per projection;
+    raises past ``tol`` (relative to today's largest value)."""
+    diffs = {}
+    for name, fns in projections(model, t, triton_kernels=triton_kernels).items():
+        want = fns["today"]().float().clone()
+        for variant in ("side", "side-serial", "prefetch"):
+            got = fns[variant]().float()
+            diff = (got - want).abs().max().item()
+            scale = max(want.abs().max().item(), 1.0)
+            if not diff <= tol * scale:
+                raise AssertionError(f"{name} {variant}: max diff {diff:.3g} (scale {scale:.3g})")
+            diffs[f"{name} {variant}"] = diff
+    return diffs
+
+
+def _time(fn: Callable[[], object]) -> float:
+    from benchmarks.graph_timing import graph_us
+
+    fn()
+    return graph_us(fn, cold_l2=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--loras", type=int, default=8)
+    ap.add_argument("--check", action="store_true", help="side against today before timing")
+    args = ap.parse_args()
+    from benchmarks.synthetic import LLAMA3_8B, random_model
+
+    model = random_model(
+        dict(LLAMA3_8B, num_hidden_layers=1), max_loras=args.loras, max_lora_rank=args.rank
+    )
+    layer = model.layers[0]
+    for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+        lin.lora_a.normal_(0, 0.01)
+        lin.lora_b.normal_(0, 0.01)
+    rows = []
+    for t in args.batches:
+        if args.check:
+            print(f"T={t} check:", {k: round(v, 4) for k, v in check(model, t).items()})
+        for name, fns in projections(model, t).items():
+            us = {v: _time(fns[v]) for v in VARIANTS}
+            rows.append((name, t, us))
+            print(name, t, " ".join(f"{v} {x:.1f}" for v, x in us.items()), flush=True)
+    print("\n| projection | T | " + " | ".join(VARIANTS) + " | LoRA today | LoRA side |")
+    print("|---|---:|" + "---:|" * (len(VARIANTS) + 2))
+    for name, t, us in rows:
+        cells = " | ".join(f"{us[v]:.1f}" for v in VARIANTS)
+        print(
+            f"| {name} | {t} | {cells} | {us['today'] - us['base']:.1f} "
+            f"| {us['side'] - us['base']:.1f} |"
+        )
+    for t in args.batches:
+        tot = {v: sum(us[v] for _, tt, us in rows if tt == t) for v in VARIANTS}
+        print(f"T={t} per layer µs: " + ", ".join(f"{v} {x:.1f}" for v, x in tot.items()))
+
+
+if __name__ == "__main__":
+    main()
