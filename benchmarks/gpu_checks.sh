@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one call: GPU-marked tests (kernels, PEFT oracle in bf16/fp16, CUDA graphs),
 # then benchmarks. Results land in $OUT (or ./out). Wheels missing on the GPU machine can be
-# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|rank64|base32|b_layout|pipe [LAYOUT...]|ncu|fp8|fp8_gemms|storm ARGS...|zipf|load_rate]
+# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|rank64|base32|b_layout|pipe [LAYOUT...]|overlap|ncu|fp8|fp8_gemms|storm ARGS...|zipf|load_rate]
 # A copy of the tree without its .git (git archive) stamps results with $LORAPLEX_COMMIT:
 # export it (benchmarks/record.py). Several commits side by side in one call (A/B, bisect):
 # benchmarks/ab_snapshots.sh.
@@ -71,6 +71,11 @@ if [[ $what == b_layout ]]; then  # issue 19 item 5: does a column-major B speed
     python3 -m benchmarks.epilogue_configs --rank 64 --batches 32 64 --loras 8 --cold-l2 \
       --b-layout $lay 2>&1 | grep "^| \(silu\|qkv\)" | sort -u | sed "s/^/$lay: /" | tee -a "$OUT/b_layout.log"
   done
+fi
+if [[ $what == overlap ]]; then  # issue 19 item 5: the LoRA beside the base GEMM (~2 min)
+  python3 -m pytest -q -p no:cacheprovider tests/model/test_lora_expand_delta.py 2>&1 \
+    | grep -E "passed|failed|Error|^E " | tail -5
+  python3 -m benchmarks.lora_overlap --batches 32 64 --check "$@" 2>&1 | tee "$OUT/overlap.log" | tail -16
 fi
 if [[ $what == pipe ]]; then  # issue 19 item 5: the per-slot LoRA loop pipelined (~3 min per B layout)
   layouts=("$@"); [[ ${#layouts[@]} -gt 0 ]] || layouts=(rank-major column-major)
