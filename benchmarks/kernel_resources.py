@@ -31,6 +31,7 @@ from triton.runtime.jit import JITFunction
 
 from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.kernels.add_rmsnorm import NormConfig, lora_add_rmsnorm_triton
+from loraplex.engine.model.kernels.lora_expand_delta import ExpandDeltaConfig, lora_expand_delta
 from loraplex.engine.model.kernels.qkv_rope import QKVRopeConfig, lora_qkv_rope_triton
 from loraplex.engine.model.kernels.silu_mul import SiluMulConfig, lora_silu_mul_triton
 
@@ -162,6 +163,11 @@ def launches(op: str, cfg, t: int, loras: int, rank: int, column_major: bool) ->
         w, out = torch.ones(H, dtype=bf), torch.empty(t, H, dtype=bf)
         return capture(lambda: lora_add_rmsnorm_triton(y, res, b, slots, w, 1e-5, out, config=cfg))
     n = (HQ + 2 * HKV) * D
+    if op == "expand_delta":  # qkv's delta on its own (lora_overlap.py's side stream)
+        sh, b = torch.zeros(t, 3 * loras * rank, dtype=bf), _b(loras, n, rank, column_major)
+        out, tri = torch.empty(t, n), LoRAMapping(slots.token_slots, triton=True)
+        offsets = (0, HQ * D, (HQ + HKV) * D, n)
+        return capture(lambda: lora_expand_delta(sh, b, tri, offsets, out, config=cfg))
     y = torch.zeros(t, n + 3 * loras * rank, dtype=bf)
     b = _b(loras, n, rank, column_major)
     pos, cos, sin = torch.arange(t), torch.zeros(4096, D), torch.zeros(4096, D)
@@ -191,6 +197,8 @@ def main() -> None:
     cases += [("add_rmsnorm", None)]
     cases += [("add_rmsnorm", NormConfig(1, 1024, 8, True, s)) for s in (0, 2)]
     cases += [("add_rmsnorm", NormConfig(2, 1024, 8, True, s)) for s in (0, 2)]
+    cases += [("expand_delta", ExpandDeltaConfig(16, 128, 4, s)) for s in (0, 2, 3)]
+    cases += [("expand_delta", ExpandDeltaConfig(16, 64, 4, 2))]
     print(
         f"sm_90, Triton {triton.__version__}, T {args.tokens}, {args.loras} slots of rank "
         f"{args.rank}, B {args.b_layout}"
