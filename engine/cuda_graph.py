@@ -21,7 +21,7 @@ import torch
 
 from loraplex.engine.lora.ranks import rank_bucket, rank_buckets
 from loraplex.engine.model.attention import AttentionMetadata
-from loraplex.engine.model.fused import fused_forward
+from loraplex.engine.model.fused import fused_forward, lora_side
 from loraplex.engine.model.gemm import linear, tune
 from loraplex.engine.model.protocol import CausalLM
 
@@ -164,6 +164,12 @@ class DecodeGraphs:
         """The weights of the GEMMs a graph of rank bucket ``rb`` runs (their prefixes)."""
         layer = self.model.layers[0]
         mods = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        if lora_side():  # the base rows alone, their LoRA beside them (fused.py's _Side)
+            return [
+                m.aug_rows(rb)[0][: m.out_features] if m.lora_b is not None else m.aug_rows(rb)[0]
+                for m in mods
+                if m.float_base
+            ] + [self.model.lm_head]
         return [m.aug_rows(rb)[0] for m in mods if m.float_base] + [self.model.lm_head]
 
     @property

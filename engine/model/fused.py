@@ -32,7 +32,10 @@ The model must have the Llama layer structure; this forward reads ``embed_tokens
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +45,7 @@ from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
 from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul, rmsnorm
+from loraplex.engine.model.kernels.lora_expand_delta import lora_expand_delta
 from loraplex.engine.model.paged_attention import paged_attention
 from loraplex.engine.model.protocol import CausalLM
 
@@ -65,6 +69,55 @@ def _dora(lin: LoRALinear, on: bool) -> DoraRows | None:
     return lin.dora_rows() if on else None
 
 
+def lora_side() -> bool:
+    """``LORAPLEX_LORA_SIDE=1``: the LoRA of each projection beside its base GEMM (``_Side``)
+    in the steps that ask for the environment's choice; default off. A switch to A/B the form
+    on the decode step (benchmarks/ab_env.sh, benchmarks/lora_overlap.py) before a default is
+    chosen."""
+    raw = os.environ.get("LORAPLEX_LORA_SIDE", "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"LORAPLEX_LORA_SIDE={raw!r}: 0 or 1")
+    return raw == "1"
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+class _Side:
+    """A projection's LoRA beside its base GEMM: on a side stream (in a CUDA graph, a parallel
+    branch) the shrink, a GEMM of the step's A rows, and ``lora_expand_delta`` into an fp32
+    (T, N) buffer; on the step's stream the GEMM of the base rows alone; joined before the
+    epilogue, which reads the delta (``delta=``) instead of computing it. The delta's B reads
+    (and the A rows') can then use the bandwidth the skinny base GEMM leaves. The same sums as
+    the fused epilogues (per row, its slot's rank chunks in order). Where there is no CUDA
+    stream (CPU) the two run one after the other."""
+
+    def __init__(self, device: torch.device, mapping: LoRAMapping) -> None:
+        self.stream = _side_stream(device) if device.type == "cuda" else None
+        self.mapping = mapping
+
+    def project(self, x: torch.Tensor, lin: LoRALinear) -> tuple[torch.Tensor, torch.Tensor]:
+        """(base output (T, N), the rows' delta (T, N) fp32)."""
+        w, bias = lin.aug_rows(self.mapping.rank_bound)
+        n = lin.out_features
+        t = x.shape[0]
+        # on the step's stream: freed there, after the join (no record_stream needed)
+        shrink = torch.empty(t, w.shape[0] - n, dtype=x.dtype, device=x.device)
+        delta = torch.empty(t, n, dtype=torch.float32, device=x.device)
+        main = torch.cuda.current_stream(x.device) if self.stream is not None else None
+        if self.stream is not None:
+            self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            torch.matmul(x, w[n:].t(), out=shrink)  # A rows: no bias (bias_aug is 0 past N)
+            lora_expand_delta(shrink, lin.lora_b, self.mapping, lin.slice_offsets, delta)
+        y = linear(x, w[:n], bias[:n] if bias is not None else None)
+        if self.stream is not None:
+            main.wait_stream(self.stream)
+        return y, delta
+
+
 def fused_forward(
     model: CausalLM,
     input_ids: torch.Tensor,
@@ -77,6 +130,7 @@ def fused_forward(
     triton: bool = True,
     dora: bool = False,
     rank_bound: int | None = None,
+    side: bool | None = None,
 ) -> torch.Tensor:
     """input_ids, positions, token_slots: (T,). Returns final normed hidden states (T, H).
 
@@ -87,7 +141,10 @@ def fused_forward(
     slot and projection, read in the kernels: the decode graphs are captured with it, eager
     steps set it only when some row needs it). Not under tensor parallelism (refused there).
     ``rank_bound``: every row's adapter has rank <= it: the GEMMs read only the A rows of
-    ranks below it and the epilogues loop over as many (lora/ranks.py); None: all rows."""
+    ranks below it and the epilogues loop over as many (lora/ranks.py); None: all rows.
+    ``side``: each projection's LoRA beside its base GEMM (``_Side``) instead of inside the
+    GEMM and the epilogue; None: the ``LORAPLEX_LORA_SIDE`` switch. Not for an fp8 base or
+    under tensor parallelism (those steps keep the fused form)."""
     cfg = model.cfg
     t = input_ids.shape[0]
     eps = cfg.rms_norm_eps
@@ -97,6 +154,18 @@ def fused_forward(
     tp = getattr(model, "tp", None)  # a tensor-parallel shard (tp.py): o / down all-reduced
     dora = dora and tp is None
     mapping = LoRAMapping(token_slots, triton=triton, dora=dora, rank_bound=rank_bound)
+    side = lora_side() if side is None else side
+    beside = None
+    if side and tp is None and first.qkv_proj.lora_b is not None and first.qkv_proj.float_base:
+        beside = _Side(input_ids.device, mapping)
+
+    def project(x: torch.Tensor, lin: LoRALinear) -> tuple[torch.Tensor, dict]:
+        """The projection's output and its epilogue's LoRA arguments."""
+        if beside is None or lin.lora_b is None:
+            return _linear(x, lin, mapping), {"lora_b": lin.lora_b}
+        y, delta = beside.project(x, lin)
+        return y, {"lora_b": None, "delta": delta}
+
     full = getattr(model, "full_modules", None)  # modules_to_save tables (lora/full.py)
     # ids of added tokens (full tables past the vocabulary) reach the base clamped
     ids = full.base_ids(input_ids) if full is not None and full.extra else input_ids
@@ -116,27 +185,28 @@ def fused_forward(
     act = torch.empty(t, cfg.intermediate_size, dtype=h.dtype, device=h.device)
     for i, layer in enumerate(layers):
         k_cache, v_cache = kv_caches[i]
-        qkv = _linear(h, layer.qkv_proj, mapping)
+        qkv, lora = project(h, layer.qkv_proj)
         lora_qkv_rope(
-            qkv, layer.qkv_proj.lora_b, mapping, positions, model.rope.cos, model.rope.sin,
-            k_cache, v_cache, meta.slot_mapping, q, _dora(layer.qkv_proj, dora),
+            qkv, mapping=mapping, positions=positions, cos=model.rope.cos, sin=model.rope.sin,
+            k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping, q_out=q,
+            dora=_dora(layer.qkv_proj, dora), **lora,
         )  # fmt: skip
         attn = attention(q, k_cache, v_cache, meta, layer.scale, cfg.sliding_window)
-        o = _linear(attn.view(t, cfg.q_size), layer.o_proj, mapping)
+        o, lora = project(attn.view(t, cfg.q_size), layer.o_proj)
         if tp is not None:  # base and shrink partials in one all-reduce, then the epilogue
             tp.all_reduce(o)
         lora_add_rmsnorm(
-            o, residual, layer.o_proj.lora_b, mapping, layer.post_attention_layernorm.weight,
-            eps, h, _dora(layer.o_proj, dora),
+            o, residual, mapping=mapping, norm_weight=layer.post_attention_layernorm.weight,
+            eps=eps, out=h, dora=_dora(layer.o_proj, dora), **lora,
         )  # fmt: skip
-        gu = _linear(h, layer.gate_up_proj, mapping)
-        lora_silu_mul(gu, layer.gate_up_proj.lora_b, mapping, act, _dora(layer.gate_up_proj, dora))
-        d = _linear(act, layer.down_proj, mapping)
+        gu, lora = project(h, layer.gate_up_proj)
+        lora_silu_mul(gu, mapping=mapping, out=act, dora=_dora(layer.gate_up_proj, dora), **lora)
+        d, lora = project(act, layer.down_proj)
         if tp is not None:
             tp.all_reduce(d)
         norm_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.norm.weight
         lora_add_rmsnorm(
-            d, residual, layer.down_proj.lora_b, mapping, norm_w, eps, h,
-            _dora(layer.down_proj, dora),
+            d, residual, mapping=mapping, norm_weight=norm_w, eps=eps, out=h,
+            dora=_dora(layer.down_proj, dora), **lora,
         )  # fmt: skip
     return h

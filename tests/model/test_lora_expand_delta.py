@@ -101,3 +101,127 @@ def test_shapes_that_do_not_fit_are_refused() -> None:
         lora_expand_delta(shrink, b, mapping, offsets, out.half())
     with pytest.raises(ValueError, match="shrink"):
         lora_expand_delta(shrink[:, :10], b, mapping, offsets, out)
+
+
+# --- the fused epilogues fed the delta computed apart (``delta=``) against the same epilogues
+# computing it from lora_b: what a step whose LoRA ran beside the base GEMM must produce
+
+
+def _aug(widths, seed=3):
+    """y_aug (T, N + R * S * L) of a real augmented GEMM (rank-major A rows), lora_b, slots."""
+    g = torch.Generator().manual_seed(seed)
+    n, s_count, k = sum(widths), len(widths), 32
+    t = len(SLOTS)
+    x = torch.randn(t, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    a = torch.randn(s_count, L, R, k, generator=g) / k**0.5
+    rows = torch.cat([w, a.permute(2, 0, 1, 3).reshape(-1, k)])
+    y_aug = (x @ rows.T).to(DEVICE)
+    b = (torch.randn(L, R, n, generator=g) / 4).permute(0, 2, 1).to(DEVICE)
+    ts = torch.tensor(SLOTS, dtype=torch.int32, device=DEVICE)
+    offsets = [0]
+    for wd in widths:
+        offsets.append(offsets[-1] + wd)
+    return y_aug, b, ts, offsets
+
+
+def _delta(y_aug, b, mapping, offsets):
+    n = offsets[-1]
+    out = torch.full((y_aug.shape[0], n), 7.0, device=DEVICE)
+    out[torch.tensor(SLOTS, device=DEVICE) < 0] = 123.0  # rows of no adapter must not be read
+    live = LoRAMapping(mapping.token_slots, triton=mapping.triton)
+    d = torch.empty_like(out)
+    lora_expand_delta(y_aug[:, n:], b, live, offsets, d)
+    keep = torch.tensor(SLOTS, device=DEVICE) >= 0
+    out[keep] = d[keep]
+    return out
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_silu_mul_fed_the_delta(triton: bool) -> None:
+    from loraplex.engine.model.kernels import lora_silu_mul
+    from loraplex.engine.model.kernels.silu_mul import SiluMulConfig, lora_silu_mul_triton
+
+    i = 48
+    y_aug, b, ts, offsets = _aug((i, i))
+    mapping = LoRAMapping(ts, triton=triton)
+    want = torch.empty(len(SLOTS), i, device=DEVICE)
+    lora_silu_mul(y_aug, b, mapping, want)
+    delta = _delta(y_aug, b, mapping, offsets)
+    got = torch.empty_like(want)
+    lora_silu_mul(y_aug[:, : 2 * i], None, mapping, got, delta=delta)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if triton:  # a pipelined / paired config ignores its LoRA loop when fed the delta
+        got2 = torch.empty_like(want)
+        cfg = SiluMulConfig(16, 32, 4, 0, 2, True)
+        lora_silu_mul_triton(y_aug[:, : 2 * i], None, mapping, got2, delta=delta, config=cfg)
+        torch.testing.assert_close(got2, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_add_rmsnorm_fed_the_delta(triton: bool) -> None:
+    from loraplex.engine.model.kernels import lora_add_rmsnorm
+    from loraplex.engine.model.kernels.add_rmsnorm import NormConfig, lora_add_rmsnorm_triton
+
+    h = 64
+    y_aug, b, ts, offsets = _aug((h,))
+    mapping = LoRAMapping(ts, triton=triton)
+    g = torch.Generator().manual_seed(5)
+    res0 = torch.randn(len(SLOTS), h, generator=g).to(DEVICE)
+    w = torch.randn(h, generator=g).to(DEVICE)
+    want_res, want = res0.clone(), torch.empty_like(res0)
+    lora_add_rmsnorm(y_aug, want_res, b, mapping, w, 1e-5, want)
+    delta = _delta(y_aug, b, mapping, offsets)
+    configs = [None]
+    if triton:  # the one-row kernel and the split one
+        configs += [NormConfig(1, 32, 4), NormConfig(1, 32, 4, True), NormConfig(2, 16, 4, True, 2)]
+    for cfg in configs:
+        res, got = res0.clone(), torch.empty_like(res0)
+        if cfg is None:
+            lora_add_rmsnorm(y_aug[:, :h], res, None, mapping, w, 1e-5, got, delta=delta)
+        else:
+            lora_add_rmsnorm_triton(y_aug[:, :h], res, None, mapping, w, 1e-5, got, delta=delta,
+                                    config=cfg)  # fmt: skip
+        torch.testing.assert_close(res, want_res, rtol=1e-5, atol=1e-5, msg=str(cfg))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(cfg))
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_qkv_rope_fed_the_delta(triton: bool) -> None:
+    from loraplex.engine.model.kernels import lora_qkv_rope
+    from loraplex.engine.model.rope import RotaryEmbedding
+
+    hq, hkv, d = 4, 2, 16
+    y_aug, b, ts, offsets = _aug((hq * d, hkv * d, hkv * d))
+    mapping = LoRAMapping(ts, triton=triton)
+    t = len(SLOTS)
+    rope = RotaryEmbedding(d, 64, 10000.0, None, DEVICE)
+    pos = torch.arange(t, device=DEVICE) * 3 % 64
+    smap = torch.arange(t, device=DEVICE) * 2
+    smap[5] = -1  # a padded row writes nothing
+
+    def run(y, lora_b, delta):
+        kc = torch.zeros(t * 2 // 4 + 1, 4, hkv, d, device=DEVICE)
+        vc, q = torch.zeros_like(kc), torch.empty(t, hq, d, device=DEVICE)
+        lora_qkv_rope(y, lora_b, mapping, pos, rope.cos, rope.sin, kc, vc, smap, q, delta=delta)
+        return q, kc, vc
+
+    want = run(y_aug, b, None)
+    got = run(y_aug[:, : offsets[-1]], None, _delta(y_aug, b, mapping, offsets))
+    for g_, w_ in zip(got, want, strict=True):
+        torch.testing.assert_close(g_, w_, rtol=1e-5, atol=1e-5)
+
+
+def test_delta_with_lora_b_or_of_a_wrong_shape_is_refused() -> None:
+    from loraplex.engine.model.kernels import lora_silu_mul
+
+    y_aug, b, ts, offsets = _aug((48, 48))
+    mapping = LoRAMapping(ts)
+    out = torch.empty(len(SLOTS), 48, device=DEVICE)
+    delta = torch.zeros(len(SLOTS), 96, device=DEVICE)
+    with pytest.raises(ValueError, match="one of them"):
+        lora_silu_mul(y_aug, b, mapping, out, delta=delta)
+    with pytest.raises(ValueError, match="float32"):
+        lora_silu_mul(y_aug[:, :96], None, mapping, out, delta=delta[:, :90])
+    with pytest.raises(ValueError, match="float32"):
+        lora_silu_mul(y_aug[:, :96], None, mapping, out, delta=delta.half())

@@ -215,3 +215,74 @@ def test_chosen_graph_sizes_gpu(tmp_path):
         assert runner.last_was_graph is graphed
         want = eager.execute(items)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("triton", [False, True])
+@pytest.mark.parametrize("bound", [None, 16])
+def test_fused_forward_with_the_lora_beside_the_gemm_matches_peft(
+    setup, monkeypatch, triton, bound
+):
+    """``side``: each projection's base GEMM alone, its LoRA (a GEMM of the A rows and
+    ``lora_expand_delta``) apart, the epilogues fed the delta; at full rank and at a bound."""
+    from loraplex.engine.model import fused
+
+    model_dir, adapters, prompts, names, hf_steps, hf_tokens = setup
+    deltas = []
+    real = fused.lora_expand_delta
+
+    def counted(*args, **kw):
+        deltas.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(fused, "lora_expand_delta", counted)
+    beside = functools.partial(fused_forward, rank_bound=bound, side=True)
+    monkeypatch.setattr(model_runner, "fused_forward", beside)
+    our_steps = ours(
+        model_dir, adapters, prompts, names, hf_tokens, max_rank=MAX_RANK,
+        kernel_backend=KernelBackend(fused=True, triton=triton),
+    )  # fmt: skip
+    assert deltas, "the side form never ran"
+    _check(our_steps, hf_steps, hf_tokens, f"side bound {bound} triton={triton}")
+
+
+def test_the_side_switch(monkeypatch) -> None:
+    from loraplex.engine.model.fused import lora_side
+
+    monkeypatch.delenv("LORAPLEX_LORA_SIDE", raising=False)
+    assert lora_side() is False
+    monkeypatch.setenv("LORAPLEX_LORA_SIDE", "1")
+    assert lora_side() is True
+    monkeypatch.setenv("LORAPLEX_LORA_SIDE", "yes")
+    with pytest.raises(ValueError, match="LORAPLEX_LORA_SIDE"):
+        lora_side()
+
+
+@pytest.mark.gpu
+def test_lora_beside_the_gemm_through_graphs_gpu(setup, monkeypatch):
+    """``LORAPLEX_LORA_SIDE=1`` on CUDA in bfloat16: the decode graphs capture each LoRA on a
+    side stream (a parallel branch) beside its base GEMM; against PEFT in float32 within PEFT's
+    own bfloat16 error, and against the eager fused step without the switch."""
+    from loraplex.engine.model import fused
+
+    model_dir, adapters, prompts, names, _, _ = setup
+    run = dict(model_dir=model_dir, adapters=adapters, prompts=prompts, names=names)
+    ref_steps, ref_tokens = hf_mixed_batch(**run, dtype=torch.float32, device="cuda")
+    hf_steps, _ = hf_mixed_batch(**run, dtype=torch.bfloat16, device="cuda", force=ref_tokens)
+    kw = dict(dtype=torch.bfloat16, device="cuda", max_rank=MAX_RANK)
+    eager = ours(model_dir, adapters, prompts, names, ref_tokens, **kw, use_cuda_graphs=False)
+    deltas = []
+    real = fused.lora_expand_delta
+    monkeypatch.setattr(
+        fused, "lora_expand_delta", lambda *a, **k: deltas.append(1) or real(*a, **k)
+    )
+    monkeypatch.setenv("LORAPLEX_LORA_SIDE", "1")
+    graph = ours(model_dir, adapters, prompts, names, ref_tokens, **kw, use_cuda_graphs=True)
+    assert deltas, "the side form never ran"
+    for step in range(len(ref_steps)):
+        for row in range(len(prompts)):
+            ref = ref_steps[step][row]
+            ours_err, hf_err = rel_err(graph[step][row], ref), rel_err(hf_steps[step][row], ref)
+            assert half_ok(ours_err, hf_err), (
+                f"step {step} row {row}: {ours_err:.2e} vs {hf_err:.2e}"
+            )
+        assert rel_err(graph[step], eager[step]) < 1e-2

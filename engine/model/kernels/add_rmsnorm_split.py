@@ -23,7 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.engine.model.kernels.lora_delta import dora_args, dora_flags, dora_rows, lora_delta
+from loraplex.engine.model.kernels.lora_delta import (
+    dora_args,
+    dora_flags,
+    dora_rows,
+    lora_delta,
+    lora_source,
+)
 from loraplex.engine.model.kernels.workspace import per_device
 
 if TYPE_CHECKING:
@@ -67,6 +73,7 @@ def _split_kernel(
     STAGES: tl.constexpr,
     HAS_DORA: tl.constexpr,
     DORA_BIAS: tl.constexpr,
+    FROM_DELTA: tl.constexpr,
 ):  # fmt: skip
     blk = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -90,6 +97,7 @@ def _split_kernel(
         acc = lora_delta(
             acc, ya_ptr, b_ptr, tok, slots, cols, c_mask, H, 1, L, L, R,
             stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, 0, STAGES,
+            FROM_DELTA,
         )  # fmt: skip
         if HAS_DORA:
             on, any_dora = dora_flags(on_ptr, slots)
@@ -142,19 +150,20 @@ def add_rmsnorm_split(
     block_t: int = 1,
     stages: int = 0,
     dora: DoraRows | None = None,
+    delta: torch.Tensor | None = None,
 ) -> None:
     """The split launch (``T <= MAX_ROWS``, ``cdiv(H, block_h) <= MAX_CHUNKS``); ``rank``: the
     step's rank rows, ``block_r`` its chunk; ``block_t`` rows per program (>= 16: dot delta);
-    ``stages`` > 0: the LoRA delta's per-slot loop pipelined (``lora_delta``)."""
+    ``stages`` > 0: the LoRA delta's per-slot loop pipelined (``lora_delta``); ``delta``: the
+    rows' delta computed apart, read instead of ``lora_b``'s (``lora_delta``'s FROM_DELTA)."""
     t, h = residual.shape
     nchunk = triton.cdiv(h, block_h)
     if t > MAX_ROWS or nchunk > MAX_CHUNKS:
         raise ValueError(f"split norm: {t} rows x {nchunk} chunks over its workspace")
     counts, parts = prepare_split_norm(residual.device)
-    b = lora_b if lora_b is not None else y_aug
-    b_strides = lora_b.stride() if lora_b is not None else (0, 0, 0)
-    num_slots = lora_b.shape[0] if lora_b is not None else 0
-    d_args, (has_dora, dora_bias) = dora_args(dora if lora_b is not None else None, y_aug)
+    b, b_strides, num_slots, _ = lora_source(lora_b, delta, y_aug)
+    has_lora = lora_b is not None or delta is not None
+    d_args, (has_dora, dora_bias) = dora_args(dora if has_lora else None, y_aug)
     _split_kernel[(triton.cdiv(t, block_t), nchunk)](
         y_aug, residual, b, token_slots, norm_weight, out, counts, parts,
         t, h, num_slots, rank, eps,
@@ -165,10 +174,11 @@ def add_rmsnorm_split(
         BLOCK_T=block_t,
         BLOCK_H=block_h,
         BLOCK_R=block_r,
-        HAS_LORA=lora_b is not None,
+        HAS_LORA=has_lora,
         USE_DOT=block_t >= 16,
         STAGES=stages,
         HAS_DORA=has_dora,
         DORA_BIAS=dora_bias,
+        FROM_DELTA=delta is not None,
         num_warps=num_warps,
     )  # fmt: skip

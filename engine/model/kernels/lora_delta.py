@@ -46,6 +46,7 @@ __all__ = [
     "dora_flags",
     "dora_rows",
     "dora_args",
+    "lora_source",
     "block_r",
     "wide_rank_stages",
 ]
@@ -168,6 +169,7 @@ def lora_delta(
     USE_DOT: tl.constexpr,
     BLOCK_K: tl.constexpr = 0,
     STAGES: tl.constexpr = 0,
+    FROM_DELTA: tl.constexpr = False,
 ):
     """``acc[i, j] += delta[tok[i], cols[j]]``; returns ``acc`` (fp32).
 
@@ -195,7 +197,18 @@ def lora_delta(
     Otherwise one gather per rank chunk loads every token's own shrinks; the loop over the
     slots present masks them per slot (the masked terms add exact zeros: the same sums, bit
     for bit, as a load per slot).
+
+    ``FROM_DELTA``: the delta was computed apart (``lora_expand_delta``, e.g. on a side stream
+    beside the base GEMM): ``b_ptr`` is that fp32 (T, N) buffer, ``stride_bl`` / ``stride_bn``
+    its row / column strides; rows of slot -1 read none (0). Nothing else is read.
     """
+    if FROM_DELTA:
+        d = tl.load(
+            b_ptr + tok[:, None] * stride_bl + cols[None, :] * stride_bn,
+            mask=(slots >= 0)[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+        return acc + d
     lo = tl.reduce(tl.where(slots >= 0, slots, L), 0, tl.standard._elementwise_min)
     hi = tl.reduce(slots, 0, tl.standard._elementwise_max) + 1
     h_rows = ya_ptr + tok[:, None] * stride_yt  # (BT, 1)
@@ -256,6 +269,19 @@ def lora_delta(
                 )  # (BLOCK_R, BN)
                 acc = _mul_add(acc, h, b, USE_DOT)
     return acc
+
+
+def lora_source(
+    lora_b: torch.Tensor | None, delta: torch.Tensor | None, dummy: torch.Tensor
+) -> tuple[torch.Tensor, tuple[int, int, int], int, int]:
+    """What a fused epilogue's ``b_ptr`` reads: ``(tensor, its three strides, slots L, rank
+    R)``. ``delta`` (T, N) fp32, the rows' delta computed apart (``FROM_DELTA``): its row and
+    column strides, no slots; else ``lora_b`` (L, N, R); else ``dummy`` (never read)."""
+    if delta is not None:
+        return delta, (delta.stride(0), delta.stride(1), 0), 0, 1
+    if lora_b is not None:
+        return lora_b, lora_b.stride(), lora_b.shape[0], lora_b.shape[2]
+    return dummy, (0, 0, 0), 0, 1
 
 
 def dora_args(dora: DoraRows | None, dummy: torch.Tensor) -> tuple:

@@ -22,6 +22,7 @@ from loraplex.engine.model.kernels.lora_delta import (
     dora_flags,
     dora_rows,
     lora_delta,
+    lora_source,
     wide_rank_stages,
 )
 
@@ -82,6 +83,7 @@ def _qkv_rope_kernel(
     STAGES: tl.constexpr,
     HAS_DORA: tl.constexpr,
     DORA_BIAS: tl.constexpr,
+    FROM_DELTA: tl.constexpr,
 ):  # fmt: skip
     dt = ya_ptr.dtype.element_ty
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -108,11 +110,13 @@ def _qkv_rope_kernel(
         d1 = lora_delta(
             d1, ya_ptr, b_ptr, tok, slots, c1, h_mask, n_base + s * L, 1, 3 * L, L, R,
             stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K, STAGES,
+            FROM_DELTA,
         )  # fmt: skip
         d2 = tl.full((BLOCK_T, BLOCK_HALF), 0.0, tl.float32)
         d2 = lora_delta(
             d2, ya_ptr, b_ptr, tok, slots, c2, h_mask, n_base + s * L, 1, 3 * L, L, R,
             stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K, STAGES,
+            FROM_DELTA,
         )  # fmt: skip
         if HAS_DORA:  # after the deltas: their loads go out before the flag gather
             on, any_dora = dora_flags(on_ptr, slots)
@@ -168,6 +172,7 @@ def _qkv_rope_kernel(
             dv = lora_delta(
                 dv, ya_ptr, b_ptr, tok, slots, cv, d_mask, n_base + 2 * L, 1, 3 * L, L, R,
                 stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K, STAGES,
+                FROM_DELTA,
             )  # fmt: skip
             if HAS_DORA:  # noqa: SIM102 (any_dora exists only under the constexpr)
                 if any_dora:
@@ -196,6 +201,7 @@ def lora_qkv_rope_triton(
     slot_mapping: torch.Tensor,
     q_out: torch.Tensor,
     dora: DoraRows | None = None,
+    delta: torch.Tensor | None = None,
     *,
     config: QKVRopeConfig | None = None,
 ) -> None:
@@ -203,17 +209,16 @@ def lora_qkv_rope_triton(
     t = y_aug.shape[0]
     if t == 0:
         return
-    num_slots, rank = (lora_b.shape[0], lora_b.shape[2]) if lora_b is not None else (0, 1)
+    b, b_strides, num_slots, rank = lora_source(lora_b, delta, y_aug)
     rank = mapping.rank_rows(rank)  # the step's rank rows (lora/ranks.py)
     cfg = config or qkv_rope_config(t, num_slots, rank)
     use_dot = cfg.block_t >= 16
     min_n = 16 if use_dot else 1
     hq, head_dim, hkv = q_out.shape[1], q_out.shape[2], k_cache.shape[2]
     q_size, kv_size = hq * head_dim, hkv * head_dim
-    b = lora_b if lora_b is not None else y_aug
-    b_strides = lora_b.stride() if lora_b is not None else (0, 0, 0)
     slots = mapping.token_slots
-    d_args, (has_dora, dora_bias) = dora_args(dora if lora_b is not None else None, y_aug)
+    has_lora = lora_b is not None or delta is not None
+    d_args, (has_dora, dora_bias) = dora_args(dora if has_lora else None, y_aug)
     grid = (triton.cdiv(t, cfg.block_t), hq + hkv)
     _qkv_rope_kernel[grid](
         y_aug, b, slots, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out,
@@ -229,12 +234,13 @@ def lora_qkv_rope_triton(
         BLOCK_R=block_r(
             rank, use_dot, cfg.block_t * triton.next_power_of_2(head_dim), cfg.num_warps
         ),
-        HAS_LORA=lora_b is not None,
+        HAS_LORA=has_lora,
         USE_DOT=use_dot,
         BLOCK_K=cfg.block_k if use_dot else 0,
         STAGES=cfg.stages if not (use_dot and cfg.block_k) else 0,
         HAS_DORA=has_dora,
         DORA_BIAS=dora_bias,
+        FROM_DELTA=delta is not None,
         num_warps=cfg.num_warps,
         # HF rounds x * cos and rotate_half(x) * sin each to the model dtype before the sum:
         # no fused multiply-add may skip that rounding (with it, ~15 % of bf16 q / k elements

@@ -23,6 +23,7 @@ from loraplex.engine.model.kernels.lora_delta import (
     dora_rows,
     lora_delta,
     lora_delta_pair,
+    lora_source,
     wide_rank_stages,
 )
 
@@ -100,6 +101,7 @@ def _silu_mul_kernel(
     PAIRED: tl.constexpr,
     HAS_DORA: tl.constexpr,
     DORA_BIAS: tl.constexpr,
+    FROM_DELTA: tl.constexpr,
 ):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = tok < T
@@ -124,12 +126,12 @@ def _silu_mul_kernel(
             dg = lora_delta(
                 dg, ya_ptr, b_ptr, tok, slots, cols, c_mask, 2 * inter, 1, 2 * L, L, R,
                 stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
-                STAGES,
+                STAGES, FROM_DELTA,
             )  # fmt: skip
             du = lora_delta(
                 du, ya_ptr, b_ptr, tok, slots, inter + cols, c_mask, 2 * inter + L, 1, 2 * L, L,
                 R, stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT,
-                BLOCK_K, STAGES,
+                BLOCK_K, STAGES, FROM_DELTA,
             )  # fmt: skip
         if HAS_DORA:  # after the deltas: their loads go out before the flag gather
             on, any_dora = dora_flags(on_ptr, slots)
@@ -157,6 +159,7 @@ def lora_silu_mul_triton(
     mapping: LoRAMapping,
     out: torch.Tensor,
     dora: DoraRows | None = None,
+    delta: torch.Tensor | None = None,
     *,
     config: SiluMulConfig | None = None,
 ) -> None:
@@ -164,15 +167,14 @@ def lora_silu_mul_triton(
     t = y_aug.shape[0]
     if t == 0:
         return
-    num_slots, rank = (lora_b.shape[0], lora_b.shape[2]) if lora_b is not None else (0, 1)
+    b, b_strides, num_slots, rank = lora_source(lora_b, delta, y_aug)
     rank = mapping.rank_rows(rank)  # the step's rank rows (lora/ranks.py)
     cfg = config or silu_mul_config(t, num_slots, rank)
     use_dot = cfg.block_t >= 16
     inter = out.shape[1]
-    b = lora_b if lora_b is not None else y_aug
-    b_strides = lora_b.stride() if lora_b is not None else (0, 0, 0)
     slots = mapping.token_slots
-    d_args, (has_dora, dora_bias) = dora_args(dora if lora_b is not None else None, y_aug)
+    has_lora = lora_b is not None or delta is not None
+    d_args, (has_dora, dora_bias) = dora_args(dora if has_lora else None, y_aug)
     grid = (triton.cdiv(t, cfg.block_t), triton.cdiv(inter, cfg.block_n))
     stages = cfg.stages if not (use_dot and cfg.block_k) else 0
     _silu_mul_kernel[grid](
@@ -194,12 +196,13 @@ def lora_silu_mul_triton(
         BLOCK_T=cfg.block_t,
         BLOCK_N=cfg.block_n,
         BLOCK_R=block_r(rank, use_dot, cfg.block_t * cfg.block_n, cfg.num_warps),
-        HAS_LORA=lora_b is not None,
+        HAS_LORA=has_lora,
         USE_DOT=use_dot,
         BLOCK_K=cfg.block_k if use_dot else 0,
         STAGES=stages,
-        PAIRED=cfg.paired and stages > 0,
+        PAIRED=cfg.paired and stages > 0 and delta is None,
         HAS_DORA=has_dora,
         DORA_BIAS=dora_bias,
+        FROM_DELTA=delta is not None,
         num_warps=cfg.num_warps,
     )
