@@ -151,17 +151,32 @@ def _b(loras: int, n: int, rank: int, column_major: bool) -> torch.Tensor:
 
 
 def launches(op: str, cfg, t: int, loras: int, rank: int, column_major: bool) -> list[Launch]:
+    """``op`` + "+delta": the epilogue fed the delta computed apart (fused.py's side form)."""
     slots = LoRAMapping(torch.arange(t, dtype=torch.int32) * loras // t)
     bf = torch.bfloat16
+    fed = op.endswith("+delta")
+    op = op.removesuffix("+delta")
+
+    def lora(n: int) -> dict:
+        if fed:
+            return {"delta": torch.empty(t, n)}
+        return {"lora_b": _b(loras, n, rank, column_major)}
+
     if op == "silu_mul":
         y = torch.zeros(t, 2 * INTER + 2 * loras * rank, dtype=bf)
-        b, out = _b(loras, 2 * INTER, rank, column_major), torch.empty(t, INTER, dtype=bf)
-        return capture(lambda: lora_silu_mul_triton(y, b, slots, out, config=cfg))
+        kw, out = lora(2 * INTER), torch.empty(t, INTER, dtype=bf)
+        kw.setdefault("lora_b", None)
+        return capture(lambda: lora_silu_mul_triton(y, mapping=slots, out=out, config=cfg, **kw))
     if op == "add_rmsnorm":
         y = torch.zeros(t, H + loras * rank, dtype=bf)
-        b, res = _b(loras, H, rank, column_major), torch.zeros(t, H, dtype=bf)
+        kw, res = lora(H), torch.zeros(t, H, dtype=bf)
+        kw.setdefault("lora_b", None)
         w, out = torch.ones(H, dtype=bf), torch.empty(t, H, dtype=bf)
-        return capture(lambda: lora_add_rmsnorm_triton(y, res, b, slots, w, 1e-5, out, config=cfg))
+        return capture(
+            lambda: lora_add_rmsnorm_triton(
+                y, res, mapping=slots, norm_weight=w, eps=1e-5, out=out, config=cfg, **kw
+            )
+        )
     n = (HQ + 2 * HKV) * D
     if op == "expand_delta":  # qkv's delta on its own (lora_overlap.py's side stream)
         sh, b = torch.zeros(t, 3 * loras * rank, dtype=bf), _b(loras, n, rank, column_major)
@@ -169,13 +184,26 @@ def launches(op: str, cfg, t: int, loras: int, rank: int, column_major: bool) ->
         offsets = (0, HQ * D, (HQ + HKV) * D, n)
         return capture(lambda: lora_expand_delta(sh, b, tri, offsets, out, config=cfg))
     y = torch.zeros(t, n + 3 * loras * rank, dtype=bf)
-    b = _b(loras, n, rank, column_major)
+    kw = lora(n)
+    kw.setdefault("lora_b", None)
     pos, cos, sin = torch.arange(t), torch.zeros(4096, D), torch.zeros(4096, D)
     kc = torch.zeros(t, 16, HKV, D, dtype=bf)
     vc, q = torch.zeros_like(kc), torch.empty(t, HQ, D, dtype=bf)
     smap = torch.arange(t) * 16
     return capture(
-        lambda: lora_qkv_rope_triton(y, b, slots, pos, cos, sin, kc, vc, smap, q, config=cfg)
+        lambda: lora_qkv_rope_triton(
+            y,
+            mapping=slots,
+            positions=pos,
+            cos=cos,
+            sin=sin,
+            k_cache=kc,
+            v_cache=vc,
+            slot_mapping=smap,
+            q_out=q,
+            config=cfg,
+            **kw,
+        )  # fmt: skip
     )
 
 
@@ -197,6 +225,7 @@ def main() -> None:
     cases += [("add_rmsnorm", None)]
     cases += [("add_rmsnorm", NormConfig(1, 1024, 8, True, s)) for s in (0, 2)]
     cases += [("add_rmsnorm", NormConfig(2, 1024, 8, True, s)) for s in (0, 2)]
+    cases += [(f"{op}+delta", None) for op in ("silu_mul", "qkv_rope", "add_rmsnorm")]
     cases += [("expand_delta", ExpandDeltaConfig(16, 128, 4, s)) for s in (0, 2, 3)]
     cases += [("expand_delta", ExpandDeltaConfig(16, 64, 4, 2))]
     print(
