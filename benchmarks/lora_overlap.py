@@ -17,6 +17,8 @@ slot), timed in one CUDA graph with a cold L2 (graph_timing.py) as GEMM + epilog
     side-noadd   side without the add: what an epilogue reading the delta itself would cost,
                  less its read of the delta (a bound; the output lacks the delta)
     side-serial  side's launches on one stream (what the fork itself buys)
+    gemm-only    the base GEMM alone; lora-only: side's shrink and delta alone (a perfect
+                 overlap takes max(gemm-only, lora-only) + the epilogue)
 
     python -m benchmarks.lora_overlap [--batches 32 64] [--rank 64] [--loras 8] [--check]
 
@@ -41,7 +43,9 @@ from loraplex.engine.model.kernels.lora_expand_delta import lora_expand_delta
 
 __all__ = ["VARIANTS", "projections", "check", "main"]
 
-VARIANTS = ("today", "base", "prefetch", "side", "side-noadd", "side-serial")
+VARIANTS = (
+    "today", "base", "prefetch", "side", "side-noadd", "side-serial", "gemm-only", "lora-only",
+)  # fmt: skip
 
 
 @triton.jit
@@ -192,6 +196,8 @@ def projections(model, t: int, ctx_len: int = 512, *, triton_kernels: bool = Tru
             "side": side,
             "side-noadd": lambda side=side: side(add=False),
             "side-serial": lambda side=side: side(forked=False),
+            "gemm-only": lambda x=x, w=w_base: linear(x, w),
+            "lora-only": lambda lora=side_lora, d=delta: lora() or d,
         }
     return out
 
