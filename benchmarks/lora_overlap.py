@@ -10,12 +10,11 @@ slot), timed in one CUDA graph with a cold L2 (graph_timing.py) as GEMM + epilog
     today        the augmented GEMM (base + A rows), the epilogue with the LoRA expand
     base         the base GEMM, the epilogue without LoRA (what the LoRA adds is today - base)
     prefetch     today, with the projection's B read into the L2 on a side stream beside the
-                 GEMM (evict-last loads), so the epilogue's expand finds it there
-    side         the base GEMM on the main stream; on a side stream the shrink (a GEMM of the A
-                 rows) and ``lora_expand_delta`` into an fp32 buffer; joined, the delta added to
-                 the base output (one more launch), the epilogue without LoRA
-    side-noadd   side without the add: what an epilogue reading the delta itself would cost,
-                 less its read of the delta (a bound; the output lacks the delta)
+                 GEMM (``l2_prefetch``, evict-last loads), so the epilogue's expand finds it
+                 there (fused.py's LORAPLEX_LORA_SIDE=prefetch)
+    side         fused.py's LORAPLEX_LORA_SIDE=1: the base GEMM on the main stream; on a side
+                 stream the shrink (a GEMM of the A rows) and ``lora_expand_delta`` into an fp32
+                 buffer; joined, the epilogue fed the delta (``delta=``)
     side-serial  side's launches on one stream (what the fork itself buys)
     gemm-only    the base GEMM alone; lora-only: side's shrink and delta alone (a perfect
                  overlap takes max(gemm-only, lora-only) + the epilogue)
@@ -33,47 +32,18 @@ import contextlib
 from collections.abc import Callable
 
 import torch
-import triton
-import triton.language as tl
 
 from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul
+from loraplex.engine.model.kernels.l2_prefetch import l2_prefetch
 from loraplex.engine.model.kernels.lora_expand_delta import lora_expand_delta
 
 __all__ = ["VARIANTS", "projections", "check", "main"]
 
 VARIANTS = (
-    "today", "base", "prefetch", "side", "side-noadd", "side-serial", "gemm-only", "lora-only",
+    "today", "base", "prefetch", "side", "side-serial", "gemm-only", "lora-only",
 )  # fmt: skip
-
-
-@triton.jit
-def _touch_l2(ptr, n, sink, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """Read ``ITERS`` blocks of ``ptr`` with evict-last loads; store their sum only if it is a
-    value it never is, so the loads stay."""
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for i in range(ITERS):
-        offs = (tl.program_id(0) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_last")
-        acc += x.to(tl.float32)
-    total = tl.reduce(acc, 0, tl.standard._sum_combine)
-    if total == -1.2345e30:
-        tl.store(sink + tl.program_id(0), total)
-
-
-def touch_l2(buf: torch.Tensor, sink: torch.Tensor, block: int = 2048, iters: int = 4) -> None:
-    """Bring every byte of ``buf`` (contiguous storage) into the L2 (GPU; a no-op elsewhere)."""
-    if not buf.is_cuda:
-        return
-    flat = buf.view(-1)
-    grid = (triton.cdiv(flat.numel(), block * iters),)
-    _touch_l2[grid](flat, flat.numel(), sink, BLOCK=block, ITERS=iters, num_warps=8)
-
-
-def _storage(b: torch.Tensor) -> torch.Tensor:
-    """lora_b (L, N, R) over (L, R, N) storage: that storage, contiguous."""
-    return b.permute(0, 2, 1) if b.permute(0, 2, 1).is_contiguous() else b.contiguous()
 
 
 class _Fork:
@@ -129,17 +99,17 @@ def projections(model, t: int, ctx_len: int = 512, *, triton_kernels: bool = Tru
     def x_of(k: int) -> torch.Tensor:
         return torch.randn(t, k, generator=g, device=dev).to(dtype)
 
-    def qkv_epi(y, b, m):
-        lora_qkv_rope(y, b, m, pos, rope.cos, rope.sin, k_cache, v_cache, smap, q)
+    def qkv_epi(y, b, m, delta=None):
+        lora_qkv_rope(y, b, m, pos, rope.cos, rope.sin, k_cache, v_cache, smap, q, delta=delta)
         return q
 
-    def norm_epi(y, b, m):
+    def norm_epi(y, b, m, delta=None):
         res = residual.clone()  # the same residual each call (its own launch in every variant)
-        lora_add_rmsnorm(y, res, b, m, w_norm, eps, h_out)
+        lora_add_rmsnorm(y, res, b, m, w_norm, eps, h_out, delta=delta)
         return h_out
 
-    def silu_epi(y, b, m):
-        lora_silu_mul(y, b, m, act)
+    def silu_epi(y, b, m, delta=None):
+        lora_silu_mul(y, b, m, act, delta=delta)
         return act
 
     specs = {
@@ -149,7 +119,7 @@ def projections(model, t: int, ctx_len: int = 512, *, triton_kernels: bool = Tru
         "down": (layer.down_proj, norm_epi),
     }
     fork = _Fork(dev)
-    sink = torch.zeros(1 << 16, dtype=torch.float32, device=dev)
+    sink = torch.zeros(1, dtype=torch.float32, device=dev)
     out = {}
     for name, (lin, epi) in specs.items():
         x = x_of(lin.in_features)
@@ -157,7 +127,6 @@ def projections(model, t: int, ctx_len: int = 512, *, triton_kernels: bool = Tru
         w_aug = lin.aug_rows(None)[0]
         w_base, a_rows = w_aug[:n], w_aug[n:]
         b = lin.lora_b
-        b_flat = _storage(b)
         shrink = torch.empty(t, a_rows.shape[0], dtype=dtype, device=dev)
         delta = torch.empty(t, n, dtype=torch.float32, device=dev)
         offsets = lin.slice_offsets
@@ -168,9 +137,9 @@ def projections(model, t: int, ctx_len: int = 512, *, triton_kernels: bool = Tru
         def base(x=x, w=w_base, epi=epi):
             return epi(linear(x, w), None, base_map)
 
-        def prefetch(x=x, w=w_aug, b=b, bf=b_flat, epi=epi):
+        def prefetch(x=x, w=w_aug, b=b, epi=epi):
             with fork.beside():
-                touch_l2(bf, sink)
+                l2_prefetch(b, None, sink, triton_kernels=triton_kernels)
             y = linear(x, w)
             fork.join()
             return epi(y, b, mapping)
@@ -179,22 +148,19 @@ def projections(model, t: int, ctx_len: int = 512, *, triton_kernels: bool = Tru
             torch.mm(x, a.t(), out=sh)
             lora_expand_delta(sh, b, mapping, off, d)
 
-        def side(x=x, w=w_base, epi=epi, lora=side_lora, d=delta, add=True, forked=True):
+        def side(x=x, w=w_base, epi=epi, lora=side_lora, d=delta, forked=True):
             with fork.beside() if forked else contextlib.nullcontext():
                 lora()
             y = linear(x, w)
             if forked:
                 fork.join()
-            if add:
-                y.add_(d)  # round(base + delta), as the epilogues round
-            return epi(y, None, base_map)
+            return epi(y, None, mapping, delta=d)  # the epilogue fed the delta
 
         out[name] = {
             "today": today,
             "base": base,
             "prefetch": prefetch,
             "side": side,
-            "side-noadd": lambda side=side: side(add=False),
             "side-serial": lambda side=side: side(forked=False),
             "gemm-only": lambda x=x, w=w_base: linear(x, w),
             "lora-only": lambda lora=side_lora, d=delta: lora() or d,

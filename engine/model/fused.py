@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,7 @@ from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
 from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul, rmsnorm
+from loraplex.engine.model.kernels.l2_prefetch import l2_prefetch
 from loraplex.engine.model.kernels.lora_expand_delta import lora_expand_delta
 from loraplex.engine.model.paged_attention import paged_attention
 from loraplex.engine.model.protocol import CausalLM
@@ -69,15 +70,19 @@ def _dora(lin: LoRALinear, on: bool) -> DoraRows | None:
     return lin.dora_rows() if on else None
 
 
-def lora_side() -> bool:
-    """``LORAPLEX_LORA_SIDE=1``: the LoRA of each projection beside its base GEMM (``_Side``)
-    in the steps that ask for the environment's choice; default off. A switch to A/B the form
-    on the decode step (benchmarks/ab_env.sh, benchmarks/lora_overlap.py) before a default is
-    chosen."""
+SIDE_MODES = ("0", "1", "prefetch")
+
+
+def lora_side() -> str:
+    """``LORAPLEX_LORA_SIDE``: ``1``, each projection's LoRA beside its base GEMM (``_Side``);
+    ``prefetch``, the fused form with the projection's B read into the L2 beside its GEMM
+    (``_Side.prefetch``); ``0`` (default), neither. Read by the steps that ask for the
+    environment's choice: a switch to A/B the forms on the decode step (benchmarks/ab_env.sh,
+    benchmarks/lora_overlap.py) before a default is chosen."""
     raw = os.environ.get("LORAPLEX_LORA_SIDE", "0")
-    if raw not in ("0", "1"):
-        raise ValueError(f"LORAPLEX_LORA_SIDE={raw!r}: 0 or 1")
-    return raw == "1"
+    if raw not in SIDE_MODES:
+        raise ValueError(f"LORAPLEX_LORA_SIDE={raw!r}: one of {', '.join(SIDE_MODES)}")
+    return raw
 
 
 @functools.cache
@@ -85,37 +90,65 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-class _Side:
-    """A projection's LoRA beside its base GEMM: on a side stream (in a CUDA graph, a parallel
-    branch) the shrink, a GEMM of the step's A rows, and ``lora_expand_delta`` into an fp32
-    (T, N) buffer; on the step's stream the GEMM of the base rows alone; joined before the
-    epilogue, which reads the delta (``delta=``) instead of computing it. The delta's B reads
-    (and the A rows') can then use the bandwidth the skinny base GEMM leaves. The same sums as
-    the fused epilogues (per row, its slot's rank chunks in order). Where there is no CUDA
-    stream (CPU) the two run one after the other."""
+@functools.cache
+def _sink(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.float32, device=device)
 
-    def __init__(self, device: torch.device, mapping: LoRAMapping) -> None:
+
+class _Side:
+    """Work beside a projection's GEMM on a side stream (in a CUDA graph, a parallel branch),
+    joined before the epilogue; where there is no CUDA stream (CPU) in order.
+
+    ``project``: the LoRA beside the GEMM. On the side stream the shrink, a GEMM of the step's
+    A rows, and ``lora_expand_delta`` into an fp32 (T, N) buffer; on the step's stream the GEMM
+    of the base rows alone; the epilogue reads the delta (``delta=``) instead of computing it.
+    The delta's B reads (and the A rows') can then use the bandwidth the skinny base GEMM
+    leaves. The same sums as the fused epilogues (per row, its slot's rank chunks in order).
+
+    ``prefetch``: the fused form (augmented GEMM, the epilogue's expand), with the projection's
+    B rows read into the L2 on the side stream (``l2_prefetch``) while the GEMM runs."""
+
+    def __init__(self, device: torch.device, mapping: LoRAMapping, mode: str) -> None:
         self.stream = _side_stream(device) if device.type == "cuda" else None
         self.mapping = mapping
+        self.mode = mode
 
-    def project(self, x: torch.Tensor, lin: LoRALinear) -> tuple[torch.Tensor, torch.Tensor]:
-        """(base output (T, N), the rows' delta (T, N) fp32)."""
+    @contextmanager
+    def _beside(self):
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def _join(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+    def project(self, x: torch.Tensor, lin: LoRALinear) -> tuple[torch.Tensor, dict]:
+        """The projection's output and its epilogue's LoRA arguments."""
+        if self.mode == "prefetch":
+            with self._beside():
+                l2_prefetch(
+                    lin.lora_b, self.mapping.rank_bound, _sink(x.device),
+                    triton_kernels=self.mapping.triton,
+                )  # fmt: skip
+            y = _linear(x, lin, self.mapping)
+            self._join()
+            return y, {"lora_b": lin.lora_b}
         w, bias = lin.aug_rows(self.mapping.rank_bound)
         n = lin.out_features
         t = x.shape[0]
         # on the step's stream: freed there, after the join (no record_stream needed)
         shrink = torch.empty(t, w.shape[0] - n, dtype=x.dtype, device=x.device)
         delta = torch.empty(t, n, dtype=torch.float32, device=x.device)
-        main = torch.cuda.current_stream(x.device) if self.stream is not None else None
-        if self.stream is not None:
-            self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+        with self._beside():
             torch.matmul(x, w[n:].t(), out=shrink)  # A rows: no bias (bias_aug is 0 past N)
             lora_expand_delta(shrink, lin.lora_b, self.mapping, lin.slice_offsets, delta)
         y = linear(x, w[:n], bias[:n] if bias is not None else None)
-        if self.stream is not None:
-            main.wait_stream(self.stream)
-        return y, delta
+        self._join()
+        return y, {"lora_b": None, "delta": delta}
 
 
 def fused_forward(
@@ -130,7 +163,7 @@ def fused_forward(
     triton: bool = True,
     dora: bool = False,
     rank_bound: int | None = None,
-    side: bool | None = None,
+    side: str | None = None,
 ) -> torch.Tensor:
     """input_ids, positions, token_slots: (T,). Returns final normed hidden states (T, H).
 
@@ -142,9 +175,10 @@ def fused_forward(
     steps set it only when some row needs it). Not under tensor parallelism (refused there).
     ``rank_bound``: every row's adapter has rank <= it: the GEMMs read only the A rows of
     ranks below it and the epilogues loop over as many (lora/ranks.py); None: all rows.
-    ``side``: each projection's LoRA beside its base GEMM (``_Side``) instead of inside the
-    GEMM and the epilogue; None: the ``LORAPLEX_LORA_SIDE`` switch. Not for an fp8 base or
-    under tensor parallelism (those steps keep the fused form)."""
+    ``side``: ``"1"``, each projection's LoRA beside its base GEMM instead of inside the GEMM
+    and the epilogue; ``"prefetch"``, its B read into the L2 beside the GEMM (``_Side``);
+    ``"0"``, neither; None: the ``LORAPLEX_LORA_SIDE`` switch. Not for an fp8 base or under
+    tensor parallelism (those steps keep the fused form)."""
     cfg = model.cfg
     t = input_ids.shape[0]
     eps = cfg.rms_norm_eps
@@ -155,16 +189,18 @@ def fused_forward(
     dora = dora and tp is None
     mapping = LoRAMapping(token_slots, triton=triton, dora=dora, rank_bound=rank_bound)
     side = lora_side() if side is None else side
+    if side not in SIDE_MODES:
+        raise ValueError(f"side={side!r}: one of {', '.join(SIDE_MODES)}")
     beside = None
-    if side and tp is None and first.qkv_proj.lora_b is not None and first.qkv_proj.float_base:
-        beside = _Side(input_ids.device, mapping)
+    lora_base = first.qkv_proj.lora_b is not None and first.qkv_proj.float_base
+    if side != "0" and tp is None and lora_base:
+        beside = _Side(input_ids.device, mapping, side)
 
     def project(x: torch.Tensor, lin: LoRALinear) -> tuple[torch.Tensor, dict]:
         """The projection's output and its epilogue's LoRA arguments."""
         if beside is None or lin.lora_b is None:
             return _linear(x, lin, mapping), {"lora_b": lin.lora_b}
-        y, delta = beside.project(x, lin)
-        return y, {"lora_b": None, "delta": delta}
+        return beside.project(x, lin)
 
     full = getattr(model, "full_modules", None)  # modules_to_save tables (lora/full.py)
     # ids of added tokens (full tables past the vocabulary) reach the base clamped

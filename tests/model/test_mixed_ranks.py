@@ -218,40 +218,43 @@ def test_chosen_graph_sizes_gpu(tmp_path):
 
 
 @pytest.mark.parametrize("triton", [False, True])
-@pytest.mark.parametrize("bound", [None, 16])
+@pytest.mark.parametrize(("mode", "bound"), [("1", None), ("1", 16), ("prefetch", 16)])
 def test_fused_forward_with_the_lora_beside_the_gemm_matches_peft(
-    setup, monkeypatch, triton, bound
+    setup, monkeypatch, triton, mode, bound
 ):
-    """``side``: each projection's base GEMM alone, its LoRA (a GEMM of the A rows and
-    ``lora_expand_delta``) apart, the epilogues fed the delta; at full rank and at a bound."""
+    """``side="1"``: each projection's base GEMM alone, its LoRA (a GEMM of the A rows and
+    ``lora_expand_delta``) apart, the epilogues fed the delta; ``"prefetch"``: the fused form
+    with B read ahead (``l2_prefetch``, a read only); at full rank and at a bound."""
     from loraplex.engine.model import fused
 
     model_dir, adapters, prompts, names, hf_steps, hf_tokens = setup
-    deltas = []
-    real = fused.lora_expand_delta
+    calls = []
+    name = "lora_expand_delta" if mode == "1" else "l2_prefetch"
+    real = getattr(fused, name)
 
     def counted(*args, **kw):
-        deltas.append(1)
+        calls.append(1)
         return real(*args, **kw)
 
-    monkeypatch.setattr(fused, "lora_expand_delta", counted)
-    beside = functools.partial(fused_forward, rank_bound=bound, side=True)
+    monkeypatch.setattr(fused, name, counted)
+    beside = functools.partial(fused_forward, rank_bound=bound, side=mode)
     monkeypatch.setattr(model_runner, "fused_forward", beside)
     our_steps = ours(
         model_dir, adapters, prompts, names, hf_tokens, max_rank=MAX_RANK,
         kernel_backend=KernelBackend(fused=True, triton=triton),
     )  # fmt: skip
-    assert deltas, "the side form never ran"
-    _check(our_steps, hf_steps, hf_tokens, f"side bound {bound} triton={triton}")
+    assert calls, f"the side form {mode} never ran"
+    _check(our_steps, hf_steps, hf_tokens, f"side {mode} bound {bound} triton={triton}")
 
 
 def test_the_side_switch(monkeypatch) -> None:
     from loraplex.engine.model.fused import lora_side
 
     monkeypatch.delenv("LORAPLEX_LORA_SIDE", raising=False)
-    assert lora_side() is False
-    monkeypatch.setenv("LORAPLEX_LORA_SIDE", "1")
-    assert lora_side() is True
+    assert lora_side() == "0"
+    for mode in ("1", "prefetch", "0"):
+        monkeypatch.setenv("LORAPLEX_LORA_SIDE", mode)
+        assert lora_side() == mode
     monkeypatch.setenv("LORAPLEX_LORA_SIDE", "yes")
     with pytest.raises(ValueError, match="LORAPLEX_LORA_SIDE"):
         lora_side()

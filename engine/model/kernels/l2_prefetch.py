@@ -1,0 +1,55 @@
+"""Triton: read a projection's LoRA B rows into the GPU's L2 ahead of their use (``l2_prefetch``).
+
+A prefetch has no output: each program reads its chunk with evict-last loads and stores nothing
+(the sum it keeps is stored only if it equals a value it cannot take, so the loads stay). Run on
+a side stream beside the projection's GEMM (fused.py's ``LORAPLEX_LORA_SIDE=prefetch``), the
+epilogue's expand then finds ``B`` in the L2 instead of HBM: the reads move to where the skinny
+GEMM leaves bandwidth unused. ``lora_b`` (L, N, R) is stored rank-major per slot, (L, R, N): the
+step's ``rows`` rank rows of a slot are one contiguous run of ``rows * N`` elements. Off CUDA
+(but under the Triton interpreter) or in a step of torch twins it does nothing: it changes no value, so it has no twin to match.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["l2_prefetch"]
+
+BLOCK, ITERS = 2048, 4  # elements per load, loads per program
+
+
+@triton.jit
+def _prefetch_kernel(ptr, run, stride_l, sink, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    base = ptr + tl.program_id(0).to(tl.int64) * stride_l
+    start = tl.program_id(1) * BLOCK * ITERS
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for i in range(ITERS):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(base + offs, mask=offs < run, other=0.0, eviction_policy="evict_last")
+        acc += x.to(tl.float32)
+    total = tl.reduce(acc, 0, tl.standard._sum_combine)
+    if total == -1.2345e30:  # never: keeps the loads
+        tl.store(sink, total)
+
+
+def l2_prefetch(
+    lora_b: torch.Tensor, rows: int | None, sink: torch.Tensor, *, triton_kernels: bool = True
+) -> None:
+    """Read rank rows ``0 .. rows`` (None: all) of every slot of ``lora_b`` into the L2.
+    ``sink``: a float32 scalar buffer on the device, never written in practice. Runs on CUDA,
+    or under the Triton interpreter (tests); ``triton_kernels`` False (the step's twins): not."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if not triton_kernels or not (lora_b.is_cuda or interpreted):
+        return
+    num_slots, n, rank = lora_b.shape
+    rows = rank if rows is None else min(rows, rank)
+    if lora_b.stride(2) != n or lora_b.stride(1) != 1:
+        raise ValueError(f"lora_b strides {lora_b.stride()}: want rank-major slots (L, R, N)")
+    run = rows * n
+    grid = (num_slots, triton.cdiv(run, BLOCK * ITERS))
+    _prefetch_kernel[grid](lora_b, run, lora_b.stride(0), sink, BLOCK=BLOCK, ITERS=ITERS,
+                           num_warps=8)  # fmt: skip
