@@ -261,10 +261,12 @@ def test_the_side_switch(monkeypatch) -> None:
 
 
 @pytest.mark.gpu
-def test_lora_beside_the_gemm_through_graphs_gpu(setup, monkeypatch):
-    """``LORAPLEX_LORA_SIDE=1`` on CUDA in bfloat16: the decode graphs capture each LoRA on a
-    side stream (a parallel branch) beside its base GEMM; against PEFT in float32 within PEFT's
-    own bfloat16 error, and against the eager fused step without the switch."""
+@pytest.mark.parametrize("mode", ["1", "prefetch"])
+def test_lora_beside_the_gemm_through_graphs_gpu(setup, monkeypatch, mode):
+    """``LORAPLEX_LORA_SIDE`` on CUDA in bfloat16: the decode graphs capture each LoRA (``1``)
+    or its B's prefetch (``prefetch``) on a side stream (a parallel branch) beside the GEMM;
+    against PEFT in float32 within PEFT's own bfloat16 error, and against the eager fused step
+    without the switch."""
     from loraplex.engine.model import fused
 
     model_dir, adapters, prompts, names, _, _ = setup
@@ -274,11 +276,10 @@ def test_lora_beside_the_gemm_through_graphs_gpu(setup, monkeypatch):
     kw = dict(dtype=torch.bfloat16, device="cuda", max_rank=MAX_RANK)
     eager = ours(model_dir, adapters, prompts, names, ref_tokens, **kw, use_cuda_graphs=False)
     deltas = []
-    real = fused.lora_expand_delta
-    monkeypatch.setattr(
-        fused, "lora_expand_delta", lambda *a, **k: deltas.append(1) or real(*a, **k)
-    )
-    monkeypatch.setenv("LORAPLEX_LORA_SIDE", "1")
+    name = "lora_expand_delta" if mode == "1" else "l2_prefetch"
+    real = getattr(fused, name)
+    monkeypatch.setattr(fused, name, lambda *a, **k: deltas.append(1) or real(*a, **k))
+    monkeypatch.setenv("LORAPLEX_LORA_SIDE", mode)
     graph = ours(model_dir, adapters, prompts, names, ref_tokens, **kw, use_cuda_graphs=True)
     assert deltas, "the side form never ran"
     for step in range(len(ref_steps)):
