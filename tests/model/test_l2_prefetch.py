@@ -1,6 +1,7 @@
 """``l2_prefetch``: a read of a projection's B rows with no output. Under the interpreter (and on
 a GPU) it runs over every slot's rank-row run, at a rank bound and over runs that are not a
-multiple of its block, changing nothing; it refuses B that is not stored rank-major per slot."""
+multiple of its block, changing nothing; B stored column-major is read whole per slot; B whose
+slots are not contiguous is refused."""
 
 from __future__ import annotations
 
@@ -41,5 +42,20 @@ def test_twins_step_and_wrong_layout(monkeypatch) -> None:
     sink = torch.zeros(1, device=DEVICE)
     monkeypatch.setattr(pf, "_prefetch_kernel", None)  # a launch would fail
     pf.l2_prefetch(b, None, sink, triton_kernels=False)
-    with pytest.raises(ValueError, match="rank-major"):
-        pf.l2_prefetch(b.contiguous(), None, sink)
+    with pytest.raises(ValueError, match="contiguous"):
+        pf.l2_prefetch(b[:, ::2], None, sink)
+
+
+def test_column_major_slots_are_read_whole(monkeypatch) -> None:
+    b = _b(2, 64, 8).contiguous()  # (L, N, R) contiguous
+    seen = []
+    real = pf._prefetch_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            seen.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(pf, "_prefetch_kernel", Spy())
+    pf.l2_prefetch(b, 4, torch.zeros(1, device=DEVICE))
+    assert seen == [(2, -(-64 * 8 // (pf.BLOCK * pf.ITERS)))]

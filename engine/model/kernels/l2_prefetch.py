@@ -4,8 +4,9 @@ A prefetch has no output: each program reads its chunk with evict-last loads and
 (the sum it keeps is stored only if it equals a value it cannot take, so the loads stay). Run on
 a side stream beside the projection's GEMM (fused.py's ``LORAPLEX_LORA_SIDE=prefetch``), the
 epilogue's expand then finds ``B`` in the L2 instead of HBM: the reads move to where the skinny
-GEMM leaves bandwidth unused. ``lora_b`` (L, N, R) is stored rank-major per slot, (L, R, N): the
-step's ``rows`` rank rows of a slot are one contiguous run of ``rows * N`` elements. Off CUDA
+GEMM leaves bandwidth unused. ``lora_b`` (L, N, R) stored rank-major per slot, (L, R, N): the
+step's ``rows`` rank rows of a slot are one contiguous run of ``rows * N`` elements; stored
+column-major, (L, N, R) contiguous: the whole slot is read. Off CUDA
 (but under the Triton interpreter) or in a step of torch twins it does nothing: it changes no value, so it has no twin to match.
 """
 
@@ -47,9 +48,12 @@ def l2_prefetch(
         return
     num_slots, n, rank = lora_b.shape
     rows = rank if rows is None else min(rows, rank)
-    if lora_b.stride(2) != n or lora_b.stride(1) != 1:
-        raise ValueError(f"lora_b strides {lora_b.stride()}: want rank-major slots (L, R, N)")
-    run = rows * n
+    if lora_b.stride(2) == n and lora_b.stride(1) == 1:  # rank-major: the rows' prefix
+        run = rows * n
+    elif lora_b.stride(2) == 1 and lora_b.stride(1) == rank:  # column-major (L, N, R): all of it
+        run = n * rank
+    else:
+        raise ValueError(f"lora_b strides {lora_b.stride()}: want each slot's rows contiguous")
     grid = (num_slots, triton.cdiv(run, BLOCK * ITERS))
     _prefetch_kernel[grid](lora_b, run, lora_b.stride(0), sink, BLOCK=BLOCK, ITERS=ITERS,
                            num_warps=8)  # fmt: skip
