@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -37,7 +38,7 @@ from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul
 from loraplex.engine.model.kernels.l2_prefetch import l2_prefetch
-from loraplex.engine.model.kernels.lora_expand_delta import lora_expand_delta
+from loraplex.engine.model.kernels.lora_expand_delta import ExpandDeltaConfig, lora_expand_delta
 
 __all__ = ["VARIANTS", "projections", "check", "main"]
 
@@ -67,9 +68,13 @@ class _Fork:
             torch.cuda.current_stream().wait_stream(self.side)
 
 
-def projections(model, t: int, ctx_len: int = 512, *, triton_kernels: bool = True) -> dict:
+def projections(
+    model, t: int, ctx_len: int = 512, *, triton_kernels: bool = True,
+    expand: dict[str, ExpandDeltaConfig] | None = None,
+) -> dict:  # fmt: skip
     """{projection: {variant: fn}} for one layer of ``model`` at batch ``t``; each fn returns
-    the tensor its epilogue wrote."""
+    the tensor its epilogue wrote. ``expand``: more ``lora_expand_delta`` configs by label, as
+    variants "side LABEL" and "lora-only LABEL" (the default config's are "side", "lora-only")."""
     mc = model.cfg
     layer = model.layers[0]
     dev = layer.qkv_proj.weight_aug.device
@@ -144,9 +149,12 @@ def projections(model, t: int, ctx_len: int = 512, *, triton_kernels: bool = Tru
             fork.join()
             return epi(y, b, mapping)
 
-        def side_lora(x=x, a=a_rows, b=b, sh=shrink, d=delta, off=offsets):
+        def side_lora(x=x, a=a_rows, b=b, sh=shrink, d=delta, off=offsets, cfg=None):
             torch.mm(x, a.t(), out=sh)
-            lora_expand_delta(sh, b, mapping, off, d)
+            if cfg is None:
+                lora_expand_delta(sh, b, mapping, off, d)
+            else:
+                lora_expand_delta(sh, b, mapping, off, d, config=cfg)
 
         def side(x=x, w=w_base, epi=epi, lora=side_lora, d=delta, forked=True):
             with fork.beside() if forked else contextlib.nullcontext():
@@ -165,16 +173,25 @@ def projections(model, t: int, ctx_len: int = 512, *, triton_kernels: bool = Tru
             "gemm-only": lambda x=x, w=w_base: linear(x, w),
             "lora-only": lambda lora=side_lora, d=delta: lora() or d,
         }
+        for label, cfg in (expand or {}).items():
+            lora_cfg = functools.partial(side_lora, cfg=cfg)
+            out[name][f"side {label}"] = functools.partial(side, lora=lora_cfg)
+            out[name][f"lora-only {label}"] = lambda lora=lora_cfg, d=delta: lora() or d
     return out
 
 
-def check(model, t: int, *, triton_kernels: bool = True, tol: float = 2e-2) -> dict[str, float]:
-    """Max abs difference of side's (and prefetch's) outputs against today's, per projection;
-    raises past ``tol`` (relative to today's largest value)."""
+def check(
+    model, t: int, *, triton_kernels: bool = True, tol: float = 2e-2,
+    expand: dict[str, ExpandDeltaConfig] | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """Max abs difference of every side and prefetch variant's output against today's, per
+    projection; raises past ``tol`` (relative to today's largest value)."""
     diffs = {}
-    for name, fns in projections(model, t, triton_kernels=triton_kernels).items():
+    for name, fns in projections(model, t, triton_kernels=triton_kernels, expand=expand).items():
         want = fns["today"]().float().clone()
-        for variant in ("side", "side-serial", "prefetch"):
+        for variant in fns:
+            if not variant.startswith(("side", "prefetch")):
+                continue
             got = fns[variant]().float()
             diff = (got - want).abs().max().item()
             scale = max(want.abs().max().item(), 1.0)
@@ -197,7 +214,13 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--loras", type=int, default=8)
     ap.add_argument("--check", action="store_true", help="side against today before timing")
+    ap.add_argument(
+        "--expand", nargs="*", default=["16,128,4,0", "16,64,4,2", "16,256,8,3"],
+        help="more lora_expand_delta configs to time in the side form: BLOCK_T,BLOCK_N,WARPS,STAGES",
+    )  # fmt: skip
     args = ap.parse_args()
+    expand = {e: ExpandDeltaConfig(*map(int, e.split(","))) for e in args.expand}
+    variants = list(VARIANTS) + [f"{v} {e}" for e in expand for v in ("side", "lora-only")]
     from benchmarks.synthetic import LLAMA3_8B, random_model
 
     model = random_model(
@@ -210,21 +233,22 @@ def main() -> None:
     rows = []
     for t in args.batches:
         if args.check:
-            print(f"T={t} check:", {k: round(v, 4) for k, v in check(model, t).items()})
-        for name, fns in projections(model, t).items():
-            us = {v: _time(fns[v]) for v in VARIANTS}
+            diffs = check(model, t, expand=expand)
+            print(f"T={t} check:", {k: round(v, 4) for k, v in diffs.items()})
+        for name, fns in projections(model, t, expand=expand).items():
+            us = {v: _time(fns[v]) for v in variants}
             rows.append((name, t, us))
             print(name, t, " ".join(f"{v} {x:.1f}" for v, x in us.items()), flush=True)
-    print("\n| projection | T | " + " | ".join(VARIANTS) + " | LoRA today | LoRA side |")
-    print("|---|---:|" + "---:|" * (len(VARIANTS) + 2))
+    print("\n| projection | T | " + " | ".join(variants) + " | LoRA today | LoRA side |")
+    print("|---|---:|" + "---:|" * (len(variants) + 2))
     for name, t, us in rows:
-        cells = " | ".join(f"{us[v]:.1f}" for v in VARIANTS)
+        cells = " | ".join(f"{us[v]:.1f}" for v in variants)
         print(
             f"| {name} | {t} | {cells} | {us['today'] - us['base']:.1f} "
             f"| {us['side'] - us['base']:.1f} |"
         )
     for t in args.batches:
-        tot = {v: sum(us[v] for _, tt, us in rows if tt == t) for v in VARIANTS}
+        tot = {v: sum(us[v] for _, tt, us in rows if tt == t) for v in variants}
         print(f"T={t} per layer µs: " + ", ".join(f"{v} {x:.1f}" for v, x in tot.items()))
 
 

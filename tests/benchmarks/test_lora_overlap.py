@@ -10,6 +10,7 @@ import torch
 
 from benchmarks import lora_overlap
 from benchmarks.synthetic import random_model
+from loraplex.engine.model.kernels.lora_expand_delta import ExpandDeltaConfig
 
 TINY = {
     "model_type": "llama",
@@ -36,11 +37,12 @@ def _model():
 
 @pytest.mark.parametrize("triton", [False, True])
 def test_variants_compute_the_step(triton: bool) -> None:
-    diffs = lora_overlap.check(_model(), 8, triton_kernels=triton, tol=1e-4)
+    expand = {"s0": ExpandDeltaConfig(16, 32, 4, 0), "s3": ExpandDeltaConfig(16, 64, 4, 3)}
+    diffs = lora_overlap.check(_model(), 8, triton_kernels=triton, tol=1e-4, expand=expand)
     assert set(diffs) == {
         f"{p} {v}"
         for p in ("qkv", "o", "gate_up", "down")
-        for v in ("side", "side-serial", "prefetch")
+        for v in ("side", "side-serial", "prefetch", "side s0", "side s3")
     }
 
 
