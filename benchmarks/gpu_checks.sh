@@ -72,14 +72,15 @@ if [[ $what == b_layout ]]; then  # issue 19 item 5: does a column-major B speed
       --b-layout $lay 2>&1 | grep "^| \(silu\|qkv\)" | sort -u | sed "s/^/$lay: /" | tee -a "$OUT/b_layout.log"
   done
 fi
-if [[ $what == overlap ]]; then  # issue 19 item 5: the LoRA beside the base GEMM (~8 min)
+if [[ $what == overlap ]]; then  # issue 19 item 5: the LoRA beside the base GEMM (~10 min)
   python3 -m pytest -q -p no:cacheprovider tests/model/test_lora_expand_delta.py tests/model/test_l2_prefetch.py 2>&1 \
     | grep -E "passed|failed|Error|^E " | tail -5
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_mixed_ranks.py -k beside 2>&1 \
     | grep -E "passed|failed|Error|^E " | tail -5
   python3 -m benchmarks.lora_overlap --batches 32 64 --check "$@" 2>&1 | tee "$OUT/overlap.log" | tail -16
   # the step: the LoRA beside the base GEMM against today's form (LORAPLEX_LORA_SIDE, fused.py)
-  bash benchmarks/ab_env.sh 1 - LORAPLEX_LORA_SIDE=1 LORAPLEX_LORA_SIDE=prefetch -- \
+  bash benchmarks/ab_env.sh 1 - LORAPLEX_LORA_SIDE=1 LORAPLEX_LORA_SIDE=1,LORAPLEX_LORA_SIDE_SMS=16 \
+    LORAPLEX_LORA_SIDE=prefetch -- \
     python3 -m benchmarks.mixed_rank --cases 3 2>&1 \
     | tee -a "$OUT/overlap.log" | tail -4
 fi

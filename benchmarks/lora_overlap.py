@@ -70,11 +70,13 @@ class _Fork:
 
 def projections(
     model, t: int, ctx_len: int = 512, *, triton_kernels: bool = True,
-    expand: dict[str, ExpandDeltaConfig] | None = None,
+    expand: dict[str, ExpandDeltaConfig] | None = None, leave_sms: tuple[int, ...] = (),
 ) -> dict:  # fmt: skip
     """{projection: {variant: fn}} for one layer of ``model`` at batch ``t``; each fn returns
     the tensor its epilogue wrote. ``expand``: more ``lora_expand_delta`` configs by label, as
-    variants "side LABEL" and "lora-only LABEL" (the default config's are "side", "lora-only")."""
+    variants "side LABEL" and "lora-only LABEL" (the default config's are "side", "lora-only").
+    ``leave_sms``: "side leave N", the base GEMM under cuBLASLt told to leave N SMs free
+    (``LORAPLEX_LORA_SIDE_SMS``)."""
     mc = model.cfg
     layer = model.layers[0]
     dev = layer.qkv_proj.weight_aug.device
@@ -156,10 +158,10 @@ def projections(
             else:
                 lora_expand_delta(sh, b, mapping, off, d, config=cfg)
 
-        def side(x=x, w=w_base, epi=epi, lora=side_lora, d=delta, forked=True):
+        def side(x=x, w=w_base, epi=epi, lora=side_lora, d=delta, forked=True, leave=0):
             with fork.beside() if forked else contextlib.nullcontext():
                 lora()
-            y = linear(x, w)
+            y = linear(x, w, leave_sms=leave)
             if forked:
                 fork.join()
             return epi(y, None, mapping, delta=d)  # the epilogue fed the delta
@@ -173,6 +175,8 @@ def projections(
             "gemm-only": lambda x=x, w=w_base: linear(x, w),
             "lora-only": lambda lora=side_lora, d=delta: lora() or d,
         }
+        for n_sms in leave_sms:
+            out[name][f"side leave {n_sms}"] = functools.partial(side, leave=n_sms)
         for label, cfg in (expand or {}).items():
             lora_cfg = functools.partial(side_lora, cfg=cfg)
             out[name][f"side {label}"] = functools.partial(side, lora=lora_cfg)
@@ -182,12 +186,15 @@ def projections(
 
 def check(
     model, t: int, *, triton_kernels: bool = True, tol: float = 2e-2,
-    expand: dict[str, ExpandDeltaConfig] | None = None,
+    expand: dict[str, ExpandDeltaConfig] | None = None, leave_sms: tuple[int, ...] = (),
 ) -> dict[str, float]:  # fmt: skip
     """Max abs difference of every side and prefetch variant's output against today's, per
     projection; raises past ``tol`` (relative to today's largest value)."""
     diffs = {}
-    for name, fns in projections(model, t, triton_kernels=triton_kernels, expand=expand).items():
+    fns_of = projections(
+        model, t, triton_kernels=triton_kernels, expand=expand, leave_sms=leave_sms
+    )
+    for name, fns in fns_of.items():
         want = fns["today"]().float().clone()
         for variant in fns:
             if not variant.startswith(("side", "prefetch")):
@@ -218,9 +225,15 @@ def main() -> None:
         "--expand", nargs="*", default=["16,128,4,0", "16,64,4,2", "16,256,8,3"],
         help="more lora_expand_delta configs to time in the side form: BLOCK_T,BLOCK_N,WARPS,STAGES",
     )  # fmt: skip
+    ap.add_argument(
+        "--leave-sms", type=int, nargs="*", default=[16, 32],
+        help="side form with the base GEMM under cuBLASLt leaving this many SMs free",
+    )  # fmt: skip
     args = ap.parse_args()
+    leave = tuple(args.leave_sms)
     expand = {e: ExpandDeltaConfig(*map(int, e.split(","))) for e in args.expand}
     variants = list(VARIANTS) + [f"{v} {e}" for e in expand for v in ("side", "lora-only")]
+    variants += [f"side leave {n}" for n in leave]
     from benchmarks.synthetic import LLAMA3_8B, random_model
 
     model = random_model(
@@ -233,9 +246,9 @@ def main() -> None:
     rows = []
     for t in args.batches:
         if args.check:
-            diffs = check(model, t, expand=expand)
+            diffs = check(model, t, expand=expand, leave_sms=leave)
             print(f"T={t} check:", {k: round(v, 4) for k, v in diffs.items()})
-        for name, fns in projections(model, t, expand=expand).items():
+        for name, fns in projections(model, t, expand=expand, leave_sms=leave).items():
             us = {v: _time(fns[v]) for v in variants}
             rows.append((name, t, us))
             print(name, t, " ".join(f"{v} {x:.1f}" for v, x in us.items()), flush=True)

@@ -85,6 +85,16 @@ def lora_side() -> str:
     return raw
 
 
+def side_sms() -> int:
+    """``LORAPLEX_LORA_SIDE_SMS=N``: in the side form (``LORAPLEX_LORA_SIDE=1``) the base GEMMs
+    run under cuBLASLt told to leave N SMs to the LoRA beside them (``gemm.linear``'s
+    ``leave_sms``); 0 (default): the GEMMs as tuned. A switch for the A/B."""
+    raw = os.environ.get("LORAPLEX_LORA_SIDE_SMS", "0")
+    if not raw.isdigit():
+        raise ValueError(f"LORAPLEX_LORA_SIDE_SMS={raw!r}: a number of SMs")
+    return int(raw)
+
+
 @functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
@@ -108,10 +118,13 @@ class _Side:
     ``prefetch``: the fused form (augmented GEMM, the epilogue's expand), with the projection's
     B rows read into the L2 on the side stream (``l2_prefetch``) while the GEMM runs."""
 
-    def __init__(self, device: torch.device, mapping: LoRAMapping, mode: str) -> None:
+    def __init__(
+        self, device: torch.device, mapping: LoRAMapping, mode: str, leave_sms: int = 0
+    ) -> None:
         self.stream = _side_stream(device) if device.type == "cuda" else None
         self.mapping = mapping
         self.mode = mode
+        self.leave_sms = leave_sms  # SMs the base GEMMs leave to the side chain (side_sms)
 
     @contextmanager
     def _beside(self):
@@ -146,7 +159,7 @@ class _Side:
         with self._beside():
             torch.matmul(x, w[n:].t(), out=shrink)  # A rows: no bias (bias_aug is 0 past N)
             lora_expand_delta(shrink, lin.lora_b, self.mapping, lin.slice_offsets, delta)
-        y = linear(x, w[:n], bias[:n] if bias is not None else None)
+        y = linear(x, w[:n], bias[:n] if bias is not None else None, leave_sms=self.leave_sms)
         self._join()
         return y, {"lora_b": None, "delta": delta}
 
@@ -177,8 +190,9 @@ def fused_forward(
     ranks below it and the epilogues loop over as many (lora/ranks.py); None: all rows.
     ``side``: ``"1"``, each projection's LoRA beside its base GEMM instead of inside the GEMM
     and the epilogue; ``"prefetch"``, its B read into the L2 beside the GEMM (``_Side``);
-    ``"0"``, neither; None: the ``LORAPLEX_LORA_SIDE`` switch. Not for an fp8 base or under
-    tensor parallelism (those steps keep the fused form)."""
+    ``"0"``, neither; None: the ``LORAPLEX_LORA_SIDE`` switch (``LORAPLEX_LORA_SIDE_SMS``: SMs
+    the base GEMMs leave to the side form). Not for an fp8 base or under tensor parallelism
+    (those steps keep the fused form)."""
     cfg = model.cfg
     t = input_ids.shape[0]
     eps = cfg.rms_norm_eps
@@ -194,7 +208,7 @@ def fused_forward(
     beside = None
     lora_base = first.qkv_proj.lora_b is not None and first.qkv_proj.float_base
     if side != "0" and tp is None and lora_base:
-        beside = _Side(input_ids.device, mapping, side)
+        beside = _Side(input_ids.device, mapping, side, side_sms() if side == "1" else 0)
 
     def project(x: torch.Tensor, lin: LoRALinear) -> tuple[torch.Tensor, dict]:
         """The projection's output and its epilogue's LoRA arguments."""

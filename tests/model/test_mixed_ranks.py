@@ -258,15 +258,27 @@ def test_the_side_switch(monkeypatch) -> None:
     monkeypatch.setenv("LORAPLEX_LORA_SIDE", "yes")
     with pytest.raises(ValueError, match="LORAPLEX_LORA_SIDE"):
         lora_side()
+    from loraplex.engine.model.fused import side_sms
+
+    monkeypatch.delenv("LORAPLEX_LORA_SIDE_SMS", raising=False)
+    assert side_sms() == 0
+    monkeypatch.setenv("LORAPLEX_LORA_SIDE_SMS", "24")
+    assert side_sms() == 24
+    monkeypatch.setenv("LORAPLEX_LORA_SIDE_SMS", "-3")
+    with pytest.raises(ValueError, match="LORAPLEX_LORA_SIDE_SMS"):
+        side_sms()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["1", "prefetch"])
+@pytest.mark.parametrize("mode", ["1", "prefetch", "1,16"])
 def test_lora_beside_the_gemm_through_graphs_gpu(setup, monkeypatch, mode):
     """``LORAPLEX_LORA_SIDE`` on CUDA in bfloat16: the decode graphs capture each LoRA (``1``)
     or its B's prefetch (``prefetch``) on a side stream (a parallel branch) beside the GEMM;
     against PEFT in float32 within PEFT's own bfloat16 error, and against the eager fused step
-    without the switch."""
+    without the switch. "1,16": the base GEMMs under cuBLASLt leaving 16 SMs free."""
+    mode, _, sms = mode.partition(",")
+    if sms:
+        monkeypatch.setenv("LORAPLEX_LORA_SIDE_SMS", sms)
     from loraplex.engine.model import fused
 
     model_dir, adapters, prompts, names, _, _ = setup
