@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one call: GPU-marked tests (kernels, PEFT oracle in bf16/fp16, CUDA graphs),
 # then benchmarks. Results land in $OUT (or ./out). Wheels missing on the GPU machine can be
-# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|rank64|base32|b_layout|pipe [LAYOUT...]|overlap|ncu|fp8|fp8_gemms|storm ARGS...|zipf|load_rate]
+# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|rank64|base32|b_layout|pipe [LAYOUT...]|overlap|overlap_step [SETTING...]|ncu|fp8|fp8_gemms|storm ARGS...|zipf|load_rate]
 # A copy of the tree without its .git (git archive) stamps results with $LORAPLEX_COMMIT:
 # export it (benchmarks/record.py). Several commits side by side in one call (A/B, bisect):
 # benchmarks/ab_snapshots.sh.
@@ -72,17 +72,18 @@ if [[ $what == b_layout ]]; then  # issue 19 item 5: does a column-major B speed
       --b-layout $lay 2>&1 | grep "^| \(silu\|qkv\)" | sort -u | sed "s/^/$lay: /" | tee -a "$OUT/b_layout.log"
   done
 fi
-if [[ $what == overlap ]]; then  # issue 19 item 5: the LoRA beside the base GEMM (~10 min)
+if [[ $what == overlap ]]; then  # issue 19 item 5: the LoRA beside the base GEMM (~5 min)
   python3 -m pytest -q -p no:cacheprovider tests/model/test_lora_expand_delta.py tests/model/test_l2_prefetch.py 2>&1 \
     | grep -E "passed|failed|Error|^E " | tail -5
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_mixed_ranks.py -k beside 2>&1 \
     | grep -E "passed|failed|Error|^E " | tail -5
   python3 -m benchmarks.lora_overlap --batches 32 64 --check "$@" 2>&1 | tee "$OUT/overlap.log" | tail -16
-  # the step: the LoRA beside the base GEMM against today's form (LORAPLEX_LORA_SIDE, fused.py)
-  bash benchmarks/ab_env.sh 1 - LORAPLEX_LORA_SIDE=1 LORAPLEX_LORA_SIDE=1,LORAPLEX_LORA_SIDE_SMS=16 \
-    LORAPLEX_LORA_SIDE=prefetch -- \
-    python3 -m benchmarks.mixed_rank --cases 3 2>&1 \
-    | tee -a "$OUT/overlap.log" | tail -4
+fi
+if [[ $what == overlap_step ]]; then  # the step with the side forms against today's (~2 min each)
+  settings=("$@")
+  (( ${#settings[@]} )) || settings=(- LORAPLEX_LORA_SIDE=1 LORAPLEX_LORA_SIDE=1,LORAPLEX_LORA_SIDE_SMS=16 LORAPLEX_LORA_SIDE=prefetch)
+  bash benchmarks/ab_env.sh 1 "${settings[@]}" -- python3 -m benchmarks.mixed_rank --cases 3 2>&1 \
+    | tee -a "$OUT/overlap_step.log" | tail -6
 fi
 if [[ $what == pipe ]]; then  # issue 19 item 5: the per-slot LoRA loop pipelined (~3 min per B layout)
   layouts=("$@"); [[ ${#layouts[@]} -gt 0 ]] || layouts=(rank-major column-major)
