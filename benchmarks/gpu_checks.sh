@@ -82,7 +82,8 @@ fi
 if [[ $what == overlap_step ]]; then  # the step with the side forms against today's (~2 min each)
   settings=("$@")
   (( ${#settings[@]} )) || settings=(- LORAPLEX_LORA_SIDE=1 LORAPLEX_LORA_SIDE=1,LORAPLEX_LORA_SIDE_SMS=16 LORAPLEX_LORA_SIDE=prefetch)
-  bash benchmarks/ab_env.sh 1 "${settings[@]}" -- python3 -m benchmarks.mixed_rank --cases 3 2>&1 \
+  # CASES="3 4": also the base model alone (LORAPLEX_PREFETCH_O=1 concerns it too)
+  bash benchmarks/ab_env.sh 1 "${settings[@]}" -- python3 -m benchmarks.mixed_rank --cases ${CASES:-3} 2>&1 \
     | tee -a "$OUT/overlap_step.log" | tail -6
 fi
 if [[ $what == pipe ]]; then  # issue 19 item 5: the per-slot LoRA loop pipelined (~3 min per B layout)

@@ -45,7 +45,7 @@ from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
 from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul, rmsnorm
-from loraplex.engine.model.kernels.l2_prefetch import l2_prefetch
+from loraplex.engine.model.kernels.l2_prefetch import l2_prefetch, l2_prefetch_tensor
 from loraplex.engine.model.kernels.lora_expand_delta import lora_expand_delta
 from loraplex.engine.model.paged_attention import paged_attention
 from loraplex.engine.model.protocol import CausalLM
@@ -105,9 +105,43 @@ def _sink(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.float32, device=device)
 
 
+class _SideStream:
+    """Work on a side stream beside the step's stream (in a CUDA graph, a parallel branch),
+    joined back before what needs it; where there is no CUDA stream (CPU) in order."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = _side_stream(device) if device.type == "cuda" else None
+
+    @contextmanager
+    def beside(self):
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def join(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+
+def prefetch_o() -> bool:
+    """``LORAPLEX_PREFETCH_O=1``: each layer's o_proj weight rows (and the step's A rows) read
+    into the L2 on a side stream beside attention (``l2_prefetch_tensor``), which leaves ~40 %
+    of the bandwidth unused at 32 streams, so that the o GEMM reads them from the L2; default
+    off. The prefetch's loads carry the evict-last hint; attention's K / V loads cannot carry
+    evict-first (Triton drops the hint from the asynchronous copies its pipelined loop issues).
+    A switch for the A/B."""
+    raw = os.environ.get("LORAPLEX_PREFETCH_O", "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"LORAPLEX_PREFETCH_O={raw!r}: 0 or 1")
+    return raw == "1"
+
+
 class _Side:
-    """Work beside a projection's GEMM on a side stream (in a CUDA graph, a parallel branch),
-    joined before the epilogue; where there is no CUDA stream (CPU) in order.
+    """Work beside a projection's GEMM on a side stream (``_SideStream``), joined before the
+    epilogue.
 
     ``project``: the LoRA beside the GEMM. On the side stream the shrink, a GEMM of the step's
     A rows, and ``lora_expand_delta`` into an fp32 (T, N) buffer; on the step's stream the GEMM
@@ -119,36 +153,23 @@ class _Side:
     B rows read into the L2 on the side stream (``l2_prefetch``) while the GEMM runs."""
 
     def __init__(
-        self, device: torch.device, mapping: LoRAMapping, mode: str, leave_sms: int = 0
+        self, side: _SideStream, mapping: LoRAMapping, mode: str, leave_sms: int = 0
     ) -> None:
-        self.stream = _side_stream(device) if device.type == "cuda" else None
+        self.side = side
         self.mapping = mapping
         self.mode = mode
         self.leave_sms = leave_sms  # SMs the base GEMMs leave to the side chain (side_sms)
 
-    @contextmanager
-    def _beside(self):
-        if self.stream is None:
-            yield
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            yield
-
-    def _join(self) -> None:
-        if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-
     def project(self, x: torch.Tensor, lin: LoRALinear) -> tuple[torch.Tensor, dict]:
         """The projection's output and its epilogue's LoRA arguments."""
         if self.mode == "prefetch":
-            with self._beside():
+            with self.side.beside():
                 l2_prefetch(
                     lin.lora_b, self.mapping.rank_bound, _sink(x.device),
                     triton_kernels=self.mapping.triton,
                 )  # fmt: skip
             y = _linear(x, lin, self.mapping)
-            self._join()
+            self.side.join()
             return y, {"lora_b": lin.lora_b}
         w, bias = lin.aug_rows(self.mapping.rank_bound)
         n = lin.out_features
@@ -156,11 +177,11 @@ class _Side:
         # on the step's stream: freed there, after the join (no record_stream needed)
         shrink = torch.empty(t, w.shape[0] - n, dtype=x.dtype, device=x.device)
         delta = torch.empty(t, n, dtype=torch.float32, device=x.device)
-        with self._beside():
+        with self.side.beside():
             torch.matmul(x, w[n:].t(), out=shrink)  # A rows: no bias (bias_aug is 0 past N)
             lora_expand_delta(shrink, lin.lora_b, self.mapping, lin.slice_offsets, delta)
         y = linear(x, w[:n], bias[:n] if bias is not None else None, leave_sms=self.leave_sms)
-        self._join()
+        self.side.join()
         return y, {"lora_b": None, "delta": delta}
 
 
@@ -206,9 +227,11 @@ def fused_forward(
     if side not in SIDE_MODES:
         raise ValueError(f"side={side!r}: one of {', '.join(SIDE_MODES)}")
     beside = None
+    stream = _SideStream(input_ids.device)
     lora_base = first.qkv_proj.lora_b is not None and first.qkv_proj.float_base
     if side != "0" and tp is None and lora_base:
-        beside = _Side(input_ids.device, mapping, side, side_sms() if side == "1" else 0)
+        beside = _Side(stream, mapping, side, side_sms() if side == "1" else 0)
+    pre_o = prefetch_o() and tp is None and first.o_proj.float_base
 
     def project(x: torch.Tensor, lin: LoRALinear) -> tuple[torch.Tensor, dict]:
         """The projection's output and its epilogue's LoRA arguments."""
@@ -241,7 +264,13 @@ def fused_forward(
             k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping, q_out=q,
             dora=_dora(layer.qkv_proj, dora), **lora,
         )  # fmt: skip
+        if pre_o:  # the o GEMM's rows into the L2 while attention runs
+            with stream.beside():
+                rows = layer.o_proj.aug_rows(rank_bound)[0]
+                l2_prefetch_tensor(rows, _sink(rows.device), triton_kernels=triton)
         attn = attention(q, k_cache, v_cache, meta, layer.scale, cfg.sliding_window)
+        if pre_o:
+            stream.join()
         o, lora = project(attn.view(t, cfg.q_size), layer.o_proj)
         if tp is not None:  # base and shrink partials in one all-reduce, then the epilogue
             tp.all_reduce(o)

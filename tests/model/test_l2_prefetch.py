@@ -59,3 +59,22 @@ def test_column_major_slots_are_read_whole(monkeypatch) -> None:
     monkeypatch.setattr(pf, "_prefetch_kernel", Spy())
     pf.l2_prefetch(b, 4, torch.zeros(1, device=DEVICE))
     assert seen == [(2, -(-64 * 8 // (pf.BLOCK * pf.ITERS)))]
+
+
+def test_a_whole_tensor(monkeypatch) -> None:
+    w = torch.randn(50, 130, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.float16)
+    before, sink = w.clone(), torch.full((1,), 5.0, device=DEVICE)
+    seen = []
+    real = pf._prefetch_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            seen.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(pf, "_prefetch_kernel", Spy())
+    pf.l2_prefetch_tensor(w, sink)
+    assert seen == [(1, -(-50 * 130 // (pf.BLOCK * pf.ITERS)))]
+    assert torch.equal(w, before) and sink.item() == 5.0
+    with pytest.raises(ValueError, match="contiguous"):
+        pf.l2_prefetch_tensor(w.t(), sink)

@@ -247,6 +247,27 @@ def test_fused_forward_with_the_lora_beside_the_gemm_matches_peft(
     _check(our_steps, hf_steps, hf_tokens, f"side {mode} bound {bound} triton={triton}")
 
 
+@pytest.mark.parametrize("triton", [False, True])
+def test_o_weights_prefetched_beside_attention_match_peft(setup, monkeypatch, triton):
+    """``LORAPLEX_PREFETCH_O=1``: a read of each layer's o_proj rows beside attention; the
+    same results."""
+    from loraplex.engine.model import fused
+
+    model_dir, adapters, prompts, names, hf_steps, hf_tokens = setup
+    calls = []
+    real = fused.l2_prefetch_tensor
+    monkeypatch.setattr(
+        fused, "l2_prefetch_tensor", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    monkeypatch.setenv("LORAPLEX_PREFETCH_O", "1")
+    our_steps = ours(
+        model_dir, adapters, prompts, names, hf_tokens, max_rank=MAX_RANK,
+        kernel_backend=KernelBackend(fused=True, triton=triton),
+    )  # fmt: skip
+    assert calls
+    _check(our_steps, hf_steps, hf_tokens, f"prefetch o triton={triton}")
+
+
 def test_the_side_switch(monkeypatch) -> None:
     from loraplex.engine.model.fused import lora_side
 
@@ -267,6 +288,15 @@ def test_the_side_switch(monkeypatch) -> None:
     monkeypatch.setenv("LORAPLEX_LORA_SIDE_SMS", "-3")
     with pytest.raises(ValueError, match="LORAPLEX_LORA_SIDE_SMS"):
         side_sms()
+    from loraplex.engine.model.fused import prefetch_o
+
+    monkeypatch.delenv("LORAPLEX_PREFETCH_O", raising=False)
+    assert prefetch_o() is False
+    monkeypatch.setenv("LORAPLEX_PREFETCH_O", "1")
+    assert prefetch_o() is True
+    monkeypatch.setenv("LORAPLEX_PREFETCH_O", "on")
+    with pytest.raises(ValueError, match="LORAPLEX_PREFETCH_O"):
+        prefetch_o()
 
 
 @pytest.mark.gpu

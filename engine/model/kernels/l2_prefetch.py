@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["l2_prefetch"]
+__all__ = ["l2_prefetch", "l2_prefetch_tensor"]
 
 BLOCK, ITERS = 2048, 4  # elements per load, loads per program
 
@@ -54,6 +54,22 @@ def l2_prefetch(
         run = n * rank
     else:
         raise ValueError(f"lora_b strides {lora_b.stride()}: want each slot's rows contiguous")
-    grid = (num_slots, triton.cdiv(run, BLOCK * ITERS))
-    _prefetch_kernel[grid](lora_b, run, lora_b.stride(0), sink, BLOCK=BLOCK, ITERS=ITERS,
-                           num_warps=8)  # fmt: skip
+    _launch(lora_b, num_slots, run, lora_b.stride(0), sink)
+
+
+def l2_prefetch_tensor(t: torch.Tensor, sink: torch.Tensor, *, triton_kernels: bool = True) -> None:
+    """Read all of a contiguous tensor into the L2 (a projection's weight rows, say), on the
+    terms of ``l2_prefetch``."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if not triton_kernels or not (t.is_cuda or interpreted):
+        return
+    if not t.is_contiguous():
+        raise ValueError("l2_prefetch_tensor: the tensor must be contiguous")
+    _launch(t, 1, t.numel(), 0, sink)
+
+
+def _launch(t: torch.Tensor, runs: int, run: int, stride: int, sink: torch.Tensor) -> None:
+    if runs == 0 or run == 0:
+        return
+    grid = (runs, triton.cdiv(run, BLOCK * ITERS))
+    _prefetch_kernel[grid](t, run, stride, sink, BLOCK=BLOCK, ITERS=ITERS, num_warps=8)
