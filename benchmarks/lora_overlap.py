@@ -19,6 +19,9 @@ slot), timed in one CUDA graph with a cold L2 (graph_timing.py) as GEMM + epilog
     gemm-only    the base GEMM alone; lora-only: side's shrink and delta alone (a perfect
                  overlap takes max(gemm-only, lora-only) + the epilogue)
 
+and attention followed by the o GEMM and its epilogue, with the o GEMM's rows read into the L2
+beside attention or not (fused.py's LORAPLEX_PREFETCH_O), and attention alone.
+
     python -m benchmarks.lora_overlap [--batches 32 64] [--rank 64] [--loras 8] [--check]
 
 ``--check`` compares side's outputs with today's (bf16 roundings apart) before timing. On a
@@ -37,8 +40,9 @@ import torch
 from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul
-from loraplex.engine.model.kernels.l2_prefetch import l2_prefetch
+from loraplex.engine.model.kernels.l2_prefetch import l2_prefetch, l2_prefetch_tensor
 from loraplex.engine.model.kernels.lora_expand_delta import ExpandDeltaConfig, lora_expand_delta
+from loraplex.engine.model.paged_attention import paged_decode_attention
 
 __all__ = ["VARIANTS", "projections", "check", "main"]
 
@@ -181,6 +185,28 @@ def projections(
             lora_cfg = functools.partial(side_lora, cfg=cfg)
             out[name][f"side {label}"] = functools.partial(side, lora=lora_cfg)
             out[name][f"lora-only {label}"] = lambda lora=lora_cfg, d=delta: lora() or d
+    # attention, then the o GEMM and its epilogue; "prefetch-o": the o GEMM's rows read into the
+    # L2 beside attention (fused.py's LORAPLEX_PREFETCH_O)
+    ctx = torch.full((t,), ctx_len + 1, device=dev, dtype=torch.int32)
+    w_o = layer.o_proj.aug_rows(None)[0]
+
+    def attend():
+        return paged_decode_attention(q, k_cache, v_cache, tables, ctx, layer.scale)
+
+    def attn_o(pre=False):
+        if pre:
+            with fork.beside():
+                l2_prefetch_tensor(w_o, sink, triton_kernels=triton_kernels)
+        a = attend()
+        if pre:
+            fork.join()
+        return norm_epi(linear(a.view(t, -1), w_o), layer.o_proj.lora_b, mapping)
+
+    out["attn+o"] = {
+        "today": attn_o,
+        "prefetch-o": functools.partial(attn_o, pre=True),
+        "attention": attend,
+    }
     return out
 
 
@@ -249,11 +275,13 @@ def main() -> None:
             diffs = check(model, t, expand=expand, leave_sms=leave)
             print(f"T={t} check:", {k: round(v, 4) for k, v in diffs.items()})
         for name, fns in projections(model, t, expand=expand, leave_sms=leave).items():
-            us = {v: _time(fns[v]) for v in variants}
+            us = {v: _time(fns[v]) for v in (variants if name != "attn+o" else fns)}
             rows.append((name, t, us))
             print(name, t, " ".join(f"{v} {x:.1f}" for v, x in us.items()), flush=True)
     print("\n| projection | T | " + " | ".join(variants) + " | LoRA today | LoRA side |")
     print("|---|---:|" + "---:|" * (len(variants) + 2))
+    chains = [r for r in rows if r[0] == "attn+o"]
+    rows = [r for r in rows if r[0] != "attn+o"]
     for name, t, us in rows:
         cells = " | ".join(f"{us[v]:.1f}" for v in variants)
         print(
@@ -263,6 +291,10 @@ def main() -> None:
     for t in args.batches:
         tot = {v: sum(us[v] for _, tt, us in rows if tt == t) for v in variants}
         print(f"T={t} per layer µs: " + ", ".join(f"{v} {x:.1f}" for v, x in tot.items()))
+    print("\n| attention + o GEMM + epilogue | T | " + " | ".join(chains[0][2]) + " |")
+    print("|---|---:|" + "---:|" * len(chains[0][2]))
+    for _, t, us in chains:
+        print(f"| attn+o | {t} | " + " | ".join(f"{x:.1f}" for x in us.values()) + " |")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def test_variants_compute_the_step(triton: bool) -> None:
         f"{p} {v}"
         for p in ("qkv", "o", "gate_up", "down")
         for v in ("side", "side-serial", "prefetch", "side s0", "side s3", "side leave 16")
-    }
+    } | {"attn+o prefetch-o"}
 
 
 def test_a_wrong_delta_is_caught(monkeypatch) -> None:
