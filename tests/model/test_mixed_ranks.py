@@ -75,6 +75,16 @@ def _check(our_steps, hf_steps, hf_tokens, what: str) -> None:
         assert a.argmax(-1).tolist() == hf_tokens[step]
 
 
+def _fused_matches_peft(setup, triton: bool, what: str) -> None:
+    """The fused forward (twins or Triton) on the oracle batch, against PEFT."""
+    model_dir, adapters, prompts, names, hf_steps, hf_tokens = setup
+    our_steps = ours(
+        model_dir, adapters, prompts, names, hf_tokens, max_rank=MAX_RANK,
+        kernel_backend=KernelBackend(fused=True, triton=triton),
+    )  # fmt: skip
+    _check(our_steps, hf_steps, hf_tokens, what)
+
+
 def test_rank_buckets() -> None:
     assert rank_buckets(64) == (8, 16, 32, 64)
     assert rank_buckets(16) == (8, 16)
@@ -104,7 +114,6 @@ def test_fused_forward_at_a_rank_bound_matches_peft(setup, monkeypatch, triton, 
     """The fused forward reading only the A rows of ranks < ``bound`` (16: the bucket the
     graphs pick for rank 12; 12: not a power of two) in a rank-64 engine: the GEMMs read a
     prefix, the epilogues (twins, Triton) loop over ``bound`` rank columns."""
-    model_dir, adapters, prompts, names, hf_steps, hf_tokens = setup
     calls = []
 
     def bounded(*args, **kw):
@@ -112,12 +121,8 @@ def test_fused_forward_at_a_rank_bound_matches_peft(setup, monkeypatch, triton, 
         return fused_forward(*args, **kw, rank_bound=bound)
 
     monkeypatch.setattr(model_runner, "fused_forward", bounded)
-    our_steps = ours(
-        model_dir, adapters, prompts, names, hf_tokens, max_rank=MAX_RANK,
-        kernel_backend=KernelBackend(fused=True, triton=triton),
-    )  # fmt: skip
+    _fused_matches_peft(setup, triton, f"bound {bound} triton={triton}")
     assert calls
-    _check(our_steps, hf_steps, hf_tokens, f"bound {bound} triton={triton}")
 
 
 def test_a_bound_below_an_adapters_rank_drops_its_rows(setup, monkeypatch):
@@ -227,7 +232,6 @@ def test_fused_forward_with_the_lora_beside_the_gemm_matches_peft(
     with B read ahead (``l2_prefetch``, a read only); at full rank and at a bound."""
     from loraplex.engine.model import fused
 
-    model_dir, adapters, prompts, names, hf_steps, hf_tokens = setup
     calls = []
     name = "lora_expand_delta" if mode == "1" else "l2_prefetch"
     real = getattr(fused, name)
@@ -239,12 +243,8 @@ def test_fused_forward_with_the_lora_beside_the_gemm_matches_peft(
     monkeypatch.setattr(fused, name, counted)
     beside = functools.partial(fused_forward, rank_bound=bound, side=mode)
     monkeypatch.setattr(model_runner, "fused_forward", beside)
-    our_steps = ours(
-        model_dir, adapters, prompts, names, hf_tokens, max_rank=MAX_RANK,
-        kernel_backend=KernelBackend(fused=True, triton=triton),
-    )  # fmt: skip
+    _fused_matches_peft(setup, triton, f"side {mode} bound {bound} triton={triton}")
     assert calls, f"the side form {mode} never ran"
-    _check(our_steps, hf_steps, hf_tokens, f"side {mode} bound {bound} triton={triton}")
 
 
 @pytest.mark.parametrize("triton", [False, True])
@@ -253,19 +253,14 @@ def test_o_weights_prefetched_beside_attention_match_peft(setup, monkeypatch, tr
     same results."""
     from loraplex.engine.model import fused
 
-    model_dir, adapters, prompts, names, hf_steps, hf_tokens = setup
     calls = []
     real = fused.l2_prefetch_tensor
     monkeypatch.setattr(
         fused, "l2_prefetch_tensor", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     monkeypatch.setenv("LORAPLEX_PREFETCH_O", "1")
-    our_steps = ours(
-        model_dir, adapters, prompts, names, hf_tokens, max_rank=MAX_RANK,
-        kernel_backend=KernelBackend(fused=True, triton=triton),
-    )  # fmt: skip
+    _fused_matches_peft(setup, triton, f"prefetch o triton={triton}")
     assert calls
-    _check(our_steps, hf_steps, hf_tokens, f"prefetch o triton={triton}")
 
 
 def test_the_side_switch(monkeypatch) -> None:
