@@ -150,13 +150,22 @@ def test_mixed_ranks_through_rank_bucket_graphs_gpu(setup, dtype):
     """On CUDA in half precision: decode through the graph of the step's rank bucket (16, for
     ranks <= 12 in a rank-64 engine) against PEFT in float32 (within PEFT's own half-precision
     error), and against the eager fused step, which reads every rank row."""
+    # decode steps: the graph of rank bucket 16 against the full-rank eager step
+    _graphs_against_peft_and_eager(setup, dtype, from_step=1)
+
+
+def _graphs_against_peft_and_eager(setup, dtype, *, from_step=0, before_graphs=None) -> None:
+    """Our CUDA-graph steps against PEFT in float32 (within PEFT's own ``dtype`` error) and
+    against our eager steps from step ``from_step`` on; ``before_graphs()`` runs between."""
     model_dir, adapters, prompts, names, _, _ = setup
     run = dict(model_dir=model_dir, adapters=adapters, prompts=prompts, names=names)
     ref_steps, ref_tokens = hf_mixed_batch(**run, dtype=torch.float32, device="cuda")
     hf_steps, _ = hf_mixed_batch(**run, dtype=dtype, device="cuda", force=ref_tokens)
     kw = dict(dtype=dtype, device="cuda", max_rank=MAX_RANK)
-    graph = ours(model_dir, adapters, prompts, names, ref_tokens, **kw, use_cuda_graphs=True)
     eager = ours(model_dir, adapters, prompts, names, ref_tokens, **kw, use_cuda_graphs=False)
+    if before_graphs is not None:
+        before_graphs()
+    graph = ours(model_dir, adapters, prompts, names, ref_tokens, **kw, use_cuda_graphs=True)
     for step in range(len(ref_steps)):
         for row in range(len(prompts)):
             ref = ref_steps[step][row]
@@ -164,7 +173,7 @@ def test_mixed_ranks_through_rank_bucket_graphs_gpu(setup, dtype):
             assert half_ok(ours_err, hf_err), (
                 f"step {step} row {row}: {ours_err:.2e} vs {hf_err:.2e}"
             )
-        if step:  # decode steps: the graph of rank bucket 16 against the full-rank eager step
+        if step >= from_step:
             assert rel_err(graph[step], eager[step]) < 1e-2
 
 
@@ -306,24 +315,13 @@ def test_lora_beside_the_gemm_through_graphs_gpu(setup, monkeypatch, mode):
         monkeypatch.setenv("LORAPLEX_LORA_SIDE_SMS", sms)
     from loraplex.engine.model import fused
 
-    model_dir, adapters, prompts, names, _, _ = setup
-    run = dict(model_dir=model_dir, adapters=adapters, prompts=prompts, names=names)
-    ref_steps, ref_tokens = hf_mixed_batch(**run, dtype=torch.float32, device="cuda")
-    hf_steps, _ = hf_mixed_batch(**run, dtype=torch.bfloat16, device="cuda", force=ref_tokens)
-    kw = dict(dtype=torch.bfloat16, device="cuda", max_rank=MAX_RANK)
-    eager = ours(model_dir, adapters, prompts, names, ref_tokens, **kw, use_cuda_graphs=False)
     deltas = []
     name = "lora_expand_delta" if mode == "1" else "l2_prefetch"
     real = getattr(fused, name)
-    monkeypatch.setattr(fused, name, lambda *a, **k: deltas.append(1) or real(*a, **k))
-    monkeypatch.setenv("LORAPLEX_LORA_SIDE", mode)
-    graph = ours(model_dir, adapters, prompts, names, ref_tokens, **kw, use_cuda_graphs=True)
+
+    def switch_on() -> None:  # after the eager run (without the switch), before the graphs
+        monkeypatch.setattr(fused, name, lambda *a, **k: deltas.append(1) or real(*a, **k))
+        monkeypatch.setenv("LORAPLEX_LORA_SIDE", mode)
+
+    _graphs_against_peft_and_eager(setup, torch.bfloat16, before_graphs=switch_on)
     assert deltas, "the side form never ran"
-    for step in range(len(ref_steps)):
-        for row in range(len(prompts)):
-            ref = ref_steps[step][row]
-            ours_err, hf_err = rel_err(graph[step][row], ref), rel_err(hf_steps[step][row], ref)
-            assert half_ok(ours_err, hf_err), (
-                f"step {step} row {row}: {ours_err:.2e} vs {hf_err:.2e}"
-            )
-        assert rel_err(graph[step], eager[step]) < 1e-2
