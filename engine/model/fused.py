@@ -71,6 +71,9 @@ def _dora(lin: LoRALinear, on: bool) -> DoraRows | None:
 
 
 SIDE_MODES = ("0", "1", "prefetch")
+# steps of at most this many tokens take the side forms (decode: bound by bytes, not FLOPs;
+# the side form's fp32 delta of gate_up is 0.11 MB a token)
+SIDE_MAX_TOKENS = 256
 
 
 def lora_side() -> str:
@@ -212,8 +215,8 @@ def fused_forward(
     ``side``: ``"1"``, each projection's LoRA beside its base GEMM instead of inside the GEMM
     and the epilogue; ``"prefetch"``, its B read into the L2 beside the GEMM (``_Side``);
     ``"0"``, neither; None: the ``LORAPLEX_LORA_SIDE`` switch (``LORAPLEX_LORA_SIDE_SMS``: SMs
-    the base GEMMs leave to the side form). Not for an fp8 base or under tensor parallelism
-    (those steps keep the fused form)."""
+    the base GEMMs leave to the side form). Only steps of up to ``SIDE_MAX_TOKENS`` tokens, not
+    for an fp8 base nor under tensor parallelism (those steps keep the fused form)."""
     cfg = model.cfg
     t = input_ids.shape[0]
     eps = cfg.rms_norm_eps
@@ -229,9 +232,10 @@ def fused_forward(
     beside = None
     stream = _SideStream(input_ids.device)
     lora_base = first.qkv_proj.lora_b is not None and first.qkv_proj.float_base
-    if side != "0" and tp is None and lora_base:
+    decode_sized = t <= SIDE_MAX_TOKENS  # memory-bound steps; prefill keeps the fused form
+    if side != "0" and tp is None and lora_base and decode_sized:
         beside = _Side(stream, mapping, side, side_sms() if side == "1" else 0)
-    pre_o = prefetch_o() and tp is None and first.o_proj.float_base
+    pre_o = prefetch_o() and tp is None and first.o_proj.float_base and decode_sized
 
     def project(x: torch.Tensor, lin: LoRALinear) -> tuple[torch.Tensor, dict]:
         """The projection's output and its epilogue's LoRA arguments."""

@@ -256,6 +256,22 @@ def test_fused_forward_with_the_lora_beside_the_gemm_matches_peft(
     assert calls, f"the side form {mode} never ran"
 
 
+def test_steps_above_the_side_bound_keep_the_fused_form(setup, monkeypatch):
+    """Prefill-sized steps (above ``SIDE_MAX_TOKENS``) keep the fused form: no fp32 delta of
+    every token; the oracle batch's steps all lie above a bound of 0."""
+    from loraplex.engine.model import fused
+
+    calls = []
+    real = fused.lora_expand_delta
+    monkeypatch.setattr(
+        fused, "lora_expand_delta", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    monkeypatch.setattr(fused, "SIDE_MAX_TOKENS", 0)
+    monkeypatch.setenv("LORAPLEX_LORA_SIDE", "1")
+    _fused_matches_peft(setup, False, "side above its bound")
+    assert not calls
+
+
 @pytest.mark.parametrize("triton", [False, True])
 def test_o_weights_prefetched_beside_attention_match_peft(setup, monkeypatch, triton):
     """``LORAPLEX_PREFETCH_O=1``: a read of each layer's o_proj rows beside attention; the
