@@ -79,7 +79,7 @@ SIDE_MAX_TOKENS = 256
 def lora_side() -> str:
     """``LORAPLEX_LORA_SIDE``: ``1``, each projection's LoRA beside its base GEMM (``_Side``);
     ``prefetch``, the fused form with the projection's B read into the L2 beside its GEMM
-    (``_Side.prefetch``); ``0`` (default), neither. Read by the steps that ask for the
+    (``_Side``'s prefetch mode); ``0`` (default), neither. Read by the steps that ask for the
     environment's choice: a switch to A/B the forms on the decode step (benchmarks/ab_env.sh,
     benchmarks/lora_overlap.py) before a default is chosen."""
     raw = os.environ.get("LORAPLEX_LORA_SIDE", "0")
