@@ -24,6 +24,10 @@ The embedding LoRA (``lora_vocab()``, lora/vocab.py) is added to the embedded ro
 a slot with a full embedding table (``full_modules``, lora/full.py) take theirs; the LM head's
 LoRA and full tables are the caller's (``compute_logits`` / the graphs), on the logits rows.
 
+Side forms (``side`` / ``LORAPLEX_LORA_SIDE``, ``LORAPLEX_PREFETCH_O``; default off, to be
+measured): each projection's LoRA, or reads into the L2, on a side stream beside the GEMM or
+attention (``_Side``, ``_SideStream``), in steps of up to ``SIDE_MAX_TOKENS`` tokens.
+
 The model must have the Llama layer structure; this forward reads ``embed_tokens``, ``norm``,
 ``rope`` (``cos``, ``sin``) and per layer ``qkv_proj``, ``o_proj``, ``gate_up_proj``,
 ``down_proj`` (``LoRALinear``: ``weight_aug``, ``bias_aug``, ``lora_b``), ``input_layernorm``,
