@@ -234,12 +234,14 @@ def fused_forward(
     if side not in SIDE_MODES:
         raise ValueError(f"side={side!r}: one of {', '.join(SIDE_MODES)}")
     beside = None
-    stream = _SideStream(input_ids.device)
     lora_base = first.qkv_proj.lora_b is not None and first.qkv_proj.float_base
     decode_sized = t <= SIDE_MAX_TOKENS  # memory-bound steps; prefill keeps the fused form
-    if side != "0" and tp is None and lora_base and decode_sized:
-        beside = _Side(stream, mapping, side, side_sms() if side == "1" else 0)
+    use_side = side != "0" and tp is None and lora_base and decode_sized
     pre_o = prefetch_o() and tp is None and first.o_proj.float_base and decode_sized
+    # a side stream only for steps that use one (none with the switches off)
+    stream = _SideStream(input_ids.device) if use_side or pre_o else None
+    if use_side:
+        beside = _Side(stream, mapping, side, side_sms() if side == "1" else 0)
 
     def project(x: torch.Tensor, lin: LoRALinear) -> tuple[torch.Tensor, dict]:
         """The projection's output and its epilogue's LoRA arguments."""
