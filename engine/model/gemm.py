@@ -6,11 +6,18 @@ cuBLASLt reads the gate_up / down weights 7-12 % faster, cuBLAS is faster for do
 BENCHMARKS.md). ``tune`` times both on the real weights for one batch size and remembers the
 faster per (T, N, K); ``linear`` runs ``F.linear`` under that choice, so a CUDA graph captured
 afterwards records the chosen kernel. Shapes never tuned (prefill, CPU) use torch's default.
+
+Each candidate is timed with its weight coming from HBM, as in a decode step, where the GEMM
+before it streamed other weights through the L2: every call follows a read of twice the L2,
+and the reads alone are timed apart and subtracted. Back to back, a weight that fits the L2
+(the o projection with its A rows, 34-38 MB against the H200's 50 MB) would be timed from
+there after the first call.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,18 +48,30 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
             torch.backends.cuda.preferred_blas_library(prev)
 
 
-def _time_ms(fn, reps: int) -> float:
-    """Time ``fn`` as the engine runs it: replays of a CUDA graph of ``reps`` calls (eager
-    back-to-back calls rank the backends differently at some shapes)."""
+def _l2_flusher(device: torch.device) -> Callable[[], None] | None:
+    """A read of twice the L2 of ``device`` (evicts what the L2 holds); None where it cannot be
+    had (no L2 size reported, no memory for the buffer): the timing is then warm."""
+    l2 = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
+    if l2 <= 0:
+        return None
+    try:
+        buf = torch.ones(256, 2 * l2 // 512, dtype=torch.float16, device=device)
+    except torch.OutOfMemoryError:
+        return None
+    sums = torch.empty(256, dtype=torch.float32, device=device)
+    return lambda: torch.sum(buf, dim=1, dtype=torch.float32, out=sums)
+
+
+def _graph_ms(body: Callable[[], None]) -> float:
+    """ms per replay of a CUDA graph of ``body`` (warm-up outside the capture)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()  # warm-up outside the capture (workspaces, heuristics)
+        body()  # warm-up outside the capture (workspaces, heuristics)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for _ in range(reps):
-            fn()
+        body()
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -60,22 +79,49 @@ def _time_ms(fn, reps: int) -> float:
         graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / (3 * reps)
+    return start.elapsed_time(end) / 3
+
+
+def _time_ms(fn: Callable[[], object], reps: int, flush: Callable[[], None] | None = None) -> float:
+    """Time ``fn`` as the engine runs it: replays of a CUDA graph of ``reps`` calls (eager
+    back-to-back calls rank the backends differently at some shapes); with ``flush``, each call
+    after it, minus a graph of the flushes alone."""
+
+    def calls() -> None:
+        for _ in range(reps):
+            if flush is not None:
+                flush()
+            fn()
+
+    total = _graph_ms(calls)
+    if flush is None:
+        return total / reps
+
+    def flushes() -> None:
+        for _ in range(reps):
+            flush()
+
+    return (total - _graph_ms(flushes)) / reps
 
 
 def tune(weights: list[torch.Tensor], num_tokens: int, reps: int = 10) -> None:
-    """Pick the faster backend for ``x (num_tokens, K) @ w.T`` of every weight (CUDA only)."""
+    """Pick the faster backend for ``x (num_tokens, K) @ w.T`` of every weight (CUDA only),
+    each timed with its weight from HBM (module docstring)."""
+    flushers: dict[torch.device, Callable[[], None] | None] = {}
     for w in weights:
         key = (num_tokens, w.shape[0], w.shape[1])
         if not w.is_cuda or key in _choice:
             continue
         x = torch.randn(num_tokens, w.shape[1], dtype=w.dtype, device=w.device)
+        if w.device not in flushers:
+            flushers[w.device] = _l2_flusher(w.device)
+        flush = flushers[w.device]
         times = {}
         prev = torch.backends.cuda.preferred_blas_library()
         try:
             for backend in BACKENDS:
                 torch.backends.cuda.preferred_blas_library(backend)
-                times[backend] = _time_ms(lambda x=x, w=w: F.linear(x, w), reps)
+                times[backend] = _time_ms(lambda x=x, w=w: F.linear(x, w), reps, flush)
         except RuntimeError:  # a backend this build or device lacks
             continue
         finally:

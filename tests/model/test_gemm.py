@@ -28,3 +28,18 @@ def test_tuned_linear_matches_each_backend_and_restores_the_preference():
     assert torch.backends.cuda.preferred_blas_library() == before
     want = (x.float() @ w.float().T).to(torch.bfloat16)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_tuning_times_the_weight_from_hbm():
+    """The timing evicts the L2 before each call and subtracts the evictions: a weight that
+    fits the L2 times slower cold than warm, and neither time is the eviction's."""
+    dev = torch.device("cuda")
+    flush = gemm._l2_flusher(dev)
+    assert flush is not None
+    w = torch.randn(4096, 2048, device=dev).to(torch.bfloat16)  # 16 MB: fits the L2
+    x = torch.randn(32, 2048, device=dev).to(torch.bfloat16)
+    warm = min(gemm._time_ms(lambda: F.linear(x, w), 10) for _ in range(3))
+    cold = min(gemm._time_ms(lambda: F.linear(x, w), 10, flush) for _ in range(3))
+    flush_alone = gemm._time_ms(flush, 10)
+    assert 0 < warm < cold < flush_alone
