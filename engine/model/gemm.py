@@ -191,6 +191,8 @@ def _tune_triton(
 ) -> tuple[Fp8LinearConfig | None, float]:
     """The fastest of ``triton_configs`` (config, ms); (None, inf) if none runs. Also allocates
     the split-K counters (before any capture)."""
+    from triton.runtime.errors import OutOfResources
+
     from loraplex.engine.model.kernels.fp8_linear import prepare_fp8_linear
 
     prepare_fp8_linear(w.device)
@@ -198,7 +200,7 @@ def _tune_triton(
     for cfg in triton_configs(x.shape[0], w.shape[0], w.shape[1]):
         try:
             ms = _time_ms(lambda cfg=cfg: triton_linear(x, w, cfg), reps, flush)
-        except (RuntimeError, ValueError):  # a config this shape or device cannot take
+        except (RuntimeError, ValueError, OutOfResources):  # a config this device cannot take
             continue
         if ms < best[1]:
             best = (cfg, ms)

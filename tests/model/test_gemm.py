@@ -84,6 +84,39 @@ def test_triton_candidate_is_for_decode_sizes_and_can_be_turned_off(monkeypatch)
     assert not gemm._triton_allowed(w, 8)
 
 
+def test_triton_tuning_skips_configs_the_device_cannot_take(monkeypatch):
+    """A config whose shared memory exceeds the device's (Triton's OutOfResources at launch)
+    is left out of the tuning, not raised: the H200 refused one of the 256-wide K tiles."""
+    from triton.runtime.errors import OutOfResources
+
+    from loraplex.engine.model.kernels import fp8_linear
+
+    w = torch.empty(64, 1024, dtype=torch.bfloat16)
+    cfgs = gemm.triton_configs(32, 64, 1024)
+    assert len(cfgs) >= 3
+    times = {cfgs[0]: OutOfResources(262144, 232448, "shared memory"), cfgs[1]: 2.0}
+
+    def fake_time(fn, reps, flush):
+        cfg = fn.__defaults__[0]
+        t = times.get(cfg, 3.0)
+        if isinstance(t, Exception):
+            raise t
+        return t
+
+    monkeypatch.setattr(gemm, "_time_ms", fake_time)
+    monkeypatch.setattr(fp8_linear, "prepare_fp8_linear", lambda device: None)
+    cfg, ms = gemm._tune_triton(torch.empty(32, 1024, dtype=torch.bfloat16), w, 1, None)
+    assert (cfg, ms) == (cfgs[1], 2.0)
+
+    # every config refused: no candidate, the BLAS backends decide
+    def refuse(fn, reps, flush):
+        raise OutOfResources(262144, 232448, "shared memory")
+
+    monkeypatch.setattr(gemm, "_time_ms", refuse)
+    x = torch.empty(32, 1024, dtype=torch.bfloat16)
+    assert gemm._tune_triton(x, w, 1, None) == (None, float("inf"))
+
+
 @pytest.mark.gpu
 def test_tuned_triton_choice_runs_in_linear_and_in_a_graph():
     """A shape tuned to the split-K GEMM runs it through ``linear``, also captured in a CUDA
