@@ -84,15 +84,19 @@ def run_case(
     ctx_t = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     q = torch.randn(batch, hq, d, device=device, generator=g).to(dtype)
     out = torch.empty_like(q)
-    parts = args.partitions
-    if parts is None:
-        block_n = args.block_n or (64 if d <= 128 else 32)  # the kernel's default
-        parts = pa.decode_partitions(batch, hkv, nblk * bs, block_n, pa.device_sms(device))
+    parts, block_n = args.partitions, args.block_n
+    if parts is None:  # the kernel's defaults (_launch)
+        sms = pa.device_sms(device)
+        if block_n is None and dtype != torch.float32 and d <= 128 and pa._WIDE:
+            block_n, parts = pa.decode_tiles(batch, hkv, nblk * bs, sms)
+        else:
+            block_n = block_n or (64 if d <= 128 else 32)
+            parts = pa.decode_partitions(batch, hkv, nblk * bs, block_n, sms)
 
     def ours() -> None:
         pa.paged_decode_attention(
             q, k_cache, v_cache, tables, ctx_t, scale, out=out, num_partitions=parts,
-            block_n=args.block_n,
+            block_n=block_n,
         )  # fmt: skip
 
     def gathered() -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,7 @@ combine functions is what ``tl.max``/``tl.sum`` compile to, and the interpreter 
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -40,6 +41,9 @@ __all__ = [
 ]  # fmt: skip
 
 _LOG2E = 1.4426950408889634
+# decode_tiles' unsplit 128-key tiles at about two programs per SM; LORAPLEX_ATTN_WIDE=0 keeps
+# 64-key tiles under decode_partitions everywhere (A/B in one build)
+_WIDE = os.environ.get("LORAPLEX_ATTN_WIDE", "1") != "0"
 
 
 @triton.jit
@@ -181,6 +185,18 @@ def decode_partitions(batch: int, num_kv_heads: int, max_ctx: int, block_n: int,
     return parts
 
 
+def decode_tiles(batch: int, num_kv_heads: int, max_ctx: int, sms: int) -> tuple[int, int]:
+    """(key tile, partitions) for 16-bit decode with D <= 128. A grid that already holds about
+    two programs per SM at one partition (1.5-3 x ``sms``: 25-49 sequences of 8 KV heads on
+    132 SMs) reads the context in 128-key tiles, unsplit: on the H200 at 32 sequences that is
+    the fastest form at every context measured (ctx 512 / 2048 / 4000: 22.2 / 68.2 / 128.0 µs
+    against 25.0 / 72.2 / 132.8 for two partitions of 64-key tiles; the 128-key tile split in
+    two is the slowest, BENCHMARKS.md). Elsewhere 64-key tiles under ``decode_partitions``."""
+    if 2 * batch * num_kv_heads >= 3 * sms and batch * num_kv_heads < 3 * sms:
+        return 128, 1
+    return 64, decode_partitions(batch, num_kv_heads, max_ctx, 64, sms)
+
+
 def _launch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None,
     block_tables: torch.Tensor, qsl: torch.Tensor | None, ctx: torch.Tensor, max_query_len: int,
@@ -208,12 +224,14 @@ def _launch(
     # @8 warps ~200; D=256 needs half the keys; fp32 (FMA dots, tests) smaller tiles still.
     fp32 = q.element_size() > 2
     block_m, block_n, parts = tiles
+    max_ctx = block_tables.shape[1] * bs
+    if qsl is None and block_n is None and parts is None and not fp32 and d <= 128 and _WIDE:
+        block_n, parts = decode_tiles(num_seqs, hkv, max_ctx, device_sms(q.device))
     block_n = block_n or (16 if fp32 and qsl is None else 32 if fp32 or d > 128 else 64)
     if qsl is None:
         block_m = max(16, g_pad)
         if parts is None:
-            sms = device_sms(q.device)
-            parts = decode_partitions(num_seqs, hkv, block_tables.shape[1] * bs, block_n, sms)
+            parts = decode_partitions(num_seqs, hkv, max_ctx, block_n, device_sms(q.device))
     else:
         parts = 1
         if block_m is None:

@@ -190,6 +190,41 @@ def test_decode_partitions_heuristic() -> None:
     assert pa.decode_partitions(4, 8, 64, 64, 132) == 1
 
 
+def test_decode_tiles_heuristic() -> None:
+    assert pa.decode_tiles(32, 8, 4096, 132) == (128, 1)  # 256 programs: ~2 per SM, unsplit
+    assert pa.decode_tiles(25, 8, 4096, 132) == (128, 1)
+    assert pa.decode_tiles(24, 8, 4096, 132) == (64, 4)  # under 1.5 per SM: split as before
+    assert pa.decode_tiles(49, 8, 4096, 132) == (128, 1)
+    assert pa.decode_tiles(50, 8, 4096, 132) == (64, 1)  # 400 programs: 3 per SM already
+    assert pa.decode_tiles(16, 8, 4096, 132) == (64, 4)
+    assert pa.decode_tiles(64, 4, 4096, 132) == (128, 1)  # 4 KV heads (Qwen2-style)
+
+
+def test_decode_wide_tiles_by_default(monkeypatch) -> None:
+    """The default config at about two programs per SM (device_sms patched small): 128-key
+    tiles, one partition, over contexts of several tiles and none."""
+    c = Case([300, 3, 129, 0, 257], [1] * 5, 1, 4, 32, 16, torch.float16, seed=7)
+    monkeypatch.setattr(pa, "device_sms", lambda device: 3)  # 5 programs: 1.5-3 x 3 SMs
+    launched = []
+    real = pa._attn_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                launched.append((kw["BLOCK_N"], kw["NUM_PARTS"]))
+                return real[grid](*args, **kw)
+
+            return run
+
+    monkeypatch.setattr(pa, "_attn_kernel", Spy())
+    out = pa.paged_decode_attention(c.q, c.k, c.v, c.meta.block_tables, c.ctx_t, c.scale)
+    _check(out, c.reference(), torch.float16)
+    assert launched == [(128, 1)]
+    monkeypatch.setattr(pa, "_WIDE", False)
+    pa.paged_decode_attention(c.q, c.k, c.v, c.meta.block_tables, c.ctx_t, c.scale)
+    assert launched[1][0] == 64
+
+
 def test_shape_errors() -> None:
     c = Case([5], [1], 2, 2, 16, 4, torch.float32)
     with pytest.raises(ValueError, match="multiple"):
@@ -206,7 +241,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 16, 64, 256])
+@pytest.mark.parametrize("batch", [1, 16, 32, 64, 256])
 def test_decode_llama3_shapes_gpu(batch: int) -> None:
     g = torch.Generator().manual_seed(batch)
     longest = 4096 if batch <= 64 else 1024  # host memory of the random cache
