@@ -9,9 +9,6 @@ slot), timed in one CUDA graph with a cold L2 (graph_timing.py) as GEMM + epilog
 
     today        the augmented GEMM (base + A rows), the epilogue with the LoRA expand
     base         the base GEMM, the epilogue without LoRA (what the LoRA adds is today - base)
-    prefetch     today, with the projection's B read into the L2 on a side stream beside the
-                 GEMM (``l2_prefetch``, evict-last loads), so the epilogue's expand finds it
-                 there (fused.py's LORAPLEX_LORA_SIDE=prefetch)
     side         fused.py's LORAPLEX_LORA_SIDE=1: the base GEMM on the main stream; on a side
                  stream the shrink (a GEMM of the A rows) and ``lora_expand_delta`` into an fp32
                  buffer; joined, the epilogue fed the delta (``delta=``)
@@ -19,8 +16,8 @@ slot), timed in one CUDA graph with a cold L2 (graph_timing.py) as GEMM + epilog
     gemm-only    the base GEMM alone; lora-only: side's shrink and delta alone (a perfect
                  overlap takes max(gemm-only, lora-only) + the epilogue)
 
-and attention followed by the o GEMM and its epilogue, with the o GEMM's rows read into the L2
-beside attention or not (fused.py's LORAPLEX_PREFETCH_O), and attention alone.
+(Two read-ahead forms timed here once, B into the L2 beside the GEMM and the o rows beside
+attention, were slower and are gone: BENCHMARKS.md, "The LoRA beside the base GEMM, measured".)
 
     python -m benchmarks.lora_overlap [--batches 32 64] [--rank 64] [--loras 8] [--check]
 
@@ -40,14 +37,12 @@ import torch
 from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul
-from loraplex.engine.model.kernels.l2_prefetch import l2_prefetch, l2_prefetch_tensor
 from loraplex.engine.model.kernels.lora_expand_delta import ExpandDeltaConfig, lora_expand_delta
-from loraplex.engine.model.paged_attention import paged_decode_attention
 
 __all__ = ["VARIANTS", "projections", "check", "main"]
 
 VARIANTS = (
-    "today", "base", "prefetch", "side", "side-serial", "gemm-only", "lora-only",
+    "today", "base", "side", "side-serial", "gemm-only", "lora-only",
 )  # fmt: skip
 
 
@@ -74,13 +69,11 @@ class _Fork:
 
 def projections(
     model, t: int, ctx_len: int = 512, *, triton_kernels: bool = True,
-    expand: dict[str, ExpandDeltaConfig] | None = None, leave_sms: tuple[int, ...] = (),
+    expand: dict[str, ExpandDeltaConfig] | None = None,
 ) -> dict:  # fmt: skip
     """{projection: {variant: fn}} for one layer of ``model`` at batch ``t``; each fn returns
     the tensor its epilogue wrote. ``expand``: more ``lora_expand_delta`` configs by label, as
-    variants "side LABEL" and "lora-only LABEL" (the default config's are "side", "lora-only").
-    ``leave_sms``: "side leave N", the base GEMM under cuBLASLt told to leave N SMs free
-    (``LORAPLEX_LORA_SIDE_SMS``)."""
+    variants "side LABEL" and "lora-only LABEL" (the default config's are "side", "lora-only")."""
     mc = model.cfg
     layer = model.layers[0]
     dev = layer.qkv_proj.weight_aug.device
@@ -130,7 +123,6 @@ def projections(
         "down": (layer.down_proj, norm_epi),
     }
     fork = _Fork(dev)
-    sink = torch.zeros(1, dtype=torch.float32, device=dev)
     out = {}
     for name, (lin, epi) in specs.items():
         x = x_of(lin.in_features)
@@ -148,13 +140,6 @@ def projections(
         def base(x=x, w=w_base, epi=epi):
             return epi(linear(x, w), None, base_map)
 
-        def prefetch(x=x, w=w_aug, b=b, epi=epi):
-            with fork.beside():
-                l2_prefetch(b, None, sink, triton_kernels=triton_kernels)
-            y = linear(x, w)
-            fork.join()
-            return epi(y, b, mapping)
-
         def side_lora(x=x, a=a_rows, b=b, sh=shrink, d=delta, off=offsets, cfg=None):
             torch.mm(x, a.t(), out=sh)
             if cfg is None:
@@ -162,10 +147,10 @@ def projections(
             else:
                 lora_expand_delta(sh, b, mapping, off, d, config=cfg)
 
-        def side(x=x, w=w_base, epi=epi, lora=side_lora, d=delta, forked=True, leave=0):
+        def side(x=x, w=w_base, epi=epi, lora=side_lora, d=delta, forked=True):
             with fork.beside() if forked else contextlib.nullcontext():
                 lora()
-            y = linear(x, w, leave_sms=leave)
+            y = linear(x, w)
             if forked:
                 fork.join()
             return epi(y, None, mapping, delta=d)  # the epilogue fed the delta
@@ -173,57 +158,30 @@ def projections(
         out[name] = {
             "today": today,
             "base": base,
-            "prefetch": prefetch,
             "side": side,
             "side-serial": lambda side=side: side(forked=False),
             "gemm-only": lambda x=x, w=w_base: linear(x, w),
             "lora-only": lambda lora=side_lora, d=delta: lora() or d,
         }
-        for n_sms in leave_sms:
-            out[name][f"side leave {n_sms}"] = functools.partial(side, leave=n_sms)
         for label, cfg in (expand or {}).items():
             lora_cfg = functools.partial(side_lora, cfg=cfg)
             out[name][f"side {label}"] = functools.partial(side, lora=lora_cfg)
             out[name][f"lora-only {label}"] = lambda lora=lora_cfg, d=delta: lora() or d
-    # attention, then the o GEMM and its epilogue; "prefetch-o": the o GEMM's rows read into the
-    # L2 beside attention (fused.py's LORAPLEX_PREFETCH_O)
-    ctx = torch.full((t,), ctx_len + 1, device=dev, dtype=torch.int32)
-    w_o = layer.o_proj.aug_rows(None)[0]
-
-    def attend():
-        return paged_decode_attention(q, k_cache, v_cache, tables, ctx, layer.scale)
-
-    def attn_o(pre=False):
-        if pre:
-            with fork.beside():
-                l2_prefetch_tensor(w_o, sink, triton_kernels=triton_kernels)
-        a = attend()
-        if pre:
-            fork.join()
-        return norm_epi(linear(a.view(t, -1), w_o), layer.o_proj.lora_b, mapping)
-
-    out["attn+o"] = {
-        "today": attn_o,
-        "prefetch-o": functools.partial(attn_o, pre=True),
-        "attention": attend,
-    }
     return out
 
 
 def check(
     model, t: int, *, triton_kernels: bool = True, tol: float = 2e-2,
-    expand: dict[str, ExpandDeltaConfig] | None = None, leave_sms: tuple[int, ...] = (),
+    expand: dict[str, ExpandDeltaConfig] | None = None,
 ) -> dict[str, float]:  # fmt: skip
-    """Max abs difference of every side and prefetch variant's output against today's, per
+    """Max abs difference of every side variant's output against today's, per
     projection; raises past ``tol`` (relative to today's largest value)."""
     diffs = {}
-    fns_of = projections(
-        model, t, triton_kernels=triton_kernels, expand=expand, leave_sms=leave_sms
-    )
+    fns_of = projections(model, t, triton_kernels=triton_kernels, expand=expand)
     for name, fns in fns_of.items():
         want = fns["today"]().float().clone()
         for variant in fns:
-            if not variant.startswith(("side", "prefetch")):
+            if not variant.startswith("side"):
                 continue
             got = fns[variant]().float()
             diff = (got - want).abs().max().item()
@@ -251,15 +209,9 @@ def main() -> None:
         "--expand", nargs="*", default=["16,128,4,0", "16,64,4,2", "16,256,8,3"],
         help="more lora_expand_delta configs to time in the side form: BLOCK_T,BLOCK_N,WARPS,STAGES",
     )  # fmt: skip
-    ap.add_argument(
-        "--leave-sms", type=int, nargs="*", default=[16, 32],
-        help="side form with the base GEMM under cuBLASLt leaving this many SMs free",
-    )  # fmt: skip
     args = ap.parse_args()
-    leave = tuple(args.leave_sms)
     expand = {e: ExpandDeltaConfig(*map(int, e.split(","))) for e in args.expand}
     variants = list(VARIANTS) + [f"{v} {e}" for e in expand for v in ("side", "lora-only")]
-    variants += [f"side leave {n}" for n in leave]
     from benchmarks.synthetic import LLAMA3_8B, random_model
 
     model = random_model(
@@ -272,16 +224,14 @@ def main() -> None:
     rows = []
     for t in args.batches:
         if args.check:
-            diffs = check(model, t, expand=expand, leave_sms=leave)
+            diffs = check(model, t, expand=expand)
             print(f"T={t} check:", {k: round(v, 4) for k, v in diffs.items()})
-        for name, fns in projections(model, t, expand=expand, leave_sms=leave).items():
-            us = {v: _time(fns[v]) for v in (variants if name != "attn+o" else fns)}
+        for name, fns in projections(model, t, expand=expand).items():
+            us = {v: _time(fns[v]) for v in variants}
             rows.append((name, t, us))
             print(name, t, " ".join(f"{v} {x:.1f}" for v, x in us.items()), flush=True)
     print("\n| projection | T | " + " | ".join(variants) + " | LoRA today | LoRA side |")
     print("|---|---:|" + "---:|" * (len(variants) + 2))
-    chains = [r for r in rows if r[0] == "attn+o"]
-    rows = [r for r in rows if r[0] != "attn+o"]
     for name, t, us in rows:
         cells = " | ".join(f"{us[v]:.1f}" for v in variants)
         print(
@@ -291,10 +241,6 @@ def main() -> None:
     for t in args.batches:
         tot = {v: sum(us[v] for _, tt, us in rows if tt == t) for v in variants}
         print(f"T={t} per layer µs: " + ", ".join(f"{v} {x:.1f}" for v, x in tot.items()))
-    print("\n| attention + o GEMM + epilogue | T | " + " | ".join(chains[0][2]) + " |")
-    print("|---|---:|" + "---:|" * len(chains[0][2]))
-    for _, t, us in chains:
-        print(f"| attn+o | {t} | " + " | ".join(f"{x:.1f}" for x in us.values()) + " |")
 
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ The embedding LoRA (``lora_vocab()``, lora/vocab.py) is added to the embedded ro
 a slot with a full embedding table (``full_modules``, lora/full.py) take theirs; the LM head's
 LoRA and full tables are the caller's (``compute_logits`` / the graphs), on the logits rows.
 
-Side forms (``side`` / ``LORAPLEX_LORA_SIDE``, ``LORAPLEX_PREFETCH_O``; default off, to be
-measured): each projection's LoRA, or reads into the L2, on a side stream beside the GEMM or
-attention (``_Side``, ``_SideStream``), in steps of up to ``SIDE_MAX_TOKENS`` tokens.
+The side form (``side`` / ``LORAPLEX_LORA_SIDE``; default off): each projection's LoRA on a
+side stream beside its base GEMM (``_Side``, ``_SideStream``), in steps of up to
+``SIDE_MAX_TOKENS`` tokens.
 
 The model must have the Llama layer structure; this forward reads ``embed_tokens``, ``norm``,
 ``rope`` (``cos``, ``sin``) and per layer ``qkv_proj``, ``o_proj``, ``gate_up_proj``,
@@ -49,7 +49,6 @@ from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
 from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul, rmsnorm
-from loraplex.engine.model.kernels.l2_prefetch import l2_prefetch, l2_prefetch_tensor
 from loraplex.engine.model.kernels.lora_expand_delta import lora_expand_delta
 from loraplex.engine.model.paged_attention import paged_attention
 from loraplex.engine.model.protocol import CausalLM
@@ -74,42 +73,26 @@ def _dora(lin: LoRALinear, on: bool) -> DoraRows | None:
     return lin.dora_rows() if on else None
 
 
-SIDE_MODES = ("0", "1", "prefetch")
-# steps of at most this many tokens take the side forms (decode: bound by bytes, not FLOPs;
+SIDE_MODES = ("0", "1")
+# steps of at most this many tokens take the side form (decode: bound by bytes, not FLOPs;
 # the side form's fp32 delta of gate_up is 0.11 MB a token)
 SIDE_MAX_TOKENS = 256
 
 
 def lora_side() -> str:
     """``LORAPLEX_LORA_SIDE``: ``1``, each projection's LoRA beside its base GEMM (``_Side``);
-    ``prefetch``, the fused form with the projection's B read into the L2 beside its GEMM
-    (``_Side``'s prefetch mode); ``0`` (default), neither. Read by the steps that ask for the
-    environment's choice: a switch to A/B the forms on the decode step (benchmarks/ab_env.sh,
-    benchmarks/lora_overlap.py) before a default is chosen."""
+    ``0`` (default), inside the augmented GEMM and the epilogue. Read by the steps that ask for
+    the environment's choice (the A/B switch of benchmarks/ab_env.sh; BENCHMARKS.md, "The LoRA
+    beside the base GEMM, measured")."""
     raw = os.environ.get("LORAPLEX_LORA_SIDE", "0")
     if raw not in SIDE_MODES:
         raise ValueError(f"LORAPLEX_LORA_SIDE={raw!r}: one of {', '.join(SIDE_MODES)}")
     return raw
 
 
-def side_sms() -> int:
-    """``LORAPLEX_LORA_SIDE_SMS=N``: in the side form (``LORAPLEX_LORA_SIDE=1``) the base GEMMs
-    run under cuBLASLt told to leave N SMs to the LoRA beside them (``gemm.linear``'s
-    ``leave_sms``); 0 (default): the GEMMs as tuned. A switch for the A/B."""
-    raw = os.environ.get("LORAPLEX_LORA_SIDE_SMS", "0")
-    if not raw.isdigit():
-        raise ValueError(f"LORAPLEX_LORA_SIDE_SMS={raw!r}: a number of SMs")
-    return int(raw)
-
-
 @functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
-
-
-@functools.cache
-def _sink(device: torch.device) -> torch.Tensor:
-    return torch.zeros(1, dtype=torch.float32, device=device)
 
 
 class _SideStream:
@@ -133,51 +116,20 @@ class _SideStream:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
 
-def prefetch_o() -> bool:
-    """``LORAPLEX_PREFETCH_O=1``: each layer's o_proj weight rows (and the step's A rows) read
-    into the L2 on a side stream beside attention (``l2_prefetch_tensor``), which leaves ~40 %
-    of the bandwidth unused at 32 streams, so that the o GEMM reads them from the L2; default
-    off. The prefetch's loads carry the evict-last hint; attention's K / V loads cannot carry
-    evict-first (Triton drops the hint from the asynchronous copies its pipelined loop issues).
-    A switch for the A/B."""
-    raw = os.environ.get("LORAPLEX_PREFETCH_O", "0")
-    if raw not in ("0", "1"):
-        raise ValueError(f"LORAPLEX_PREFETCH_O={raw!r}: 0 or 1")
-    return raw == "1"
-
-
 class _Side:
-    """Work beside a projection's GEMM on a side stream (``_SideStream``), joined before the
-    epilogue.
+    """Each projection's LoRA beside its GEMM on a side stream (``_SideStream``), joined before
+    the epilogue: on the side stream the shrink, a GEMM of the step's A rows, and
+    ``lora_expand_delta`` into an fp32 (T, N) buffer; on the step's stream the GEMM of the base
+    rows alone; the epilogue reads the delta (``delta=``) instead of computing it. The delta's
+    B reads (and the A rows') can then use the bandwidth the skinny base GEMM leaves. The same
+    sums as the fused epilogues (per row, its slot's rank chunks in order)."""
 
-    ``project``: the LoRA beside the GEMM. On the side stream the shrink, a GEMM of the step's
-    A rows, and ``lora_expand_delta`` into an fp32 (T, N) buffer; on the step's stream the GEMM
-    of the base rows alone; the epilogue reads the delta (``delta=``) instead of computing it.
-    The delta's B reads (and the A rows') can then use the bandwidth the skinny base GEMM
-    leaves. The same sums as the fused epilogues (per row, its slot's rank chunks in order).
-
-    ``prefetch``: the fused form (augmented GEMM, the epilogue's expand), with the projection's
-    B rows read into the L2 on the side stream (``l2_prefetch``) while the GEMM runs."""
-
-    def __init__(
-        self, side: _SideStream, mapping: LoRAMapping, mode: str, leave_sms: int = 0
-    ) -> None:
+    def __init__(self, side: _SideStream, mapping: LoRAMapping) -> None:
         self.side = side
         self.mapping = mapping
-        self.mode = mode
-        self.leave_sms = leave_sms  # SMs the base GEMMs leave to the side chain (side_sms)
 
     def project(self, x: torch.Tensor, lin: LoRALinear) -> tuple[torch.Tensor, dict]:
         """The projection's output and its epilogue's LoRA arguments."""
-        if self.mode == "prefetch":
-            with self.side.beside():
-                l2_prefetch(
-                    lin.lora_b, self.mapping.rank_bound, _sink(x.device),
-                    triton_kernels=self.mapping.triton,
-                )  # fmt: skip
-            y = _linear(x, lin, self.mapping)
-            self.side.join()
-            return y, {"lora_b": lin.lora_b}
         w, bias = lin.aug_rows(self.mapping.rank_bound)
         n = lin.out_features
         t = x.shape[0]
@@ -187,7 +139,7 @@ class _Side:
         with self.side.beside():
             torch.matmul(x, w[n:].t(), out=shrink)  # A rows: no bias (bias_aug is 0 past N)
             lora_expand_delta(shrink, lin.lora_b, self.mapping, lin.slice_offsets, delta)
-        y = linear(x, w[:n], bias[:n] if bias is not None else None, leave_sms=self.leave_sms)
+        y = linear(x, w[:n], bias[:n] if bias is not None else None)
         self.side.join()
         return y, {"lora_b": None, "delta": delta}
 
@@ -217,10 +169,9 @@ def fused_forward(
     ``rank_bound``: every row's adapter has rank <= it: the GEMMs read only the A rows of
     ranks below it and the epilogues loop over as many (lora/ranks.py); None: all rows.
     ``side``: ``"1"``, each projection's LoRA beside its base GEMM instead of inside the GEMM
-    and the epilogue; ``"prefetch"``, its B read into the L2 beside the GEMM (``_Side``);
-    ``"0"``, neither; None: the ``LORAPLEX_LORA_SIDE`` switch (``LORAPLEX_LORA_SIDE_SMS``: SMs
-    the base GEMMs leave to the side form). Only steps of up to ``SIDE_MAX_TOKENS`` tokens, not
-    for an fp8 base nor under tensor parallelism (those steps keep the fused form)."""
+    and the epilogue (``_Side``); ``"0"``, inside; None: the ``LORAPLEX_LORA_SIDE`` switch.
+    Only steps of up to ``SIDE_MAX_TOKENS`` tokens, not for an fp8 base nor under tensor
+    parallelism (those steps keep the fused form)."""
     cfg = model.cfg
     t = input_ids.shape[0]
     eps = cfg.rms_norm_eps
@@ -236,12 +187,8 @@ def fused_forward(
     beside = None
     lora_base = first.qkv_proj.lora_b is not None and first.qkv_proj.float_base
     decode_sized = t <= SIDE_MAX_TOKENS  # memory-bound steps; prefill keeps the fused form
-    use_side = side != "0" and tp is None and lora_base and decode_sized
-    pre_o = prefetch_o() and tp is None and first.o_proj.float_base and decode_sized
-    # a side stream only for steps that use one (none with the switches off)
-    stream = _SideStream(input_ids.device) if use_side or pre_o else None
-    if use_side:
-        beside = _Side(stream, mapping, side, side_sms() if side == "1" else 0)
+    if side == "1" and tp is None and lora_base and decode_sized:
+        beside = _Side(_SideStream(input_ids.device), mapping)
 
     def project(x: torch.Tensor, lin: LoRALinear) -> tuple[torch.Tensor, dict]:
         """The projection's output and its epilogue's LoRA arguments."""
@@ -274,13 +221,7 @@ def fused_forward(
             k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping, q_out=q,
             dora=_dora(layer.qkv_proj, dora), **lora,
         )  # fmt: skip
-        if pre_o:  # the o GEMM's rows into the L2 while attention runs
-            with stream.beside():
-                rows = layer.o_proj.aug_rows(rank_bound)[0]
-                l2_prefetch_tensor(rows, _sink(rows.device), triton_kernels=triton)
         attn = attention(q, k_cache, v_cache, meta, layer.scale, cfg.sliding_window)
-        if pre_o:
-            stream.join()
         o, lora = project(attn.view(t, cfg.q_size), layer.o_proj)
         if tp is not None:  # base and shrink partials in one all-reduce, then the epilogue
             tp.all_reduce(o)

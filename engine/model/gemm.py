@@ -83,29 +83,8 @@ def triton_linear(
     return fp8_aug_linear(x, w, ones, None, b, config=cfg)
 
 
-def linear(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, leave_sms: int = 0
-) -> torch.Tensor:
-    """``F.linear(x, w, b)`` under the backend ``tune`` picked for this shape, if any.
-
-    ``leave_sms`` > 0 (CUDA): cuBLASLt, told to target that many SMs fewer than the device has
-    (torch's SM carveout, an experimental hint cuBLASLt's heuristic takes into account), so
-    that work launched beside it (fused.py's side form) finds SMs free; refused where this
-    torch lacks the knob."""
-    if leave_sms > 0 and x.is_cuda:
-        setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
-        if setter is None:
-            raise RuntimeError("this torch has no SM carveout for cuBLASLt (leave_sms)")
-        with _lock:  # NOTE: both settings are process-wide; restore them at once
-            prev = torch.backends.cuda.preferred_blas_library()
-            prev_sms = torch._C._get_sm_carveout_experimental()
-            torch.backends.cuda.preferred_blas_library("cublaslt")
-            setter(leave_sms)
-            try:
-                return F.linear(x, w, b)
-            finally:
-                setter(prev_sms)
-                torch.backends.cuda.preferred_blas_library(prev)
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, b)`` under the backend ``tune`` picked for this shape, if any."""
     key = (x.shape[0], w.shape[0], w.shape[1])
     backend = _choice.get(key) if x.is_cuda else None
     if backend is None:

@@ -232,28 +232,26 @@ def test_chosen_graph_sizes_gpu(tmp_path):
 
 
 @pytest.mark.parametrize("triton", [False, True])
-@pytest.mark.parametrize(("mode", "bound"), [("1", None), ("1", 16), ("prefetch", 16)])
+@pytest.mark.parametrize("bound", [None, 16])
 def test_fused_forward_with_the_lora_beside_the_gemm_matches_peft(
-    setup, monkeypatch, triton, mode, bound
+    setup, monkeypatch, triton, bound
 ):
     """``side="1"``: each projection's base GEMM alone, its LoRA (a GEMM of the A rows and
-    ``lora_expand_delta``) apart, the epilogues fed the delta; ``"prefetch"``: the fused form
-    with B read ahead (``l2_prefetch``, a read only); at full rank and at a bound."""
+    ``lora_expand_delta``) apart, the epilogues fed the delta; at full rank and at a bound."""
     from loraplex.engine.model import fused
 
     calls = []
-    name = "lora_expand_delta" if mode == "1" else "l2_prefetch"
-    real = getattr(fused, name)
+    real = fused.lora_expand_delta
 
     def counted(*args, **kw):
         calls.append(1)
         return real(*args, **kw)
 
-    monkeypatch.setattr(fused, name, counted)
-    beside = functools.partial(fused_forward, rank_bound=bound, side=mode)
+    monkeypatch.setattr(fused, "lora_expand_delta", counted)
+    beside = functools.partial(fused_forward, rank_bound=bound, side="1")
     monkeypatch.setattr(model_runner, "fused_forward", beside)
-    _fused_matches_peft(setup, triton, f"side {mode} bound {bound} triton={triton}")
-    assert calls, f"the side form {mode} never ran"
+    _fused_matches_peft(setup, triton, f"side bound {bound} triton={triton}")
+    assert calls, "the side form never ran"
 
 
 def test_steps_above_the_side_bound_keep_the_fused_form(setup, monkeypatch):
@@ -272,72 +270,35 @@ def test_steps_above_the_side_bound_keep_the_fused_form(setup, monkeypatch):
     assert not calls
 
 
-@pytest.mark.parametrize("triton", [False, True])
-def test_o_weights_prefetched_beside_attention_match_peft(setup, monkeypatch, triton):
-    """``LORAPLEX_PREFETCH_O=1``: a read of each layer's o_proj rows beside attention; the
-    same results."""
-    from loraplex.engine.model import fused
-
-    calls = []
-    real = fused.l2_prefetch_tensor
-    monkeypatch.setattr(
-        fused, "l2_prefetch_tensor", lambda *a, **k: calls.append(1) or real(*a, **k)
-    )
-    monkeypatch.setenv("LORAPLEX_PREFETCH_O", "1")
-    _fused_matches_peft(setup, triton, f"prefetch o triton={triton}")
-    assert calls
-
-
 def test_the_side_switch(monkeypatch) -> None:
     from loraplex.engine.model.fused import lora_side
 
     monkeypatch.delenv("LORAPLEX_LORA_SIDE", raising=False)
     assert lora_side() == "0"
-    for mode in ("1", "prefetch", "0"):
+    for mode in ("1", "0"):
         monkeypatch.setenv("LORAPLEX_LORA_SIDE", mode)
         assert lora_side() == mode
-    monkeypatch.setenv("LORAPLEX_LORA_SIDE", "yes")
-    with pytest.raises(ValueError, match="LORAPLEX_LORA_SIDE"):
-        lora_side()
-    from loraplex.engine.model.fused import side_sms
-
-    monkeypatch.delenv("LORAPLEX_LORA_SIDE_SMS", raising=False)
-    assert side_sms() == 0
-    monkeypatch.setenv("LORAPLEX_LORA_SIDE_SMS", "24")
-    assert side_sms() == 24
-    monkeypatch.setenv("LORAPLEX_LORA_SIDE_SMS", "-3")
-    with pytest.raises(ValueError, match="LORAPLEX_LORA_SIDE_SMS"):
-        side_sms()
-    from loraplex.engine.model.fused import prefetch_o
-
-    monkeypatch.delenv("LORAPLEX_PREFETCH_O", raising=False)
-    assert prefetch_o() is False
-    monkeypatch.setenv("LORAPLEX_PREFETCH_O", "1")
-    assert prefetch_o() is True
-    monkeypatch.setenv("LORAPLEX_PREFETCH_O", "on")
-    with pytest.raises(ValueError, match="LORAPLEX_PREFETCH_O"):
-        prefetch_o()
+    for bad in ("yes", "prefetch"):  # a form measured slower and removed is an error, not "0"
+        monkeypatch.setenv("LORAPLEX_LORA_SIDE", bad)
+        with pytest.raises(ValueError, match="LORAPLEX_LORA_SIDE"):
+            lora_side()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["1", "prefetch", "1,16"])
-def test_lora_beside_the_gemm_through_graphs_gpu(setup, monkeypatch, mode):
-    """``LORAPLEX_LORA_SIDE`` on CUDA in bfloat16: the decode graphs capture each LoRA (``1``)
-    or its B's prefetch (``prefetch``) on a side stream (a parallel branch) beside the GEMM;
-    against PEFT in float32 within PEFT's own bfloat16 error, and against the eager fused step
-    without the switch. "1,16": the base GEMMs under cuBLASLt leaving 16 SMs free."""
-    mode, _, sms = mode.partition(",")
-    if sms:
-        monkeypatch.setenv("LORAPLEX_LORA_SIDE_SMS", sms)
+def test_lora_beside_the_gemm_through_graphs_gpu(setup, monkeypatch):
+    """``LORAPLEX_LORA_SIDE=1`` on CUDA in bfloat16: the decode graphs capture each LoRA on a
+    side stream (a parallel branch) beside the GEMM; against PEFT in float32 within PEFT's own
+    bfloat16 error, and against the eager fused step without the switch."""
     from loraplex.engine.model import fused
 
     deltas = []
-    name = "lora_expand_delta" if mode == "1" else "l2_prefetch"
-    real = getattr(fused, name)
+    real = fused.lora_expand_delta
 
     def switch_on() -> None:  # after the eager run (without the switch), before the graphs
-        monkeypatch.setattr(fused, name, lambda *a, **k: deltas.append(1) or real(*a, **k))
-        monkeypatch.setenv("LORAPLEX_LORA_SIDE", mode)
+        monkeypatch.setattr(
+            fused, "lora_expand_delta", lambda *a, **k: deltas.append(1) or real(*a, **k)
+        )
+        monkeypatch.setenv("LORAPLEX_LORA_SIDE", "1")
 
     _graphs_against_peft_and_eager(setup, torch.bfloat16, before_graphs=switch_on)
     assert deltas, "the side form never ran"
