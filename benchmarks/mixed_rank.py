@@ -137,7 +137,16 @@ def main() -> None:
         cases = [(name, rank, max_rank, 4) for name, rank, max_rank, _ in CASES]
     if args.cases is not None:
         cases = [cases[i] for i in args.cases]
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="loraplex-bench-"))
+    if args.workdir:
+        run(args, cases, Path(args.workdir))
+        return
+    # a temporary dir of ~3 GB of rank-64 adapters: removed however the run ends (a device's
+    # disk filled after a dozen runs in one call before)
+    with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as work:
+        run(args, cases, Path(work))
+
+
+def run(args, cases, work: Path) -> None:
     model_dir = write_model_config(work / "model", args.cfg)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)

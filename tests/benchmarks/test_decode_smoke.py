@@ -4,6 +4,7 @@ that measured no full decode step used to end in an empty median)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,12 +22,19 @@ ROOT = Path(__file__).resolve().parents[2]
     ],
 )
 def test_decode_benchmark_smoke(module: str, expect: str, tmp_path: Path) -> None:
+    """``benchmarks.decode`` writes into the given ``--workdir``; ``benchmarks.mixed_rank``
+    without one into a temporary dir that it removes when it ends (on the GPU its adapters
+    take ~3 GB a run)."""
+    args = ["--workdir", str(tmp_path)] if module == "benchmarks.decode" else []
+    env = dict(os.environ, TMPDIR=str(tmp_path))
     run = subprocess.run(
-        [sys.executable, "-m", module, "--smoke", "--workdir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", module, "--smoke", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert expect in run.stdout, run.stdout[-2000:]
+    if not args:
+        assert not list(tmp_path.glob("loraplex-bench-*")), "the benchmark left its work dir"
 
 
 def test_dora_epilogues_smoke() -> None:
