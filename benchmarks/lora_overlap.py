@@ -130,6 +130,7 @@ def projections(
         w_aug = lin.aug_rows(None)[0]
         w_base, a_rows = w_aug[:n], w_aug[n:]
         b = lin.lora_b
+        shrink = torch.empty(t, a_rows.shape[0], dtype=dtype, device=dev)
         delta = torch.empty(t, n, dtype=torch.float32, device=dev)
         offsets = lin.slice_offsets
 
@@ -139,8 +140,8 @@ def projections(
         def base(x=x, w=w_base, epi=epi):
             return epi(linear(x, w), None, base_map)
 
-        def side_lora(x=x, a=a_rows, b=b, d=delta, off=offsets, cfg=None):
-            sh = linear(x, a)  # as fused.py's _Side
+        def side_lora(x=x, a=a_rows, b=b, sh=shrink, d=delta, off=offsets, cfg=None):
+            torch.mm(x, a.t(), out=sh)
             if cfg is None:
                 lora_expand_delta(sh, b, mapping, off, d)
             else:

@@ -164,15 +164,12 @@ class DecodeGraphs:
         """The weights of the GEMMs a graph of rank bucket ``rb`` runs (their prefixes)."""
         layer = self.model.layers[0]
         mods = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-        if lora_side() == "1":  # base rows and A rows apart, the A rows' GEMM beside (_Side)
-            out = []
-            for m in mods:
-                if not m.float_base:
-                    continue
-                w = m.aug_rows(rb)[0]
-                split = m.lora_b is not None and w.shape[0] > m.out_features
-                out += [w[: m.out_features], w[m.out_features :]] if split else [w]
-            return out + [self.model.lm_head]
+        if lora_side() == "1":  # the base rows alone, their LoRA beside them (fused.py's _Side)
+            return [
+                m.aug_rows(rb)[0][: m.out_features] if m.lora_b is not None else m.aug_rows(rb)[0]
+                for m in mods
+                if m.float_base
+            ] + [self.model.lm_head]
         return [m.aug_rows(rb)[0] for m in mods if m.float_base] + [self.model.lm_head]
 
     @property

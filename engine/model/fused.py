@@ -134,11 +134,10 @@ class _Side:
         n = lin.out_features
         t = x.shape[0]
         # on the step's stream: freed there, after the join (no record_stream needed)
+        shrink = torch.empty(t, w.shape[0] - n, dtype=x.dtype, device=x.device)
         delta = torch.empty(t, n, dtype=torch.float32, device=x.device)
         with self.side.beside():
-            # the A rows (no bias: bias_aug is 0 past N) under their tuned backend; allocated
-            # and freed on the side stream, whose blocks only its own later work reuses
-            shrink = linear(x, w[n:])
+            torch.matmul(x, w[n:].t(), out=shrink)  # A rows: no bias (bias_aug is 0 past N)
             lora_expand_delta(shrink, lin.lora_b, self.mapping, lin.slice_offsets, delta)
         y = linear(x, w[:n], bias[:n] if bias is not None else None)
         self.side.join()

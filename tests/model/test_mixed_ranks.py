@@ -284,39 +284,6 @@ def test_the_side_switch(monkeypatch) -> None:
             lora_side()
 
 
-def test_graph_tuning_takes_the_side_forms_gemm_shapes(monkeypatch) -> None:
-    """With the side form the decode graphs tune the base rows and the A rows as two GEMMs (the
-    shapes ``_Side`` runs), else each projection's augmented rows as one."""
-    from types import SimpleNamespace
-
-    from loraplex.engine.bench.synthetic import random_model
-    from loraplex.engine.cuda_graph import DecodeGraphs
-
-    cfg = {
-        "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5, "max_position_embeddings": 128,
-    }  # fmt: skip
-    model = random_model(cfg, max_loras=2, max_lora_rank=16, device="cpu", dtype=torch.float32)
-    graphs = SimpleNamespace(model=model)
-    layer = model.layers[0]
-    mods = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-    # A rows at rank bucket 8: 2 slots x 8 ranks per slice (qkv 3 slices, gate_up 2)
-    a_rows = [2 * 8 * n for n in (3, 1, 2, 1)]
-    monkeypatch.delenv("LORAPLEX_LORA_SIDE", raising=False)
-    fused_shapes = [tuple(w.shape) for w in DecodeGraphs.gemm_weights(graphs, 8)]
-    want = [(m.out_features + a, m.in_features) for m, a in zip(mods, a_rows, strict=True)]
-    assert fused_shapes == want + [(64, 32)]
-    monkeypatch.setenv("LORAPLEX_LORA_SIDE", "1")
-    side_shapes = [tuple(w.shape) for w in DecodeGraphs.gemm_weights(graphs, 8)]
-    want = [
-        s
-        for m, a in zip(mods, a_rows, strict=True)
-        for s in ((m.out_features, m.in_features), (a, m.in_features))
-    ]
-    assert side_shapes == want + [(64, 32)]
-
-
 @pytest.mark.gpu
 def test_lora_beside_the_gemm_through_graphs_gpu(setup, monkeypatch):
     """``LORAPLEX_LORA_SIDE=1`` on CUDA in bfloat16: the decode graphs capture each LoRA on a
