@@ -137,7 +137,10 @@ class _Side:
         shrink = torch.empty(t, w.shape[0] - n, dtype=x.dtype, device=x.device)
         delta = torch.empty(t, n, dtype=torch.float32, device=x.device)
         with self.side.beside():
-            torch.matmul(x, w[n:].t(), out=shrink)  # A rows: no bias (bias_aug is 0 past N)
+            # A rows (no bias: bias_aug is 0 past N), by cuBLAS: not gemm.linear, whose tuned
+            # choice may be the split-K Triton GEMM, whose counters the base GEMM beside it
+            # may be using (fp8_linear.py: its launches must not overlap)
+            torch.matmul(x, w[n:].t(), out=shrink)
             lora_expand_delta(shrink, lin.lora_b, self.mapping, lin.slice_offsets, delta)
         y = linear(x, w[:n], bias[:n] if bias is not None else None)
         self.side.join()
