@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -42,10 +41,8 @@ def tok(tok_dir: Path) -> Tokenizer:
     return Tokenizer.from_dir(tok_dir)
 
 
-def test_helper_is_small_fast_and_deterministic(tmp_path: Path) -> None:
-    start = time.perf_counter()
+def test_helper_is_small_and_deterministic(tmp_path: Path) -> None:
     a = make_tokenizer(tmp_path / "a")
-    assert time.perf_counter() - start < 1.0
     b = make_tokenizer(tmp_path / "b")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes()
