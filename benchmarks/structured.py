@@ -41,7 +41,7 @@ from benchmarks.record import git_commit
 from benchmarks.synthetic import LLAMA3_8B, random_model, write_model_config
 from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams, StructuredOutput
 from loraplex.engine.structured import bitmask
-from loraplex.engine.structured.grammars import GrammarCache
+from loraplex.engine.structured.grammars import GrammarCache, grammar_text
 from tests.structured.forms import ARRAY, CHOICES, ENUM, LONG, NESTED, REGEX
 
 TINY = {
@@ -211,7 +211,7 @@ def llguidance_times(tokenizer_dir: Path, vocab: int, eos: list[int], repeats: i
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            m = cache.compile(spec)
+            m = cache.compile(grammar_text(spec))
             times.append(time.perf_counter() - t0)
         mask = torch.empty((1, words), dtype=torch.int32)
         masks = []

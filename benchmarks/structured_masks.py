@@ -27,7 +27,7 @@ import torch
 
 from loraplex.engine.structured import StructuredOutput
 from loraplex.engine.structured.bitmask import mask_words
-from loraplex.engine.structured.grammars import GrammarCache
+from loraplex.engine.structured.grammars import GrammarCache, grammar_text
 from tests.structured.forms import LONG
 
 
@@ -52,7 +52,7 @@ def mask_times(tokenizer_dir: Path, vocab: int, eos: list[int], rows: int, steps
     text = (tokenizer_dir / "tokenizer.json").read_text()
     cache = GrammarCache(lambda: text, vocab, eos, lanes=1)
     spec = StructuredOutput.json_schema(LONG)
-    one = cache.compile(spec)
+    one = cache.compile(grammar_text(spec))
     paths = _paths(tokenizer_dir, rows, steps)
     words = mask_words(vocab)
     mask = torch.empty((rows, words), dtype=torch.int32)
@@ -74,7 +74,7 @@ def mask_times(tokenizer_dir: Path, vocab: int, eos: list[int], rows: int, steps
             assert m.consume_token(t), m.get_error()
     out["per_row_us"] = per_row
     threads = sorted({1, os.cpu_count() or 1})
-    lanes = [one] + [cache.compile(spec) for _ in range(max(threads) - 1)]
+    lanes = [one] + [cache.compile(grammar_text(spec)) for _ in range(max(threads) - 1)]
     for n in threads:
         ex = llguidance.LLExecutor(n)
         for mode in ("copies", "lanes"):

@@ -95,6 +95,13 @@ class EngineConfig:
     # GIL); None: 2 on CUDA, 0 (threads of this process) on CPU
     loader_processes: int | None = None
     gil_switch_interval_s: float | None = 0.0005  # None: leave sys.getswitchinterval() alone
+    # structured output (structured/): a new constraint is first compiled in sandbox processes
+    # (a crash there refuses it, the server lives on); one taking longer than this is refused
+    # (None: no budget); compiled grammars kept up to this many bytes (least recently used
+    # dropped first); sandbox processes compiling at once
+    grammar_compile_timeout_s: float | None = 10.0
+    grammar_cache_bytes: int = 1 << 30
+    grammar_compile_processes: int = 2
     # ranks of tensor parallelism (model/tp.py, parallel/): this process is rank 0 and starts
     # N - 1 worker processes (one per GPU, NCCL; on CPU gloo); 1: one process, no collectives
     tensor_parallel_size: int = 1
@@ -160,6 +167,10 @@ class EngineConfig:
             raise ValueError(f"fp8_w8a8_min_tokens must be 'auto', None or >= 1, got {w8a8!r}")
         if self.late_chain_margin_ms is not None and not self.late_chain_margin_ms >= 0:
             raise ValueError("late_chain_margin_ms must be None or >= 0")
+        if self.grammar_compile_timeout_s is not None and not self.grammar_compile_timeout_s > 0:
+            raise ValueError("grammar_compile_timeout_s must be None or > 0")
+        if self.grammar_cache_bytes < 1 or self.grammar_compile_processes < 1:
+            raise ValueError("grammar_cache_bytes and grammar_compile_processes must be >= 1")
         if self.adapter_cache_bytes is not None and self.adapter_cache_bytes < 0:
             raise ValueError("adapter_cache_bytes must be >= 0")
         if self.max_cpu_loras and self.max_cpu_loras < self.max_loras:

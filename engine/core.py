@@ -154,6 +154,9 @@ class EngineCore(AdapterOps, StepOps):
                 tokenizer.backend.to_str,
                 cfg.vocab_size + config.lora_extra_vocab_size,  # the logits' width
                 sorted(self.eos_ids),
+                compile_timeout_s=config.grammar_compile_timeout_s,
+                cache_bytes=config.grammar_cache_bytes,
+                processes=config.grammar_compile_processes,
             )
             if tokenizer is not None
             else None

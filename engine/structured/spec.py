@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.engine.errors import InvalidRequestError
+from loraplex.engine.structured.schema_check import check_schema
 
 __all__ = ["StructuredOutput", "KINDS"]
 
@@ -52,10 +53,24 @@ class StructuredOutput:
                 raise InvalidRequestError(
                     f"{field}: the schema is not valid JSON: {e}", field=field
                 ) from None
+            except RecursionError:
+                raise InvalidRequestError(
+                    f"{field}: the schema is nested too deep", field=field
+                ) from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequestError(f"{field}: a JSON schema must be an object", field=field)
+        check_schema(schema, field)  # inputs known to crash the grammar library or mislead it
         # (key order kept: it is the order the properties are generated in)
-        text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        try:
+            text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        except RecursionError:
+            raise InvalidRequestError(
+                f"{field}: the schema is nested too deep", field=field
+            ) from None
+        except ValueError as e:
+            raise InvalidRequestError(
+                f"{field}: the schema is not valid JSON: {e}", field=field
+            ) from None
         return cls("json", text, field)
 
     @classmethod

@@ -12,6 +12,7 @@ from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
 from loraplex.engine.demo import register_demo_adapters
 from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.structured import StructuredOutput
+from loraplex.engine.structured.grammars import grammar_text
 from tests.structured.forms import FORMS, check
 
 PER_FORM = 50
@@ -37,7 +38,7 @@ def params(name: str, i: int) -> SamplingParams:
 
 
 def assert_prefix(engine, s: StructuredOutput, tokens: list[int]) -> None:
-    matcher = engine._core().grammars.compile(s)
+    matcher = engine._core().grammars.compile(grammar_text(s))
     assert matcher.consume_tokens(tokens), matcher.get_error()
 
 
