@@ -122,6 +122,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="byte quota of the staging dir (least recently used idle adapters are dropped)",
     )  # fmt: skip
     p.add_argument(
+        "--grammar-compile-timeout", type=float, metavar="SECONDS",
+        help="budget to compile one new structured-output constraint (in a sandbox process, "
+        "killed past it: the request gets a 400); default 10; 0: no budget",
+    )  # fmt: skip
+    p.add_argument(
+        "--grammar-cache-bytes", type=int, metavar="BYTES",
+        help="bytes of compiled grammars kept (least recently used dropped first; a constraint "
+        "whose grammar alone needs more is refused with a 400); default 1 GiB",
+    )  # fmt: skip
+    p.add_argument(
+        "--grammar-compile-processes", type=int, metavar="N",
+        help="sandbox processes compiling new constraints at once (default 2)",
+    )  # fmt: skip
+    p.add_argument(
         "--no-async-scheduling", action="store_true",
         help="no pipelined decode (the next step waits for the previous step's tokens)",
     )  # fmt: skip
@@ -174,6 +188,12 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     w8a8 = getattr(args, "fp8_w8a8_min_tokens", None)
     if w8a8 is not None:
         kw["fp8_w8a8_min_tokens"] = None if w8a8 == "off" else w8a8
+    budget = getattr(args, "grammar_compile_timeout", None)
+    if budget is not None:
+        kw["grammar_compile_timeout_s"] = budget if budget > 0 else None
+    for flag in ("grammar_cache_bytes", "grammar_compile_processes"):
+        if getattr(args, flag, None) is not None:
+            kw[flag] = getattr(args, flag)
     margin = getattr(args, "late_chain_margin_ms", None)
     if margin is not None:
         kw["late_chain_margin_ms"] = margin if margin >= 0 else None
