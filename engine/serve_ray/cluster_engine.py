@@ -6,6 +6,12 @@ serves the very routes, wire shapes, errors and streams of ``loraplex serve``. E
 ``generate`` is one streaming call through the deployment handle; the ``ResidencyRouter``
 picks the replica.
 
+A request is sent to another replica only while no replica has acknowledged it: a replica's
+stream starts with ``Accepted`` before its engine looks at the request, so a replica that dies
+before that never had it (stale routing: it was already gone), and one that dies after it may
+have been killed by the request itself (a grammar that crashes a native library). Replaying
+such a request would take every replica down in turn: it fails with ``ReplicaFailedError``.
+
 Runtime adapters (the admin routes) go to every live replica; a replica that Ray starts later
 (a replacement) is given them by a reconcile task that compares each replica's adapter list in
 its routing stats with the ingress's registry.
@@ -28,7 +34,7 @@ from loraplex.engine.lora.errors import AdapterNotFoundError
 from loraplex.engine.request import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.serve_ray.board import Board
-from loraplex.engine.serve_ray.replica import MisroutedCallError, WireError
+from loraplex.engine.serve_ray.replica import Accepted, MisroutedCallError, WireError
 from loraplex.engine.serve_ray.routing import residency_key
 
 __all__ = ["ClusterEngine", "ReplicaFailedError"]
@@ -38,7 +44,7 @@ log = structlog.get_logger("loraplex.serve_ray")
 _RECONCILE_S = 1.0
 _CALL_TIMEOUT_S = 120.0
 _LIVENESS_POLL_S = 0.25  # how often a per-replica call checks that its replica is still there
-_RETRIES = 2  # a request whose replica fails before its first output is sent again
+_RETRIES = 2  # a request whose replica fails before acknowledging it is sent again
 _RETRY_PAUSE_S = 0.5  # a per-replica call (adapter load, stats) that takes longer failed
 
 
@@ -184,9 +190,12 @@ class ClusterEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request from the replica the router picks (``replica``: that one).
 
-        A replica that fails before the request's first output is routed around (the request
-        is sent again, at most ``_RETRIES`` times); one that fails mid-stream fails the
-        request with ``ReplicaFailedError`` (HTTP 503).
+        A replica that fails before it acknowledged the request (``Accepted``: the request
+        never reached its engine) is routed around: the request is sent again, at most
+        ``_RETRIES`` times. One that fails after it, before the first output or mid-stream,
+        fails the request with ``ReplicaFailedError`` (HTTP 503) and the request is never sent
+        to another replica (it may be what killed this one). A request sent to ``replica`` is
+        never sent elsewhere.
         """
         self._got()
         params = params or SamplingParams()
@@ -204,8 +213,12 @@ class ClusterEngine:
             for attempt in range(_RETRIES + 1):
                 gen = self._stream.generate.remote(prompt, params, adapter, rid, **kw)
                 self._live[rid] = gen
+                accepted: Accepted | None = None
                 try:
                     async for item in gen:
+                        if isinstance(item, Accepted):
+                            accepted = item  # from here on the request is never replayed
+                            continue
                         if isinstance(item, WireError):
                             reason = "error"
                             raise item.exception()
@@ -220,17 +233,25 @@ class ClusterEngine:
                 except TaskCancelledError:
                     raise EngineClosedError("the request was aborted") from None
                 except RayError as e:
+                    # (the request id and the replica only: the request's content stays out of
+                    # the log, it may be an attack)
                     failed = self.board.replica_of(rid)
-                    log.warning(
-                        "replica_failed", request_id=rid, replica=failed,
-                        error=type(e).__name__, started=last is not None, attempt=attempt,
-                    )  # fmt: skip
-                    if last is not None or attempt == _RETRIES or kw or self._closed:
+                    error = type(e).__name__
+                    reached = accepted is not None or last is not None
+                    if reached or attempt == _RETRIES or kw or self._closed:
                         reason = "error"
+                        log.warning(
+                            "replica_failed", request_id=rid, replica=failed, error=error,
+                            acknowledged=reached, pid=accepted.pid if accepted else None,
+                            started=last is not None, attempts=attempt + 1,
+                        )  # fmt: skip
                         raise ReplicaFailedError(
-                            f"the engine replica serving this request failed "
-                            f"({type(e).__name__}); retry the request"
+                            f"the engine replica serving this request failed ({error})"
                         ) from None
+                    log.info(
+                        "replica_unreached_rerouting", request_id=rid, replica=failed,
+                        error=error, attempt=attempt,
+                    )  # fmt: skip
                     await asyncio.sleep(_RETRY_PAUSE_S * (attempt + 1))
         finally:
             self._live.pop(rid, None)

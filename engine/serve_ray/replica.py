@@ -4,6 +4,11 @@ The ingress calls it through a deployment handle (``generate`` streams ``Request
 the router reads ``record_routing_stats``, which Ray Serve polls on every replica: the engine's
 exact residency (adapters in GPU slots, adapters in the CPU tier) and load (running + waiting).
 
+Every ``generate`` stream starts with an ``Accepted`` item, yielded before the engine sees the
+request's content: from then on the request may be what kills this process (a hostile grammar
+crashing a native library), so the ingress never sends an acknowledged request to another
+replica (``ClusterEngine.generate``).
+
 Engine errors travel as ``WireError`` items of the stream, not as Ray task errors: the ingress
 raises the same typed error (with its ``field``) that ``loraplex serve`` would have mapped.
 """
@@ -25,7 +30,7 @@ from loraplex.engine.request import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.serve_ray.loopback import keep_replica_on_loopback
 
-__all__ = ["ReplicaSpec", "EngineReplica", "WireError", "routing_stats"]
+__all__ = ["Accepted", "ReplicaSpec", "EngineReplica", "WireError", "routing_stats"]
 
 log = structlog.get_logger("loraplex.serve_ray")
 
@@ -66,6 +71,14 @@ class WireError:
                         exc.field = self.field  # type: ignore[attr-defined]
                     return exc
         return RuntimeError(f"{self.name}: {self.message}")
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The first item of every ``generate`` stream: this replica has the request and its engine
+    is about to work on it. The ingress consumes it (its callers never see it)."""
+
+    pid: int  # the replica's process (logged by the ingress if the replica dies)
 
 
 @dataclass(frozen=True)
@@ -148,11 +161,15 @@ class EngineReplica:
         request_id: str,
         *,
         replica: str | None = None,
-    ) -> AsyncIterator[RequestOutput | WireError]:
-        """Stream one engine request. Cancelling the call (client gone, ingress abort) ends the
-        engine request: ``AsyncEngine.generate`` aborts it when its consumer stops.
-        ``replica``: the call was sent to this replica on purpose (warm-ups, tests)."""
-        _check_target(replica)
+    ) -> AsyncIterator[Accepted | RequestOutput | WireError]:
+        """Stream one engine request: ``Accepted`` first, before the engine touches the request
+        (a request that crashes this process was acknowledged, so the ingress fails it instead
+        of replaying it on another replica), then its outputs. Cancelling the call (client
+        gone, ingress abort) ends the engine request: ``AsyncEngine.generate`` aborts it when
+        its consumer stops. ``replica``: the call was sent to this replica on purpose (warm-ups,
+        tests)."""
+        _check_target(replica)  # (a misrouted call is refused unacknowledged: no engine work)
+        yield Accepted(os.getpid())
         try:
             async for out in self.engine.generate(prompt, params, adapter, request_id):
                 yield out
