@@ -19,6 +19,17 @@ Policy (one step):
 4. ``chain`` plans the step after one in flight (pipelined decode): its rows decode the tokens
    the step in flight samples, and waiting requests are admitted and loaded adapters given
    slots by the same rules (2, 3), so adapters landing mid-decode do not pause pipelining.
+5. Fair share between groups (the sibling requests of one API request: its ``n`` choices and
+   prompts, ``Request.group``; fair_share.py): while two or more groups have requests queued,
+   a group's fair number of running sequences is max(1, max_num_seqs // groups). Before step
+   1, a waiting request of a group below its share that finds no free seat preempts the
+   youngest sequence of a group above its share (an ``n=128`` request holding every seat
+   without ``max_tokens`` would otherwise keep them for the whole context length; a group
+   within its share is never preempted for this). In 2, requests of groups below their share
+   are admitted first, the others after them with what is left (a lone group still gets every
+   seat); the starved request that goes first is one of a group below its share. In 1, KV
+   preemption takes the youngest sequence of a group above its share first. A step that such
+   a preemption is due to is not chained (``schedule`` decides it).
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.fair_share import FairShare
 from loraplex.engine.kv import BlockManager
 from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion, SlotFullError
 from loraplex.engine.request import Request, RequestStatus
@@ -81,10 +93,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.fair = FairShare(config.max_num_seqs)  # running / queued requests per group
 
     def add(self, req: Request) -> None:
         """Queue a new request (waiting, FIFO). Its adapter user count is the caller's."""
         self.waiting.append(req)
+        self.fair.added(req)
 
     @property
     def has_work(self) -> bool:
@@ -99,10 +113,22 @@ class Scheduler:
         their adapter (removed from the queue; the caller fails them). Takes the KV blocks
         and slot references of what it schedules; may preempt running requests."""
         out = SchedulerOutput()
+        # 5. seats owed to groups below their fair share
+        for victim in self.fair.victims(self.running, self.waiting, self._admissible):
+            self._preempt(victim)
         budget = self.config.max_num_batched_tokens
         now = time.monotonic()
-        starved = [r for r in self.waiting if now - r.arrival > self.config.starvation_timeout_s]
-        head = starved[0] if starved else None
+        timeout = self.config.starvation_timeout_s
+        share = self.fair.share()
+        # (a starved sibling of a group holding its share would take back the seat just freed)
+        head = next(
+            (
+                r
+                for r in self.waiting
+                if now - r.arrival > timeout and not self.fair.full(r.group, share)
+            ),
+            None,
+        )
         self._collect_slot_writes(out, head)
         if head is not None and head not in self.waiting:
             head = None  # it failed
@@ -113,12 +139,12 @@ class Scheduler:
             req = queue.pop(0)
             n = min(req.num_tokens - req.num_computed, budget)
             while not self._grow(req, req.num_computed + n):
-                victim = queue.pop() if queue else None
-                if victim is None:
+                i = self.fair.kv_victim(queue, req)  # the youngest, above-share groups first
+                if i is None:
                     self._preempt(req)
                     req = None
                     break
-                self._preempt(victim)
+                self._preempt(queue.pop(i))
             if req is None:
                 break
             out.chunks.append(ScheduledChunk(req, n, req.num_computed + n == req.num_tokens))
@@ -131,44 +157,73 @@ class Scheduler:
     def _admit(
         self, out: SchedulerOutput, head: Request | None, budget: int, seqs: int, *, join: bool
     ) -> None:
-        """Step 2 of ``schedule``: admit waiting requests (``head`` first) into ``out`` while
-        the token ``budget``, the sequence budget (``seqs`` already in the step) and free
-        blocks allow; a request whose adapter failed goes to ``out.failed``. ``join``: a
-        request may join the step that writes its slot (``_joinable_writes``)."""
+        """Step 2 of ``schedule``: admit waiting requests (``head`` first, then groups below
+        their fair share, then the rest) into ``out`` while the token ``budget``, the sequence
+        budget (``seqs`` already in the step) and free blocks allow; a request whose adapter
+        failed goes to ``out.failed``. ``join``: a request may join the step that writes its
+        slot (``_joinable_writes``)."""
         order = ([head] if head else []) + [r for r in self.waiting if r is not head]
         joinable = self._joinable_writes(out) if join else set()
-        for req in order:
-            if budget <= 0 or seqs >= self.config.max_num_seqs:
-                break
-            v = req.adapter
-            if v is not None:
-                stage = self._adapter_stage(v)
-                if stage == _FAILED:
-                    self.waiting.remove(req)
-                    out.failed.append((req, v.error or RuntimeError("adapter load failed")))
+        share = self.fair.share()
+        deferred: list[Request] = []  # of groups holding their share: after the others
+        for batch in (order, deferred):
+            for req in batch:
+                if budget <= 0 or seqs >= self.config.max_num_seqs:
+                    return
+                if batch is order and self.fair.full(req.group, share):
+                    deferred.append(req)
                     continue
-                if stage == _WRITING and id(v) in joinable:
-                    stage = _READY  # joins the step that writes its slot
-                if stage != _READY:
-                    if req is head:
-                        break  # let slots drain for the starved request
-                    continue
-            if not self.blocks.can_allocate(req.request_id, req.tokens, req.adapter_key):
-                break  # FIFO on memory: later requests would only take blocks it needs
-            cached = self.blocks.allocate(req.request_id, req.tokens, req.adapter_key)
-            req.num_computed = req.num_cached = cached
-            n = min(req.num_tokens - cached, budget)
-            self.waiting.remove(req)
-            self.running.append(req)
-            req.status = RequestStatus.RUNNING
-            if req.scheduled_time is None:
-                req.scheduled_time = time.monotonic()
-            if req.adapter is not None:
-                self.adapters.acquire_slot(req.adapter)
-                req.holds_slot = True
-            out.chunks.append(ScheduledChunk(req, n, cached + n == req.num_tokens))
-            seqs += 1
-            budget -= n
+                admitted = self._admit_one(out, req, head, joinable, budget)
+                if admitted is None:
+                    return
+                if admitted:
+                    seqs += 1
+                    budget -= out.chunks[-1].num_tokens
+
+    def _admit_one(
+        self,
+        out: SchedulerOutput,
+        req: Request,
+        head: Request | None,
+        joinable: set[int],
+        budget: int,
+    ) -> bool | None:
+        """Admit ``req`` with a chunk of at most ``budget`` tokens: True; False: skipped (its
+        adapter is not ready, or failed: then it is in ``out.failed``); None: admit no more
+        requests this step (no blocks for it, or the starved ``head`` waits on a slot)."""
+        v = req.adapter
+        if v is not None:
+            stage = self._adapter_stage(v)
+            if stage == _FAILED:
+                self.waiting.remove(req)
+                out.failed.append((req, v.error or RuntimeError("adapter load failed")))
+                return False
+            if stage == _WRITING and id(v) in joinable:
+                stage = _READY  # joins the step that writes its slot
+            if stage != _READY:
+                # let slots drain for the starved request
+                return None if req is head else False
+        if not self.blocks.can_allocate(req.request_id, req.tokens, req.adapter_key):
+            return None  # FIFO on memory: later requests would only take blocks it needs
+        cached = self.blocks.allocate(req.request_id, req.tokens, req.adapter_key)
+        req.num_computed = req.num_cached = cached
+        n = min(req.num_tokens - cached, budget)
+        self.waiting.remove(req)
+        self.running.append(req)
+        self.fair.started(req)
+        req.status = RequestStatus.RUNNING
+        if req.scheduled_time is None:
+            req.scheduled_time = time.monotonic()
+        if req.adapter is not None:
+            self.adapters.acquire_slot(req.adapter)
+            req.holds_slot = True
+        out.chunks.append(ScheduledChunk(req, n, cached + n == req.num_tokens))
+        return True
+
+    def _admissible(self, req: Request) -> bool:
+        """A waiting request could be admitted now, seats and blocks aside: its adapter (if
+        any) is in a written GPU slot (fair-share preemption frees seats only for such)."""
+        return req.adapter is None or self._adapter_stage(req.adapter) == _READY
 
     def chain(self, plan: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
         """The next step after ``plan`` while ``plan`` is still in flight, or None where a
@@ -197,6 +252,8 @@ class Scheduler:
                 return None  # the starvation policy (forced slots, admission order) applies
             if r.adapter is not None and r.adapter.state is AdapterState.FAILED:
                 return None
+        if self.waiting and self.fair.victims(self.running, self.waiting, self._admissible):
+            return None  # a fair-share preemption is due (5.): ``schedule`` makes it
         rows = [
             c.req
             for c in plan.chunks
@@ -285,6 +342,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: drop the KV, requeue at the head."""
         self.running.remove(req)
+        self.fair.stopped(req)
         self._release(req)
         req.status = RequestStatus.WAITING
         req.num_computed = 0
@@ -307,8 +365,10 @@ class Scheduler:
             return
         if req in self.running:
             self.running.remove(req)
+            self.fair.stopped(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.fair.left(req)
         self._release(req)
         if req.adapter is not None:
             self.adapters.drop_user(req.adapter)
