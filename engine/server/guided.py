@@ -15,12 +15,13 @@ naming the field.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.server.body import check_depth
 from loraplex.engine.server.errors import APIError
-from loraplex.engine.server.limits import ServerLimits
+from loraplex.engine.server.limits import ServerLimits, flag
 from loraplex.engine.structured import StructuredOutput
 
 __all__ = ["parse_structured"]
@@ -38,10 +39,30 @@ def _bad(message: str, param: str) -> APIError:
     return APIError(400, message, param=param)
 
 
-def _make(form: str, value: Any, param: str) -> StructuredOutput:
+def _too_deep(param: str, limits: ServerLimits) -> APIError:
+    limit = limits.max_json_depth
+    return _bad(f"{param} nests JSON deeper than {limit} levels ({flag('max_json_depth')})", param)
+
+
+def _schema(value: Any, param: str, limits: ServerLimits) -> Any:
+    """A JSON schema as an object: JSON text is parsed here under the depth bound that object
+    schemas get from ``check_depth`` (json.loads would raise RecursionError past ~1000 levels,
+    and llguidance refuses past 128 without naming the field)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except RecursionError:
+            raise _too_deep(param, limits) from None
+        except ValueError as e:
+            raise _bad(f"{param}: the schema is not valid JSON: {e}", param) from None
+        check_depth(value, limits.max_json_depth, param)
+    return value
+
+
+def _make(form: str, value: Any, param: str, limits: ServerLimits) -> StructuredOutput:
     try:
         if form == "json":
-            return StructuredOutput.json_schema(value, param)
+            return StructuredOutput.json_schema(_schema(value, param, limits), param)
         if form == "json_object":
             return StructuredOutput.json_object(param)
         return getattr(StructuredOutput, form)(value, param)
@@ -49,7 +70,7 @@ def _make(form: str, value: Any, param: str) -> StructuredOutput:
         raise _bad(str(e), param) from None
 
 
-def _response_format(rf: Any) -> StructuredOutput | None:
+def _response_format(rf: Any, limits: ServerLimits) -> StructuredOutput | None:
     param = "response_format"
     if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
         raise _bad("response_format must be an object with a string type", param)
@@ -57,21 +78,21 @@ def _response_format(rf: Any) -> StructuredOutput | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return _make("json_object", None, param)
+        return _make("json_object", None, param, limits)
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict):
             raise _bad("response_format.json_schema must be an object", param)
         schema = js.get("schema")
         if schema is None:
-            return _make("json_object", None, param)  # OpenAI: a schema is optional
-        return _make("json", schema, param)
+            return _make("json_object", None, param, limits)  # OpenAI: a schema is optional
+        return _make("json", schema, param, limits)
     raise _bad(
         f"response_format type {kind!r} is not supported (text, json_object, json_schema)", param
     )
 
 
-def _structured_outputs(so: Any) -> StructuredOutput | None:
+def _structured_outputs(so: Any, limits: ServerLimits) -> StructuredOutput | None:
     param = "structured_outputs"
     if not isinstance(so, dict):
         raise _bad("structured_outputs must be an object", param)
@@ -82,7 +103,7 @@ def _structured_outputs(so: Any) -> StructuredOutput | None:
         raise _bad(f"structured_outputs sets {', '.join(given)}: set one of them", param)
     if not given:
         return None
-    return _make(given[0], so[given[0]], param)
+    return _make(given[0], so[given[0]], param, limits)
 
 
 def parse_structured(body: dict[str, Any], limits: ServerLimits) -> StructuredOutput | None:
@@ -94,11 +115,11 @@ def parse_structured(body: dict[str, Any], limits: ServerLimits) -> StructuredOu
             continue
         check_depth(value, limits.max_json_depth, name)
         if name == "response_format":
-            spec = _response_format(value)
+            spec = _response_format(value, limits)
         elif name == "structured_outputs":
-            spec = _structured_outputs(value)
+            spec = _structured_outputs(value, limits)
         else:
-            spec = _make(_ALIASES[name], value, name)
+            spec = _make(_ALIASES[name], value, name, limits)
         if spec is not None:
             found.append(spec)
     if len(found) > 1:

@@ -1,0 +1,73 @@
+"""Hostile or malformed request fields on the demo model's HTTP server: each is a 400 that names
+the offending field (``param``), never a 500, and the server serves on after it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from loraplex.engine import AsyncEngine, EngineConfig
+from loraplex.engine.demo import register_demo_adapters
+from loraplex.engine.server import create_app, start_server
+from tests.server.conftest import Server
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def demo_server():
+    async with AsyncEngine(EngineConfig(device="cpu")) as engine:
+        await register_demo_adapters(engine)
+        runner, port = await start_server(create_app(engine))
+        try:
+            yield Server(f"http://127.0.0.1:{port}", engine)
+        finally:
+            await runner.cleanup()
+
+
+async def post(server: Any, body: dict[str, Any] | str) -> tuple[int, dict[str, Any]]:
+    """Status and JSON reply of a chat request (``body`` as text: sent as it is)."""
+    data = body if isinstance(body, str) else json.dumps({"max_tokens": 4, **body})
+    url = f"{server.url}/v1/chat/completions"
+    headers = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as s, s.post(url, data=data, headers=headers) as r:
+        return r.status, await r.json()
+
+
+async def refused(server: Any, body: dict[str, Any] | str, param: str) -> str:
+    """The message of the 400 that ``body`` must get, naming ``param``."""
+    status, reply = await post(server, body)
+    assert status == 400, reply
+    assert reply["error"]["param"] == param, reply
+    return reply["error"]["message"]
+
+
+async def served(server: Any, body: dict[str, Any]) -> dict[str, Any]:
+    status, reply = await post(server, body)
+    assert status == 200, reply
+    return reply
+
+
+def nested_schema(levels: int) -> str:
+    """A schema as JSON text: arrays of arrays ``levels`` deep (valid at any depth)."""
+    text = "{}"
+    for _ in range(levels):
+        text = '{"type": "array", "items": ' + text + "}"
+    return text
+
+
+@pytest.mark.parametrize("levels", [40, 200, 600, 5000])
+async def test_a_schema_as_deep_json_text_is_refused_naming_the_field(demo_server, levels):
+    """Text schemas get the depth bound of object ones (``--max-json-depth``, 32 here); past
+    Python's recursion limit (~1000) json.loads raised RecursionError (a 500)."""
+    text = nested_schema(levels)
+    says = await refused(demo_server, {"messages": USER, "guided_json": text}, "guided_json")
+    assert "--max-json-depth" in says
+    rf = {"type": "json_schema", "json_schema": {"name": "deep", "schema": text}}
+    await refused(demo_server, {"messages": USER, "response_format": rf}, "response_format")
+    await served(demo_server, {"messages": USER, "guided_json": nested_schema(3)})
