@@ -77,6 +77,22 @@ class Tools:
         return StructuredOutput.json_schema(schema, "tools")
 
 
+def _named(choice: dict[str, Any], names: set[str]) -> str:
+    """The function a ``{"type": "function", "function": {"name": ...}}`` choice names."""
+    fn = choice.get("function")
+    if not isinstance(fn, dict):
+        raise _bad('tool_choice.function must be an object {"name": ...}', "tool_choice.function")
+    name = fn.get("name")
+    if not isinstance(name, str) or name not in names:
+        ok = isinstance(name, str) and len(name) <= 64 and name.isprintable()
+        shown = repr(name) if ok else "a value"
+        raise _bad(
+            f"tool_choice.function.name names {shown}, which is not among the tools' names",
+            "tool_choice.function.name",
+        )
+    return name
+
+
 def parse_tools(body: dict[str, Any], limits: ServerLimits) -> Tools | None:
     """``tools`` / ``tool_choice`` of a chat request; None when no tool may be called."""
     raw, choice = body.get("tools"), body.get("tool_choice")
@@ -112,10 +128,7 @@ def parse_tools(body: dict[str, Any], limits: ServerLimits) -> Tools | None:
         kind = choice or "auto"
         return None if kind == "none" else Tools(tools, kind, parallel=parallel)
     if isinstance(choice, dict) and choice.get("type") == "function":
-        name = (choice.get("function") or {}).get("name")
-        if name in seen:
-            return Tools(tools, "named", name, parallel)
-        raise _bad(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        return Tools(tools, "named", _named(choice, seen), parallel)
     raise _bad(
         "tool_choice must be 'none', 'auto', 'required' or "
         "{'type': 'function', 'function': {'name': ...}}",

@@ -71,3 +71,28 @@ async def test_a_schema_as_deep_json_text_is_refused_naming_the_field(demo_serve
     rf = {"type": "json_schema", "json_schema": {"name": "deep", "schema": text}}
     await refused(demo_server, {"messages": USER, "response_format": rf}, "response_format")
     await served(demo_server, {"messages": USER, "guided_json": nested_schema(3)})
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("choice", "param"),
+    [
+        ({"type": "function", "function": "get_weather"}, "tool_choice.function"),
+        ({"type": "function", "function": {"name": ["get_weather"]}}, "tool_choice.function.name"),
+        ({"type": "function"}, "tool_choice.function"),
+        ({"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name"),
+        ({"type": "retrieval"}, "tool_choice"),
+    ],
+)
+async def test_a_malformed_tool_choice_is_refused_naming_the_field(demo_server, choice, param):
+    body = {"messages": USER, "tools": [WEATHER], "tool_choice": choice}
+    await refused(demo_server, body, param)

@@ -134,7 +134,7 @@ def test_forced_choices_are_grammars():
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
         ({"tools": [WEATHER, WEATHER]}, "tools"),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice.function.name"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
     ],
