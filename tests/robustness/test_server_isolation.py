@@ -6,6 +6,7 @@ grammar sandbox: test_server_crashes.py (a server in its own process)."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -51,7 +52,6 @@ async def test_other_streams_keep_flowing_during_an_attack(name, tmp_path):
     file.write_bytes(json.dumps(body).encode())
     # (grammar budget cases: a 2 s compile budget keeps the attack's requests short)
     async for server in serve_demo(grammar_compile_timeout_s=2.0):
-        url = server.url
-        statuses = await check_gaps(url, lambda: attack(url, path, file))
+        statuses = await check_gaps(server.url, functools.partial(attack, server.url, path, file))
         assert statuses and all(code in (200, 400, 413) for code in statuses), statuses
         await wait_idle(server.engine)
