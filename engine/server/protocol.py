@@ -15,8 +15,10 @@ from typing import Any
 from loraplex.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from loraplex.engine.server.body import check_depth, parse_json
 from loraplex.engine.server.errors import APIError
+from loraplex.engine.server.fields import tree_chars, utf8
 from loraplex.engine.server.guided import parse_structured
 from loraplex.engine.server.limits import ServerLimits, flag
+from loraplex.engine.server.tool_checks import check_tool_turns
 from loraplex.engine.server.tools import Tools, parse_tools
 from loraplex.engine.structured import StructuredOutput
 
@@ -79,33 +81,6 @@ class GenerationRequest:
         return SamplingParams(
             max_tokens=max_tokens, logprobs=self.logprobs, structured=self.structured, **kw
         )
-
-
-def utf8(value: str, param: str) -> str:
-    """``value`` if it encodes as UTF-8 (JSON allows lone surrogates such as ``"\\ud800"``)."""
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            msg = f"{param} holds a lone UTF-16 surrogate (not valid Unicode text)"
-            raise bad(msg, param) from None
-    return value
-
-
-def _tree_chars(value: Any, param: str) -> int:
-    """Characters of every string (keys included) in a JSON tree, checked as UTF-8."""
-    total = 0
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            total += len(utf8(v, param))
-        elif isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    return total
 
 
 def _check_chars(chars: int, limits: ServerLimits, param: str) -> None:
@@ -330,8 +305,11 @@ def parse_chat(body: dict[str, Any], limits: ServerLimits | None = None) -> Gene
         raise bad("messages must be a non-empty list", "messages")
     # NOTE: every part of a message reaches the chat template, so all of it is bounded here.
     check_depth(messages, limits.max_json_depth, "messages")
-    chars = _tree_chars(messages, "messages")
+    chars = tree_chars(messages, "messages")
+    if req.tools is not None:
+        chars += req.tools.chars
     req.messages = [_message(i, m) for i, m in enumerate(messages)]
+    check_tool_turns(req.messages)
     mct = _get(body, "max_completion_tokens", int)
     if mct is not None:
         if mct < 1:
@@ -352,7 +330,7 @@ def parse_chat(body: dict[str, Any], limits: ServerLimits | None = None) -> Gene
             "chat_template_kwargs",
         )
     check_depth(kwargs, limits.max_json_depth, "chat_template_kwargs")
-    _check_chars(chars + _tree_chars(kwargs, "chat_template_kwargs"), limits, "messages")
+    _check_chars(chars + tree_chars(kwargs, "chat_template_kwargs"), limits, "messages")
     req.chat_kwargs = {
         **kwargs,
         "add_generation_prompt": _get(body, "add_generation_prompt", bool, True),

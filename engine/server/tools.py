@@ -24,12 +24,13 @@ from typing import Any
 
 from loraplex.engine.server.body import check_depth
 from loraplex.engine.server.errors import APIError
+from loraplex.engine.server.fields import tree_chars
 from loraplex.engine.server.limits import ServerLimits
+from loraplex.engine.server.tool_checks import check_tool
 from loraplex.engine.structured import StructuredOutput
 
 __all__ = ["Tools", "parse_tools", "tool_messages", "parse_calls", "ToolStream", "tool_format"]
 
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -43,6 +44,7 @@ class Tools:
     choice: str  # "auto" | "none" | "required" | "named"
     name: str | None = None  # the function of a named choice
     parallel: bool = True  # ``parallel_tool_calls``: false allows one call (``required``)
+    chars: int = 0  # characters of the tools' strings (they count as prompt text)
 
     @property
     def names(self) -> list[str]:
@@ -103,32 +105,24 @@ def parse_tools(body: dict[str, Any], limits: ServerLimits) -> Tools | None:
     if not isinstance(raw, list):
         raise _bad("tools must be a list of function tools", "tools")
     check_depth(raw, limits.max_json_depth, "tools")
+    chars = tree_chars(raw, "tools")  # (the tools are rendered into the prompt)
     tools, seen = [], set()
     for i, t in enumerate(raw):
-        fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
-            raise _bad(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", "tools")
-        name = fn.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise _bad(f"tools[{i}].function.name must match {_NAME.pattern}", "tools")
+        tool = check_tool(i, t)
+        name = tool["function"]["name"]
         if name in seen:
-            raise _bad(f"tools names {name!r} twice", "tools")
+            p = f"tools[{i}].function.name"
+            raise _bad(f"{p}: two tools are named {name!r}", p)
         seen.add(name)
-        params = fn.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise _bad(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
-        desc = fn.get("description")
-        if desc is not None and not isinstance(desc, str):
-            raise _bad(f"tools[{i}].function.description must be a string", "tools")
-        tools.append({"type": "function", "function": fn})
+        tools.append(tool)
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise _bad("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if choice is None or choice in ("auto", "none", "required"):
         kind = choice or "auto"
-        return None if kind == "none" else Tools(tools, kind, parallel=parallel)
+        return None if kind == "none" else Tools(tools, kind, parallel=parallel, chars=chars)
     if isinstance(choice, dict) and choice.get("type") == "function":
-        return Tools(tools, "named", _named(choice, seen), parallel)
+        return Tools(tools, "named", _named(choice, seen), parallel, chars)
     raise _bad(
         "tool_choice must be 'none', 'auto', 'required' or "
         "{'type': 'function', 'function': {'name': ...}}",

@@ -91,10 +91,10 @@ SURROGATE_CASES = [
     (CMPL, {"model": BASE, "prompt": ["ok", "a\udfffb"]}, "prompt"),
     (CMPL, {"model": BASE, "prompt": "hi", "stop": ["\ud800"]}, "stop"),
     (CMPL, {"model": "\ud800", "prompt": "hi"}, "model"),
-    (CHAT, {"model": BASE, "messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
-    (CHAT, {"model": BASE, "messages": [{"role": "\udc00", "content": "hi"}]}, "messages"),
-    (CHAT, {"model": BASE, "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud801"}]}]}, "messages"),
-    (CHAT, {"model": BASE, "messages": [USER], "chat_template_kwargs": {"k": "\ud800"}}, "chat_template_kwargs"),
+    (CHAT, {"model": BASE, "messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+    (CHAT, {"model": BASE, "messages": [{"role": "\udc00", "content": "hi"}]}, "messages[0].role"),
+    (CHAT, {"model": BASE, "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud801"}]}]}, "messages[0].content[0].text"),
+    (CHAT, {"model": BASE, "messages": [USER], "chat_template_kwargs": {"k": "\ud800"}}, "chat_template_kwargs.k"),
 ]  # fmt: skip
 
 

@@ -96,3 +96,34 @@ WEATHER = {
 async def test_a_malformed_tool_choice_is_refused_naming_the_field(demo_server, choice, param):
     body = {"messages": USER, "tools": [WEATHER], "tool_choice": choice}
     await refused(demo_server, body, param)
+
+
+def _fn(**kw: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {**WEATHER["function"], **kw}}
+
+
+def _history(call: Any) -> list[dict[str, Any]]:
+    """A chat whose assistant turn holds ``call`` in tool_calls, answered by a tool turn."""
+    turn = {"role": "assistant", "content": None, "tool_calls": [call]}
+    return [*USER, turn, {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": [_fn(description="\ud800")]}, "tools[0].function.description"),
+        ({"tools": [WEATHER, _fn(name="f", description="x\udfff")]}, "tools[1].function.description"),
+        ({"tools": [{"type": "function", "function": "get_weather"}]}, "tools[0].function"),
+        ({"messages": _history({**CALL, "function": "get_weather"})}, "messages[1].tool_calls[0].function"),
+        ({"messages": _history({**CALL, "function": {"name": "f\ud800", "arguments": "{}"}})}, "messages[1].tool_calls[0].function.name"),
+        ({"tools": [WEATHER], "messages": _history({**CALL, "function": "get_weather"})}, "messages[1].tool_calls[0].function"),
+        ({"messages": _history({**CALL, "function": {"arguments": "{}"}})}, "messages[1].tool_calls[0].function.name"),
+        ({"messages": _history("get_weather")}, "messages[1].tool_calls[0]"),
+    ],
+)  # fmt: skip
+async def test_broken_tools_and_tool_calls_are_refused_naming_the_field(demo_server, body, param):
+    await refused(demo_server, {"messages": USER, **body}, param)
+    await served(demo_server, {"messages": _history(CALL), "tools": [WEATHER]})

@@ -130,9 +130,9 @@ def test_forced_choices_are_grammars():
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"tools": [{"type": "retrieval"}]}, "tools"),
-        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
-        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+        ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice.function.name"),
         ({"tool_choice": "required"}, "tool_choice"),
