@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from loraplex.engine.logging import LEVELS
 from loraplex.engine.server.limits import ServerLimits, add_limit_arguments, limits_from_args
 from loraplex.engine.server.lora_modules import LoraModule, check_lora_modules, parse_lora_module
+from loraplex.engine.server.model_source import add_model_arguments, model_arg
 from loraplex.engine.server.subcommand import Subcommand
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ def parse_w8a8_min_tokens(text: str) -> int | str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", metavar="MODEL_DIR", help="HF model folder (default: demo)")
+    add_model_arguments(p)  # MODEL, --model, --revision, --download-dir
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="device")
@@ -170,13 +171,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     from loraplex.engine.config import EngineConfig
 
+    model = model_arg(args)
     kw: dict[str, Any] = {
-        "model": args.model,
+        "model": model,
         "device": args.device,
         "dtype": args.dtype,
         "quantization": args.quantization,
         # NOTE: without a name the demo would be called by its asset folder's path.
-        "served_model_name": args.served_model_name or (None if args.model else "demo"),
+        "served_model_name": args.served_model_name or (None if model else "demo"),
         "allow_sources": tuple(args.lora_allow),
         "local_roots": tuple(str(Path(r).expanduser().resolve()) for r in args.lora_local_root),
         "enabled_plugins": tuple(args.plugins) if args.plugins is not None else None,
@@ -309,16 +311,27 @@ async def serve_until_stopped(
         await shutdown_server(runner)
 
 
-def settings_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerLimits, str | None]:
+def settings_from_args(
+    args: argparse.Namespace, *, fetch: bool = True
+) -> tuple[EngineConfig, ServerLimits, str | None]:
     """The engine config, server limits and admin token of a serving command's flags, with
-    logging configured first; ValueError / OSError for a bad configuration."""
+    logging configured first; ValueError / OSError for a bad configuration. ``fetch``: a Hub
+    or S3 model is downloaded and ``config.model`` names its local folder (model_source.py);
+    a ``ModelSourceError`` (a ValueError) says why it could not be."""
     from loraplex.engine.logging import configure_logging
+    from loraplex.engine.server.model_source import parse_model_source, resolve_config_model
 
     configure_logging(args.log_level, True if args.log_json else None)
     config = config_from_args(args)
+    revision = getattr(args, "revision", None)
+    source = parse_model_source(config.model, revision)  # a bad MODEL fails before anything
     limits = limits_from_args(args)
-    check_lora_modules(args.lora_modules, [config.served_model_name or ""])
+    names = [config.served_model_name or source.served_name or ""]
+    check_lora_modules(args.lora_modules, names)
     token = read_admin_token(args.admin_token_file) if args.admin_token_file else None
+    if fetch:
+        download_dir = getattr(args, "download_dir", None)
+        config = resolve_config_model(config, revision=revision, download_dir=download_dir)
     return config, limits, token
 
 
@@ -326,13 +339,27 @@ def run(args: argparse.Namespace) -> int:
     import structlog
 
     from loraplex.engine.server.app import create_app_from_config
+    from loraplex.engine.server.memory_estimate import estimate_config, format_table
+    from loraplex.engine.server.model_files import ModelSourceError
 
     log = structlog.get_logger("loraplex.server")
     try:
-        config, limits, token = settings_from_args(args)
+        config, limits, token = settings_from_args(args, fetch=not args.dry_run)
+        if args.dry_run:  # the estimate only: no weights loaded (nor downloaded)
+            estimate = estimate_config(config, revision=args.revision, remote=True,
+                                       download_dir=args.download_dir)  # fmt: skip
+            print(format_table(estimate), flush=True)
+            return 0
+    except ModelSourceError as e:
+        log.error("model_unavailable", error=str(e), kind=type(e).__name__)
+        return 2
     except (ValueError, OSError) as e:
         log.error("bad_configuration", error=str(e))
         return 2
+    try:
+        log.info("memory_estimate", **estimate_config(config).log_fields())
+    except Exception as e:  # noqa: BLE001 - the estimate never stops a start-up
+        log.warning("memory_estimate_failed", error=str(e), kind=type(e).__name__)
     app = create_app_from_config(
         config,
         admin_token=token,
@@ -350,10 +377,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    add_arguments(p)
+    p.add_argument(
+        "--dry-run", action="store_true",
+        help="print the memory estimate (weights, KV cache, LoRA slots, total) and exit "
+        "without loading the model or downloading its weights",
+    )  # fmt: skip
+
+
 COMMAND = Subcommand(
     name="serve",
     help="run the OpenAI-compatible server",
-    description="Serve MODEL_DIR (default: the built-in demo model) with LoRA adapters.",
-    add_arguments=add_arguments,
+    description="Serve MODEL (a folder, a Hugging Face Hub id ORG/NAME[@REVISION], "
+    "hf://org/repo[/subdir][@rev] or s3://bucket/prefix; default: the built-in demo model) "
+    "with LoRA adapters.",
+    add_arguments=_add_serve_arguments,
     run=run,
 )

@@ -1,0 +1,113 @@
+"""``loraplex serve ... --dry-run``: the memory estimate, without loading (or downloading) weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.server.cli import main
+from loraplex.engine.server.memory_estimate import estimate_memory, format_table
+from loraplex.engine.server.model_files import local_metadata
+from tests.server.fake_hub import (  # noqa: F401 - fixtures
+    FakeHub,
+    hub_fixture,
+    quiet_logging_fixture,
+    tiny_files_fixture,
+)
+
+
+@pytest.fixture
+def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any attempt to load weights or start an engine fails the test."""
+
+    def refuse(*args: object, **kw: object) -> None:
+        raise AssertionError("a --dry-run loaded weights")
+
+    monkeypatch.setattr("loraplex.engine.startup.build_core", refuse)
+    monkeypatch.setattr("loraplex.engine.model.loader.load_model", refuse)
+    monkeypatch.setattr("safetensors.safe_open", refuse)
+
+
+def test_demo_dry_run_prints_the_table(
+    capsys: pytest.CaptureFixture, no_weights: None, quiet_logging: None
+) -> None:
+    args = ["serve", "--dry-run", "--device", "cpu", "--max-num-seqs", "8",
+            "--max-model-len", "256", "--max-loras", "2"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for row in ("model", "parameters", "weights", "KV cache per token", "KV cache", "LoRA slots",
+                "total CPU memory", "fp8"):  # fmt: skip
+        assert f"\n  {row} " in out, row
+    assert "demo" in out and "compute capability >= 8.9" in out
+    # the demo: 4 layers x 2 KV heads x head dim 32 x (K, V) x 4 bytes (float32 on CPU)
+    assert "KV cache per token       2.00 KiB" in out
+    assert "4.00 MiB for 8 sequences x 256 tokens" in out
+
+
+def test_estimate_matches_what_the_engine_allocates(tmp_path: Path) -> None:
+    """Weights, LoRA slots and buffers as estimated == the bytes of a loaded model."""
+    from loraplex.engine.model.loader import load_model
+    from tests.helpers.models import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "m", kind="qwen2", seed=1)  # tied embeddings, biases
+    config = EngineConfig(model=str(folder), device="cpu", dtype="float32", max_loras=3,
+                          max_cpu_loras=3, max_lora_rank=8)  # fmt: skip
+    est = estimate_memory(local_metadata(folder), config, "m")
+    model = load_model(folder, dtype=torch.float32, device="cpu", max_loras=3, max_lora_rank=8)
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    allocated = sum(t.numel() * t.element_size() for t in tensors.values())
+    estimated = est.weight_bytes + est.lora_bytes + est.buffer_bytes
+    assert abs(allocated - estimated) <= 0.005 * allocated, (allocated, estimated)
+    # the LoRA slots exactly: every A and B buffer of the projections and vocab targets
+    lins = {id(v): v for _, by in model.lora_linears() for v in by.values()}
+    lins.update({id(v): v for v in model.lora_vocab().values()})
+    lora = sum((v.lora_a.numel() + v.lora_b.numel()) * 4 for v in lins.values())
+    assert est.lora_bytes == lora
+    assert est.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers x KV heads x head dim x K,V
+
+
+def test_fp8_rows(tmp_path: Path) -> None:
+    from tests.helpers.models import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "m", seed=2)
+    meta = local_metadata(folder)
+    plain = estimate_memory(meta, EngineConfig(model=str(folder), device="cuda"), "m")
+    fp8 = estimate_memory(
+        meta, EngineConfig(model=str(folder), device="cuda", quantization="fp8"), "m"
+    )
+    assert plain.dtype == "bfloat16"  # a float32 checkpoint on CUDA
+    assert fp8.fp8 == "on load" and fp8.weight_bytes < plain.weight_bytes < fp8.load_bytes
+    assert fp8.weight_bytes == plain.fp8_weight_bytes
+    assert fp8.total_bytes >= fp8.load_bytes + fp8.lora_bytes + fp8.headroom_bytes
+    table = format_table(fp8)
+    assert "weights while loading" in table and "compute capability >= 8.9" in table
+
+
+def test_hub_dry_run_reads_only_config_and_headers(
+    hub: FakeHub, tiny_files: dict[str, bytes], tmp_path: Path, capsys: pytest.CaptureFixture,
+    no_weights: None, quiet_logging: None,
+) -> None:  # fmt: skip
+    sha = hub.commit("org/tiny", tiny_files)
+    assert main(["serve", "org/tiny", "--dry-run", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert f"org/tiny  (hf://org/tiny@{sha})" in out and "3 safetensors file(s)" in out
+    whole = sorted(p.rsplit("/", 1)[-1] for p in hub.downloads())
+    assert whole == ["config.json", "model.safetensors.index.json"]
+    assert len({p for p in hub.ranged()}) == 3  # one header read per shard
+    cache = tmp_path / "hf-home" / "hub"
+    assert not [p for p in cache.rglob("*.safetensors")]
+
+    # the same numbers as from the downloaded folder
+    local = tmp_path / "local"
+    local.mkdir()
+    for name, data in tiny_files.items():
+        if "/" not in name:
+            (local / name).write_bytes(data)
+    assert main(["serve", str(local), "--dry-run", "--device", "cpu"]) == 0
+    rows = lambda text: [ln for ln in text.splitlines() if "KV" in ln or "weights" in ln]  # noqa: E731
+    assert rows(capsys.readouterr().out) == rows(out)
+
+    assert main(["serve", "org/absent", "--dry-run", "--device", "cpu"]) == 2
