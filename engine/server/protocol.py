@@ -183,6 +183,12 @@ def _common(body: dict[str, Any], limits: ServerLimits) -> GenerationRequest:
 
 
 MAX_COMPOSED_ADAPTERS = 16
+# |weight| of one composed adapter. The engine multiplies each B (LoRA scale folded in) by its
+# weight and refuses a folded entry above 1e4 (lora/tensor_checks.py: MAX_ADAPTER_WEIGHT, below
+# float16's 65504). Trained B entries are O(0.01-1), so weights up to 100 stay far inside that
+# and finite in float16 / bfloat16; a delta scaled past 100x its trained size only breaks the
+# model, and larger weights made the engine's check fail as if the adapter file were bad.
+MAX_COMPOSITION_WEIGHT = 100
 
 
 def parse_adapters(body: dict[str, Any]) -> list[tuple[str, float]] | None:
@@ -206,6 +212,13 @@ def parse_adapters(body: dict[str, Any]) -> list[tuple[str, float]] | None:
             raise bad(f"{param}.name must be a non-empty string", f"{param}.name")
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise bad(f"{param}.weight must be a number", f"{param}.weight")
+        # NOTE: an int is compared before float(): 10**400 is valid JSON and overflows it
+        if not -MAX_COMPOSITION_WEIGHT <= weight <= MAX_COMPOSITION_WEIGHT:  # (NaN: False)
+            raise bad(
+                f"{param}.weight must be a finite number in [-{MAX_COMPOSITION_WEIGHT}, "
+                f"{MAX_COMPOSITION_WEIGHT}]",
+                f"{param}.weight",
+            )
         out.append((utf8(name, f"{param}.name"), float(weight)))
     return out
 

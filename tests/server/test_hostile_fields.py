@@ -127,3 +127,24 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
 async def test_broken_tools_and_tool_calls_are_refused_naming_the_field(demo_server, body, param):
     await refused(demo_server, {"messages": USER, **body}, param)
     await served(demo_server, {"messages": _history(CALL), "tools": [WEATHER]})
+
+
+HUGE_INT = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "adapters": [{"name": "sql", "weight": 1' + "0" * 400 + "}]}"  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "weight", ["HUGE_INT", 1e20, 1e308, -1e5, 100.5, float("nan"), float("inf")]
+)
+async def test_a_composition_weight_out_of_bounds_is_refused(demo_server, weight):
+    """|weight| <= 100 (MAX_COMPOSITION_WEIGHT): 10**400 overflowed float() (a 500), and huge
+    finite weights were 500s naming the adapter file's weighted tensor."""
+    await served(demo_server, {"messages": USER, "model": "sql"})  # fetched: it may compose
+    if weight == "HUGE_INT":
+        body: dict[str, Any] | str = HUGE_INT
+    else:  # (json.dumps writes NaN / Infinity, which Python's parser reads back)
+        body = {"messages": USER, "adapters": [{"name": "sql", "weight": weight}]}
+    says = await refused(demo_server, body, "adapters[0].weight")
+    assert "100" in says
+    parts = [{"name": "sql", "weight": -2.5}, {"name": "pirate", "weight": 100}]
+    await served(demo_server, {"messages": USER, "model": "pirate"})
+    await served(demo_server, {"messages": USER, "adapters": parts})
