@@ -69,7 +69,9 @@ def test_estimate_matches_what_the_engine_allocates(tmp_path: Path) -> None:
     assert est.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers x KV heads x head dim x K,V
 
 
-def test_fp8_rows(tmp_path: Path) -> None:
+def test_fp8_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
     from tests.helpers.models import make_tiny_model
 
     folder = make_tiny_model(tmp_path / "m", seed=2)
@@ -84,6 +86,20 @@ def test_fp8_rows(tmp_path: Path) -> None:
     assert fp8.total_bytes >= fp8.load_bytes + fp8.lora_bytes + fp8.headroom_bytes
     table = format_table(fp8)
     assert "weights while loading" in table and "compute capability >= 8.9" in table
+
+    # this machine's GPU, when there is one: whether the total fits and it has fp8 kernels
+    for cap, has in (((8, 0), "has not"), ((9, 0), "has them")):
+        props = SimpleNamespace(name="GPU-X", major=cap[0], minor=cap[1], total_memory=80 << 30)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, p=props: p)
+        est = estimate_memory(
+            meta, EngineConfig(model=str(folder), device="cuda", quantization="fp8"), "m"
+        )
+        table = format_table(est)
+        assert (
+            "GPU-X, 80.00 GiB: fits" in table
+            and f"this GPU (GPU-X, {cap[0]}.{cap[1]}) {has}" in table
+        )
 
 
 def test_hub_dry_run_reads_only_config_and_headers(
