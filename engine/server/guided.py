@@ -45,8 +45,8 @@ def _too_deep(param: str, limits: ServerLimits) -> APIError:
 
 
 def _schema(value: Any, param: str, limits: ServerLimits) -> Any:
-    """A JSON schema as an object: JSON text is parsed here under the depth bound that object
-    schemas get from ``check_depth`` (json.loads would raise RecursionError past ~1000 levels,
+    """A JSON schema as an object (a boolean mapped, see below): JSON text is parsed here under
+    the depth bound that object schemas get from ``check_depth`` (json.loads would raise RecursionError past ~1000 levels,
     and llguidance refuses past 128 without naming the field)."""
     if isinstance(value, str):
         try:
@@ -56,6 +56,12 @@ def _schema(value: Any, param: str, limits: ServerLimits) -> Any:
         except ValueError as e:
             raise _bad(f"{param}: the schema is not valid JSON: {e}", param) from None
         check_depth(value, limits.max_json_depth, param)
+    # Booleans are schemas: true accepts any JSON value (as {} does, which llguidance takes;
+    # it wants an object to add its options to), false accepts none.
+    if value is True:
+        return {}
+    if value is False:
+        raise _bad(f"{param}: the schema is false: it accepts no value", param)
     return value
 
 

@@ -148,3 +148,22 @@ async def test_a_composition_weight_out_of_bounds_is_refused(demo_server, weight
     parts = [{"name": "sql", "weight": -2.5}, {"name": "pirate", "weight": 100}]
     await served(demo_server, {"messages": USER, "model": "pirate"})
     await served(demo_server, {"messages": USER, "adapters": parts})
+
+
+async def test_boolean_schemas(demo_server):
+    """``true`` is the schema of any JSON value, ``false`` accepts none (a 400 naming the field
+    rather than llguidance's "Expecting object schema" with no param)."""
+    for form in ({"guided_json": True}, {"guided_json": "true"}):
+        reply = await served(
+            demo_server, {"messages": USER, "max_tokens": 60, "temperature": 0, **form}
+        )
+        choice = reply["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        json.loads(choice["message"]["content"])
+    rf = {"type": "json_schema", "json_schema": {"name": "any", "schema": True}}
+    await served(demo_server, {"messages": USER, "response_format": rf})
+    says = await refused(demo_server, {"messages": USER, "guided_json": False}, "guided_json")
+    assert "accepts no value" in says
+    await refused(demo_server, {"messages": USER, "guided_json": "false"}, "guided_json")
+    rf = {"type": "json_schema", "json_schema": {"name": "none", "schema": False}}
+    await refused(demo_server, {"messages": USER, "response_format": rf}, "response_format")
