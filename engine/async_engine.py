@@ -176,8 +176,14 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         adapter: AdapterChoice = None,
         request_id: str | None = None,
+        *,
+        group: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request; raises typed errors (unknown adapter, bad prompt...).
+
+        ``group``: requests sent for one caller request (its ``n`` choices, its prompts) name
+        one group; while several groups wait, each gets a fair share of ``max_num_seqs``
+        (scheduler.py). None: the request is a group of its own.
 
         ``adapter``: None (the base model), an adapter name, or a composition of adapters with
         weights, ``[("sql", 0.7), ("pirate", 0.3)]``: the weighted sum of their deltas, as
@@ -195,7 +201,7 @@ class AsyncEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use", field="request_id")
-        req = core.submit(rid, prompt, params, adapter, guide)
+        req = core.submit(rid, prompt, params, adapter, guide, group)
         self._requests[rid] = req
         self._wake.set()
         try:

@@ -236,10 +236,12 @@ class EngineCore(AdapterOps, StepOps):
         params: SamplingParams,
         adapter: AdapterChoice = None,
         guide: Guide | None = None,
+        group: str | None = None,
     ) -> Request:
         """Check and queue a request; raises typed errors (unknown adapter, bad prompt...).
         ``adapter``: a name, or a composition [(name, weight), ...] (``AdapterChoice``);
-        ``guide``: its matcher when ``params.structured`` is set (``guide()``)."""
+        ``guide``: its matcher when ``params.structured`` is set (``guide()``); ``group``: the
+        fair-share group (``Request.group``; None: its own)."""
         if adapter is None:
             version = None
         elif isinstance(adapter, str):
@@ -255,7 +257,10 @@ class EngineCore(AdapterOps, StepOps):
                     field="response_format",
                 )
             prompt_ids = self._encode_prompt(prompt, params, version)
-            req = Request(request_id, prompt_ids, params, version, eos_ids=frozenset(self.eos_ids))
+            req = Request(
+                request_id, prompt_ids, params, version,
+                eos_ids=frozenset(self.eos_ids), group=group or "",
+            )  # fmt: skip
             req.guide = guide
             if params.seed is not None:
                 req.generator = make_generator(params.seed, self.device)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from loraplex.engine.lora.manager import AdapterVersion
     from loraplex.engine.structured.grammars import Guide
 
-__all__ = ["RequestStatus", "RequestOutput", "Request", "TokenLogprob", "Tokens", "sibling_group"]
+__all__ = ["RequestStatus", "RequestOutput", "Request", "TokenLogprob", "Tokens"]
 
 
 class RequestStatus(enum.Enum):
@@ -129,12 +129,12 @@ class Request:
     meta: dict[str, Any] = field(default_factory=dict)
     guide: Guide | None = None  # the matcher of a structured-output request
     # the requests of one API request (its n choices, its prompts) share a group: they share
-    # max_num_seqs fairly with other groups (fair_share.py); "": ``sibling_group(request_id)``
+    # max_num_seqs fairly with other groups (fair_share.py); "": a group of its own
     group: str = ""
 
     def __post_init__(self) -> None:
         if not self.group:
-            self.group = sibling_group(self.request_id)
+            self.group = self.request_id
 
     @property
     def tokens(self) -> Tokens:
@@ -152,18 +152,3 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-
-def sibling_group(request_id: str) -> str:
-    """The group of a request the server fanned out: its ids are ``{reply id}-{prompt}-{choice}``
-    (server/generation.py), so ``cmpl-ab12-0-3`` is in group ``cmpl-ab12``; any other id is a
-    group of its own."""
-    head, _, choice = request_id.rpartition("-")
-    base, _, prompt = head.rpartition("-")
-    if base and _digits(choice) and _digits(prompt):
-        return base
-    return request_id
-
-
-def _digits(s: str) -> bool:
-    return s.isascii() and s.isdigit()

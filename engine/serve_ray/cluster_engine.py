@@ -186,9 +186,11 @@ class ClusterEngine:
         adapter: AdapterChoice = None,
         request_id: str | None = None,
         *,
+        group: str | None = None,
         replica: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream one request from the replica the router picks (``replica``: that one).
+        """Stream one request from the replica the router picks (``replica``: that one);
+        ``group`` as ``AsyncEngine.generate``'s (fair shares on the replica).
 
         A replica that fails before it acknowledged the request (``Accepted``: the request
         never reached its engine) is routed around: the request is sent again, at most
@@ -211,7 +213,7 @@ class ClusterEngine:
         gen = None
         try:
             for attempt in range(_RETRIES + 1):
-                gen = self._stream.generate.remote(prompt, params, adapter, rid, **kw)
+                gen = self._stream.generate.remote(prompt, params, adapter, rid, group=group, **kw)
                 self._live[rid] = gen
                 accepted: Accepted | None = None
                 try:

@@ -160,6 +160,7 @@ class EngineReplica:
         adapter: AdapterChoice,
         request_id: str,
         *,
+        group: str | None = None,
         replica: str | None = None,
     ) -> AsyncIterator[Accepted | RequestOutput | WireError]:
         """Stream one engine request: ``Accepted`` first, before the engine touches the request
@@ -171,7 +172,7 @@ class EngineReplica:
         _check_target(replica)  # (a misrouted call is refused unacknowledged: no engine work)
         yield Accepted(os.getpid())
         try:
-            async for out in self.engine.generate(prompt, params, adapter, request_id):
+            async for out in self.engine.generate(prompt, params, adapter, request_id, group=group):
                 yield out
         except Exception as e:  # noqa: BLE001 - handed to the ingress as a typed error
             yield WireError.of(e)

@@ -48,6 +48,7 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     request_id: str
+    group: str  # the reply's id: its choices share max_num_seqs fairly with other requests
 
 
 @dataclass
@@ -127,7 +128,7 @@ def make_jobs(
                 params = req.params(len(ids), limit, i)
             except ValueError as e:
                 raise from_exception(e) from None
-            jobs.append(Job(p * req.n + i, p, ids, params, f"{reply_id}-{p}-{i}"))
+            jobs.append(Job(p * req.n + i, p, ids, params, f"{reply_id}-{p}-{i}", reply_id))
     return jobs
 
 
@@ -181,8 +182,9 @@ class FanOut:
             if self.shut_down:  # aborted before this job reached the engine
                 raise APIError(503, "the server is shutting down")
             async for out in self.engine.generate(
-                job.prompt_ids, job.params, adapter=self.adapter, request_id=job.request_id
-            ):
+                job.prompt_ids, job.params, adapter=self.adapter, request_id=job.request_id,
+                group=job.group,
+            ):  # fmt: skip
                 self._queue.put_nowait((job, out, None))
         except asyncio.CancelledError:
             raise

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from loraplex.engine import AsyncEngine, EngineConfig
-from loraplex.engine.request import Request, RequestStatus, sibling_group
+from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.engine.server import create_app, start_server
 from tests.engine.lifecycle_helpers import wait_until
@@ -21,7 +21,9 @@ NO_LIMIT = 10_000  # max_tokens of a request sent without one (the context lengt
 
 def siblings(s: Scheduler, reply: str, n: int, n_prompt: int = 3) -> list[Request]:
     """What the server queues for one request with ``n`` choices (ids as server/generation.py)."""
-    return [submit(s, f"{reply}-0-{i}", n_prompt, max_tokens=NO_LIMIT) for i in range(n)]
+    return [
+        submit(s, f"{reply}-0-{i}", n_prompt, max_tokens=NO_LIMIT, group=reply) for i in range(n)
+    ]
 
 
 def step(s: Scheduler) -> SchedulerOutput:
@@ -38,13 +40,9 @@ def group_running(s: Scheduler, group: str) -> int:
     return sum(r.group == group for r in s.running)
 
 
-def test_sibling_group_of_server_ids():
-    assert sibling_group("cmpl-3f9a-0-17") == "cmpl-3f9a"
-    assert sibling_group("chatcmpl-3f9a-2-0") == "chatcmpl-3f9a"
-    for rid in ("req-5", "a", "x-1-b", "-0-1", "cmpl-٣-0"):
-        assert sibling_group(rid) == rid  # not a fanned-out id: a group of its own
-    r = Request("cmpl-ab-0-3", [1], None)  # type: ignore[arg-type]
-    assert r.group == "cmpl-ab" and Request("x", [1], None, group="g").group == "g"  # type: ignore[arg-type]
+def test_a_request_without_a_group_is_a_group_of_its_own():
+    assert Request("cmpl-ab-0-3", [1], None).group == "cmpl-ab-0-3"  # type: ignore[arg-type]
+    assert Request("x", [1], None, group="g").group == "g"  # type: ignore[arg-type]
 
 
 def test_lone_n128_request_takes_every_seat():

@@ -98,9 +98,11 @@ def submit(
     *,
     max_tokens: int = 16,
     starved: bool = False,
+    group: str = "",
 ) -> Request:
     """What AsyncEngine.generate does: count the adapter user, queue the request."""
-    r = Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens), v)
+    params = SamplingParams(max_tokens=max_tokens)
+    r = Request(rid, list(range(1, n_prompt + 1)), params, v, group=group)
     if starved:
         r.arrival = time.monotonic() - 60.0
     if v is not None:
