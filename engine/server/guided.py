@@ -4,7 +4,9 @@ Forms (one per request):
 - OpenAI ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}``,
   ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``;
 - vLLM's current ``structured_outputs``: ``{"json": schema}``, ``{"regex": "..."}``,
-  ``{"choice": [...]}``, ``{"grammar": "..."}`` or ``{"json_object": true}``;
+  ``{"choice": [...]}``, ``{"grammar": "..."}`` or ``{"json_object": true}`` (errors name
+  ``structured_outputs.json`` etc.; any other key is refused but vLLM's options that change
+  nothing here);
 - vLLM's older fields, accepted as aliases: ``guided_json``, ``guided_regex``,
   ``guided_choice``, ``guided_grammar``.
 
@@ -21,6 +23,7 @@ from typing import Any
 from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.server.body import check_depth
 from loraplex.engine.server.errors import APIError
+from loraplex.engine.server.fields import field_path
 from loraplex.engine.server.limits import ServerLimits, flag
 from loraplex.engine.structured import StructuredOutput
 
@@ -46,8 +49,9 @@ def _too_deep(param: str, limits: ServerLimits) -> APIError:
 
 def _schema(value: Any, param: str, limits: ServerLimits) -> Any:
     """A JSON schema as an object (a boolean mapped, see below): JSON text is parsed here under
-    the depth bound that object schemas get from ``check_depth`` (json.loads would raise RecursionError past ~1000 levels,
-    and llguidance refuses past 128 without naming the field)."""
+    the depth bound that object schemas get from ``check_depth`` (json.loads would raise
+    RecursionError past ~1000 levels, and llguidance refuses past 128 without naming the
+    field)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -98,18 +102,46 @@ def _response_format(rf: Any, limits: ServerLimits) -> StructuredOutput | None:
     )
 
 
+# vLLM's options that change nothing here: one backend (no fallback), and JSON is generated
+# without free whitespace already (grammars.py)
+_NO_OP_OPTIONS = ("disable_fallback", "disable_any_whitespace")
+
+
+def _form_given(form: str, value: Any, param: str) -> bool:
+    """Whether ``structured_outputs.<form>`` asks for a constraint (None: not set)."""
+    if value is None:
+        return False
+    if form == "json_object":  # (false: not set)
+        if not isinstance(value, bool):
+            raise _bad(f"{param} must be a boolean", param)
+        return value
+    if form == "json" and not isinstance(value, (dict, bool, str)):
+        raise _bad(f"{param} must be a JSON schema (an object, a boolean or JSON text)", param)
+    return True  # (regex, choice, grammar: their types are checked by StructuredOutput)
+
+
 def _structured_outputs(so: Any, limits: ServerLimits) -> StructuredOutput | None:
     param = "structured_outputs"
     if not isinstance(so, dict):
         raise _bad("structured_outputs must be an object", param)
-    if so.get("structural_tag") is not None:
-        raise _bad("structured_outputs.structural_tag is not supported", param)
-    given = [f for f in _FORMS if so.get(f) not in (None, False)]
+    for key, value in so.items():
+        where = field_path(param, key)
+        if key == "structural_tag":
+            if value is not None:
+                raise _bad("structured_outputs.structural_tag is not supported", where)
+        elif key in _NO_OP_OPTIONS:
+            if value is not None and not isinstance(value, bool):
+                raise _bad(f"{where} must be a boolean", where)
+        elif key not in _FORMS:
+            known = ", ".join((*_FORMS, *_NO_OP_OPTIONS))
+            raise _bad(f"{where} is not a structured_outputs field (known: {known})", where)
+    given = [f for f in _FORMS if _form_given(f, so.get(f), f"{param}.{f}")]
     if len(given) > 1:
         raise _bad(f"structured_outputs sets {', '.join(given)}: set one of them", param)
     if not given:
         return None
-    return _make(given[0], so[given[0]], param, limits)
+    form = given[0]
+    return _make(form, so[form], f"{param}.{form}", limits)
 
 
 def parse_structured(body: dict[str, Any], limits: ServerLimits) -> StructuredOutput | None:

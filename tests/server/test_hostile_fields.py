@@ -167,3 +167,27 @@ async def test_boolean_schemas(demo_server):
     await refused(demo_server, {"messages": USER, "guided_json": "false"}, "guided_json")
     rf = {"type": "json_schema", "json_schema": {"name": "none", "schema": False}}
     await refused(demo_server, {"messages": USER, "response_format": rf}, "response_format")
+
+
+@pytest.mark.parametrize(
+    ("so", "param"),
+    [
+        ({"json": 0}, "structured_outputs.json"),
+        ({"json": False}, "structured_outputs.json"),
+        ({"json": [{"type": "string"}]}, "structured_outputs.json"),
+        ({"json": nested_schema(40)}, "structured_outputs.json"),
+        ({"jsn": {"type": "string"}}, "structured_outputs.jsn"),
+        ({"regex": 5}, "structured_outputs.regex"),
+        ({"choice": "yes"}, "structured_outputs.choice"),
+        ({"grammar": ["start: 'a'"]}, "structured_outputs.grammar"),
+        ({"json_object": "yes"}, "structured_outputs.json_object"),
+        ({"json_object": True, "disable_fallback": "no"}, "structured_outputs.disable_fallback"),
+        ({"json": {"not": {"type": "string"}}}, "structured_outputs.json"),  # (compile error)
+    ],
+)
+async def test_structured_outputs_keys_and_types_are_checked(demo_server, so, param):
+    """Unknown keys and wrong-typed values were ignored silently (``{"json": 0}``: no
+    constraint at all)."""
+    await refused(demo_server, {"messages": USER, "structured_outputs": so}, param)
+    for fine in ({"json_object": False}, {"choice": ["yes"], "disable_fallback": True}):
+        await served(demo_server, {"messages": USER, "structured_outputs": fine})

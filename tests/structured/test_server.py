@@ -99,7 +99,7 @@ async def test_every_request_form_gives_the_same_constrained_output(demo_server)
 BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}}, "response_format", "Invalid type"),
     ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "uniqueItems"),
-    ({"structured_outputs": {"json": {"not": {"type": "string"}}}}, "structured_outputs", "not"),
+    ({"structured_outputs": {"json": {"not": {"type": "string"}}}}, "structured_outputs.json", "not"),
     ({"guided_regex": "(ab"}, "guided_regex", "unclosed group"),
     ({"guided_grammar": "start: nowhere"}, "guided_grammar", "nowhere"),
     ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
