@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 from loraplex.engine.server.errors import APIError
+from loraplex.engine.server.schema_shape import schema_problem
 
 __all__ = ["check_tool", "check_tool_turns", "NAME"]
 
@@ -38,11 +39,21 @@ def check_tool(i: int, tool: Any) -> dict[str, Any]:
     if desc is not None and not isinstance(desc, str):
         p = f"{param}.function.description"
         raise _bad(f"{p} must be a string", p)
-    params = fn.get("parameters")
-    if params is not None and not isinstance(params, dict):
-        p = f"{param}.function.parameters"
-        raise _bad(f"{p} must be a JSON schema object", p)
+    _check_parameters(fn.get("parameters"), f"{param}.function.parameters")
     return {"type": "function", "function": fn}
+
+
+def _check_parameters(params: Any, param: str) -> None:
+    """A function's arguments schema: an object schema (OpenAI's rule), well-shaped."""
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise _bad(f"{param} must be a JSON schema object", param)
+    problem = schema_problem(params, param)
+    if problem is not None:
+        raise _bad(problem, param)
+    if params.get("type", "object") != "object":
+        raise _bad(f"{param} must be a schema of type 'object' (the arguments object)", param)
 
 
 def _check_call(call: Any, param: str) -> None:

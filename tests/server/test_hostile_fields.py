@@ -191,3 +191,37 @@ async def test_structured_outputs_keys_and_types_are_checked(demo_server, so, pa
     await refused(demo_server, {"messages": USER, "structured_outputs": so}, param)
     for fine in ({"json_object": False}, {"choice": ["yes"], "disable_fallback": True}):
         await served(demo_server, {"messages": USER, "structured_outputs": fine})
+
+
+PARAMS = "tools[0].function.parameters"
+
+
+@pytest.mark.parametrize(
+    ("fn", "param", "says"),
+    [
+        ({"parameters": {"type": 5}}, PARAMS, "parameters.type must be one of"),
+        ({"parameters": []}, PARAMS, "JSON schema object"),
+        ({"parameters": {"type": "string"}}, PARAMS, "type 'object'"),
+        ({"parameters": {"type": "object", "properties": []}}, PARAMS, "properties must be"),
+        ({"parameters": {"properties": {"city": {"type": "strin"}}}}, PARAMS, "properties.city.type"),
+        ({"parameters": {"properties": {"city": 3}}}, PARAMS, "properties.city must be a schema"),
+        ({"parameters": {"type": "object", "required": "city"}}, PARAMS, "required must be"),
+        ({"parameters": {"properties": {"a": {"anyOf": []}}}}, PARAMS, "anyOf must be"),
+        ({"parameters": {"properties": {"a": {"maxLength": -1}}}}, PARAMS, "maxLength"),
+        ({"parameters": {"properties": {"a b": {"items": [{"type": 1}]}}}}, PARAMS, "['a b'].items[0].type"),
+        ({"name": ""}, "tools[0].function.name", "must match"),
+        ({"name": 5}, "tools[0].function.name", "must match"),
+        ({"name": "get weather"}, "tools[0].function.name", "must match"),
+        ({"name": None}, "tools[0].function.name", "must match"),
+    ],
+)  # fmt: skip
+async def test_a_malformed_tool_is_refused_under_auto(demo_server, fn, param, says):
+    """Under tool_choice "auto" (the default) nothing compiles the tools' schemas: a malformed
+    one went to the model as it was."""
+    message = await refused(demo_server, {"messages": USER, "tools": [_fn(**fn)]}, param)
+    assert says in message
+    fine = {
+        "type": "object",
+        "properties": {"a": {"type": ["string", "null"], "enum": ["x", None]}},
+    }
+    await served(demo_server, {"messages": USER, "tools": [_fn(parameters=fine)]})
