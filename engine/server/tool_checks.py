@@ -56,10 +56,13 @@ def _check_parameters(params: Any, param: str) -> None:
         raise _bad(f"{param} must be a schema of type 'object' (the arguments object)", param)
 
 
-def _check_call(call: Any, param: str) -> None:
-    """One entry of an assistant message's ``tool_calls``."""
+def _check_call(call: Any, param: str) -> str:
+    """One entry of an assistant message's ``tool_calls``; its id."""
     if not isinstance(call, dict):
-        raise _bad(f"{param} must be an object with a function", param)
+        raise _bad(f"{param} must be an object with an id and a function", param)
+    call_id = call.get("id")
+    if not isinstance(call_id, str) or not call_id:
+        raise _bad(f"{param}.id must be a non-empty string", f"{param}.id")
     if call.get("type", "function") != "function":
         raise _bad(f"{param}.type must be 'function'", f"{param}.type")
     fn = call.get("function")
@@ -74,16 +77,30 @@ def _check_call(call: Any, param: str) -> None:
     if args is not None and not isinstance(args, (str, dict)):
         p = f"{param}.function.arguments"
         raise _bad(f"{p} must be a JSON string (or an object)", p)
+    return call_id
 
 
 def check_tool_turns(messages: list[dict[str, Any]]) -> None:
-    """The tool turns of a chat history (messages already checked as objects with a role)."""
+    """The tool turns of a chat history (messages already checked as objects with a role).
+
+    As OpenAI: every ``tool`` message answers, by its ``tool_call_id``, a call that an
+    earlier assistant message made (its ``tool_calls[].id``)."""
+    called: set[str] = set()
     for i, m in enumerate(messages):
         calls = m.get("tool_calls")
-        if calls is None:
-            continue
-        param = f"messages[{i}].tool_calls"
-        if not isinstance(calls, list):
-            raise _bad(f"{param} must be a list of tool calls", param)
-        for j, call in enumerate(calls):
-            _check_call(call, f"{param}[{j}]")
+        if calls is not None:
+            param = f"messages[{i}].tool_calls"
+            if not isinstance(calls, list):
+                raise _bad(f"{param} must be a list of tool calls", param)
+            called.update(_check_call(call, f"{param}[{j}]") for j, call in enumerate(calls))
+        if m["role"] == "tool":
+            param = f"messages[{i}].tool_call_id"
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise _bad(f"{param} must be the id of the tool call this message answers", param)
+            if call_id not in called:
+                shown = f" ({call_id!r})" if len(call_id) <= 64 and call_id.isprintable() else ""
+                raise _bad(
+                    f"{param}: no earlier assistant message made a tool call with this id{shown}",
+                    param,
+                )

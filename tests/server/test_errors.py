@@ -67,7 +67,7 @@ async def test_unknown_model_is_404(server):
         (
             "/v1/chat/completions",
             {"model": BASE, "messages": [{"role": "tool", "content": "x"}]},
-            "messages",
+            "messages[0].tool_call_id",
         ),
     ],
 )

@@ -225,3 +225,23 @@ async def test_a_malformed_tool_is_refused_under_auto(demo_server, fn, param, sa
         "properties": {"a": {"type": ["string", "null"], "enum": ["x", None]}},
     }
     await served(demo_server, {"messages": USER, "tools": [_fn(parameters=fine)]})
+
+
+def _tool_turn(**kw: Any) -> dict[str, Any]:
+    return {"role": "tool", "content": "18 C", **kw}
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([*USER, _tool_turn(tool_call_id="nope")], "messages[1].tool_call_id"),
+        ([*USER, _tool_turn()], "messages[1].tool_call_id"),
+        ([*_history(CALL), _tool_turn(tool_call_id="call_2")], "messages[3].tool_call_id"),
+        ([*_history(CALL), _tool_turn(tool_call_id=["call_1"])], "messages[3].tool_call_id"),
+        (_history({k: v for k, v in CALL.items() if k != "id"}), "messages[1].tool_calls[0].id"),
+        ([*USER, _tool_turn(tool_call_id="call_1"), *_history(CALL)[1:]], "messages[1].tool_call_id"),
+    ],
+)  # fmt: skip
+async def test_a_tool_turn_must_answer_an_earlier_call(demo_server, messages, param):
+    """As OpenAI: a tool message answers a call of an earlier assistant turn, by its id."""
+    await refused(demo_server, {"messages": messages}, param)
