@@ -2,7 +2,8 @@
 
 Library code only calls ``structlog.get_logger``; nothing is configured at import. The CLI calls
 ``configure_logging`` once. Standard-library loggers (aiohttp, asyncio) are rendered by the same
-processors, so every line on stderr has one format.
+processors, so every line on stderr has one format. Tracebacks are printed without frame
+locals (they hold request bodies and prompt text).
 """
 
 from __future__ import annotations
@@ -40,12 +41,18 @@ def configure_logging(
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    # NOTE: tracebacks without frame locals, which hold request bodies and prompt text: structlog's
+    # dict tracebacks and its console renderer (through rich or better_exceptions, when either
+    # is installed) print them by default.
     renderer: structlog.types.Processor
     if json:
         renderer = structlog.processors.JSONRenderer()
-        shared.append(structlog.processors.dict_tracebacks)
+        no_locals = structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+        shared.append(structlog.processors.ExceptionRenderer(no_locals))
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=stream.isatty())
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=stream.isatty(), exception_formatter=structlog.dev.plain_traceback
+        )
     structlog.configure(
         processors=[
             structlog.stdlib.filter_by_level,

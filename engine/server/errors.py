@@ -1,11 +1,19 @@
 """HTTP errors in the OpenAI / vLLM wire shape, and the mapping from typed engine errors.
 
 Every error body is ``{"error": {"message", "type", "param", "code"}}``.
+
+A 500 is logged once, here, with the request's id (also in the reply, so a client can quote
+it), the exception's type and message and its traceback's lines, and never a frame's local
+variables: handlers' frames hold request bodies and prompt text. The record carries the
+traceback as text rather than ``exc_info``, so no renderer (rich, better_exceptions,
+structlog's dict tracebacks) can add the locals back, however logging is configured.
 """
 
 from __future__ import annotations
 
 import asyncio
+import traceback
+import uuid
 
 import structlog
 from aiohttp import web
@@ -20,9 +28,20 @@ from loraplex.engine.lora.errors import (
 )
 from loraplex.engine.tokenizer import TokenizerError
 
-__all__ = ["APIError", "error_body", "error_response", "from_exception", "error_middleware"]
+__all__ = [
+    "APIError",
+    "error_body",
+    "error_response",
+    "from_exception",
+    "error_middleware",
+    "REQUEST_ID_KEY",
+]
 
 log = structlog.get_logger("loraplex.server")
+
+# The id of the reply a handler is making (chat: "chatcmpl-..."), set once it is known; a 500
+# before that gets an id of its own.
+REQUEST_ID_KEY = web.RequestKey("loraplex_request_id", str)
 
 _TYPES = {
     400: "BadRequestError",
@@ -103,13 +122,29 @@ def from_exception(
     return APIError(500, "internal server error")
 
 
+def _log_failure(request: web.Request, err: APIError, exc: BaseException) -> APIError:
+    """Log a 500 (see the module docstring); the error to send, with the request id."""
+    request_id = request.get(REQUEST_ID_KEY) or f"req-{uuid.uuid4().hex}"
+    cause = exc.__cause__ if isinstance(exc, APIError) and exc.__cause__ is not None else exc
+    log.error(
+        "handler_failed",
+        path=request.path,
+        request_id=request_id,
+        error_type=type(cause).__name__,
+        error=str(cause),
+        traceback="".join(traceback.format_exception(cause)),  # (no locals)
+    )
+    message = f"{err.message} (request id {request_id})"
+    return APIError(err.status, message, type=err.type, param=err.param)
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Render every failure in the error shape (aiohttp's own 404/405 included)."""
     try:
         return await handler(request)
     except APIError as e:
-        return e.response()
+        return (_log_failure(request, e, e) if e.status == 500 else e).response()
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -119,5 +154,5 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception as e:  # noqa: BLE001 - one bad request must not kill the server
         err = from_exception(e)
         if err.status >= 500:
-            log.exception("handler_failed", path=request.path)
+            err = _log_failure(request, err, e)
         return err.response()
