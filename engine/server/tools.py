@@ -12,13 +12,15 @@ The tool format is the model's own, as its chat template defines it:
 parsed from it), ``required`` and a named function: the output is grammar-constrained JSON
 (``required``: a non-empty array of ``{"name", "parameters"}`` over the given tools; a named
 function: its arguments object), so the call is well-formed whatever the model would write.
+
+Calls are read back from the output by ``tool_calls.py``; the fields are checked by
+``tool_checks.py``.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,12 +28,11 @@ from loraplex.engine.server.body import check_depth
 from loraplex.engine.server.errors import APIError
 from loraplex.engine.server.fields import tree_chars
 from loraplex.engine.server.limits import ServerLimits
+from loraplex.engine.server.tool_calls import CLOSE, OPEN, ToolStream, arguments_value, parse_calls
 from loraplex.engine.server.tool_checks import check_tool
 from loraplex.engine.structured import StructuredOutput
 
 __all__ = ["Tools", "parse_tools", "tool_messages", "parse_calls", "ToolStream", "tool_format"]
-
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 def _bad(message: str, param: str) -> APIError:
@@ -152,15 +153,6 @@ _SYSTEM = (
 )
 
 
-def _arguments(value: Any) -> Any:
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except ValueError:
-            return value
-    return value
-
-
 def tool_messages(
     messages: list[dict[str, Any]], tools: Tools | None, template: str | None
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -170,7 +162,7 @@ def tool_messages(
         for m in messages:  # templates read arguments as objects (``| tojson``)
             if m.get("tool_calls"):
                 calls = [
-                    {**c, "function": {**c["function"], "arguments": _arguments(
+                    {**c, "function": {**c["function"], "arguments": arguments_value(
                         c["function"].get("arguments"))}}
                     if isinstance(c, dict) and isinstance(c.get("function"), dict) else c
                     for c in m["tool_calls"]
@@ -182,7 +174,7 @@ def tool_messages(
     for m in messages:  # history in the hermes tags the system message below teaches
         if m.get("tool_calls"):
             blocks = [
-                f"{OPEN}\n" + json.dumps({"name": f.get("name"), "arguments": _arguments(
+                f"{OPEN}\n" + json.dumps({"name": f.get("name"), "arguments": arguments_value(
                     f.get("arguments"))}, ensure_ascii=False) + f"\n{CLOSE}"
                 for c in m["tool_calls"] if isinstance(c, dict)
                 for f in [c.get("function") or {}]
@@ -200,165 +192,3 @@ def tool_messages(
         else:
             out.insert(0, {"role": "system", "content": system})
     return out, {}
-
-
-# -- parsing ----------------------------------------------------------------------------------
-
-
-def _call(name: str, arguments: Any) -> dict[str, Any]:
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": name, "arguments": arguments},
-    }
-
-
-def _from_object(obj: Any) -> dict[str, Any] | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        args = _arguments(args)
-    if not isinstance(args, dict):
-        return None
-    return _call(obj["name"], args)
-
-
-def _hermes_block(raw: str) -> dict[str, Any] | None:
-    try:
-        return _from_object(json.loads(raw.strip()))
-    except ValueError:
-        return None
-
-
-def _llama3(text: str) -> list[dict[str, Any]] | None:
-    text = text.strip().removeprefix("<|python_tag|>").strip()
-    if not text.startswith("{"):
-        return None
-    try:
-        objs = [json.loads(text)]
-    except ValueError:
-        try:
-            objs = [json.loads(p) for p in text.split(";") if p.strip()]
-        except ValueError:
-            return None
-    calls = [_from_object(o) for o in objs]
-    return calls if calls and all(c is not None for c in calls) else None  # type: ignore[return-value]
-
-
-def parse_calls(text: str, tools: Tools, fmt: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool_calls) of a whole output."""
-    if tools.choice == "named":
-        assert tools.name is not None
-        return None, [_call(tools.name, text)]
-    if tools.choice == "required":
-        try:
-            items = json.loads(text)
-        except ValueError:
-            return text, []
-        calls = [_from_object(o) for o in items] if isinstance(items, list) else []
-        good = [c for c in calls if c is not None]
-        return (None, good) if good else (text, [])
-    if fmt == "llama3":
-        calls = _llama3(text)
-        return (None, calls) if calls else (text or None, [])
-    stream = ToolStream(tools, fmt)
-    content, calls = stream.feed(text)
-    more, rest = stream.finish()
-    content = (content + more).strip()
-    return content or None, calls + rest
-
-
-class ToolStream:
-    """Streams one choice: text deltas in, (content delta, finished tool calls) out."""
-
-    def __init__(self, tools: Tools, fmt: str) -> None:
-        self.tools, self.fmt = tools, fmt
-        self.buf = ""
-        self.inside = False  # hermes: between OPEN and CLOSE
-        self.mode: str | None = None  # llama3: "json" (buffer) or "text", once decided
-        self.pending_ws = ""  # whitespace not sent yet (trailing, or between calls)
-        self.count = 0  # tool calls sent
-        self.named_id: str | None = None
-
-    def _content(self, text: str) -> str:
-        if not text.strip():
-            self.pending_ws += text
-            return ""
-        out, self.pending_ws = self.pending_ws + text, ""
-        return out
-
-    def _index(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        out = []
-        for c in calls:
-            out.append({"index": self.count, **c})
-            self.count += 1
-        return out
-
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        choice = self.tools.choice
-        if choice == "named":  # arguments stream as they come
-            if not text:
-                return "", []
-            if self.named_id is None:
-                call = _call(self.tools.name or "", text)
-                self.named_id = call["id"]
-                self.count = 1
-                return "", [{"index": 0, **call}]
-            return "", [{"index": 0, "function": {"arguments": text}}]
-        self.buf += text
-        if choice == "required":
-            return "", []
-        if self.fmt == "llama3":
-            if self.mode is None:
-                head = self.buf.lstrip()
-                if not head:
-                    return "", []
-                self.mode = "json" if head.startswith(("{", "<|python_tag|>")) else "text"
-            if self.mode == "json":
-                return "", []
-            out, self.buf = self.buf, ""
-            return self._content(out), []
-        content, calls = "", []
-        while True:
-            if not self.inside:
-                i = self.buf.find(OPEN)
-                if i >= 0:
-                    content += self.buf[:i]
-                    self.buf, self.inside = self.buf[i + len(OPEN) :], True
-                    continue
-                keep = next(
-                    (k for k in range(len(OPEN) - 1, 0, -1) if self.buf.endswith(OPEN[:k])), 0
-                )
-                content += self.buf[: len(self.buf) - keep]
-                self.buf = self.buf[len(self.buf) - keep :]
-                break
-            j = self.buf.find(CLOSE)
-            if j < 0:
-                break
-            raw, self.buf, self.inside = self.buf[:j], self.buf[j + len(CLOSE) :], False
-            call = _hermes_block(raw)
-            if call is None:
-                content += OPEN + raw + CLOSE  # not a call after all: it is text
-            else:
-                calls += self._index([call])
-        return self._content(content) if content else "", calls
-
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """The rest at the end of the output."""
-        buf, self.buf = self.buf, ""
-        if self.tools.choice == "named":
-            return "", []
-        if self.tools.choice == "required" or (self.fmt == "llama3" and self.mode == "json"):
-            content, calls = parse_calls(buf, self.tools, self.fmt)
-            if calls:
-                return "", self._index(calls)
-            return self._content(content or ""), []
-        if self.inside:  # an unclosed last call
-            call = _hermes_block(buf)
-            if call is not None:
-                return "", self._index([call])
-            buf = OPEN + buf
-        return (self._content(buf) if buf else ""), []
