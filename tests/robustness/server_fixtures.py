@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
+import time
+import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -96,3 +100,23 @@ async def greedy_text(server: DemoServer, model: str = BASE) -> str:
     status, body = await server.post("/v1/completions", {**GREEDY, "model": model})
     assert status == 200, body
     return body["choices"][0]["text"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_up(proc: subprocess.Popen, url: str) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)

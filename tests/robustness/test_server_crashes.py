@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 
 from tests.robustness.gaps import attack, check_gaps
-from tests.robustness.test_server_sigterm import _free_port, _wait_up
-from tests.structured.test_sandbox import defs_chain, rule_chain
+from tests.robustness.server_fixtures import free_port, wait_up
+from tests.structured.hostile import defs_chain, rule_chain
 
 CLI = [sys.executable, "-m", "loraplex.engine.server.cli"]
 INT_SCHEMA = {"type": "integer", "minimum": -2e19, "maximum": -1e19}
@@ -48,7 +48,7 @@ CRASHERS = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("server") / "server.log"
     with open(log, "w") as err:
@@ -57,7 +57,7 @@ def server(tmp_path_factory):
             stdout=subprocess.DEVNULL, stderr=err,
         )  # fmt: skip
         try:
-            _wait_up(proc, url)
+            wait_up(proc, url)
             yield url, proc, log
         finally:
             proc.terminate()

@@ -5,34 +5,14 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 
+from tests.robustness.server_fixtures import free_port, wait_up
+
 CLI = [sys.executable, "-m", "loraplex.engine.server.cli"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_up(proc: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.communicate()[1]
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "server did not come up"
-        time.sleep(0.2)
 
 
 def _stream(url: str, events: list[dict], first: threading.Event) -> None:
@@ -50,7 +30,7 @@ def _stream(url: str, events: list[dict], first: threading.Event) -> None:
 
 
 def test_sigterm_drains_then_aborts():
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [*CLI, "serve", "--device", "cpu", "--port", str(port), "--shutdown-timeout", "1",
@@ -58,7 +38,7 @@ def test_sigterm_drains_then_aborts():
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        _wait_up(proc, url)
+        wait_up(proc, url)
         events: list[dict] = []
         first = threading.Event()
         t = threading.Thread(target=_stream, args=(url, events, first))

@@ -15,6 +15,7 @@ from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.structured import StructuredOutput
 from loraplex.engine.structured.grammars import GrammarCache
 from loraplex.engine.tokenizer import Tokenizer
+from tests.structured.hostile import defs_chain, gbnf_chain, rule_chain
 
 # found by hostile clients: each ended the server's process (SIGSEGV) before the sandbox
 INT_EDGE = {"type": "integer", "minimum": -9223372036854775807, "maximum": -9223372036854775806}
@@ -24,28 +25,6 @@ def unchecked(schema: dict, field: str) -> StructuredOutput:
     """A schema past ``schema_check`` (its rules refuse INT_EDGE first): what the sandbox must
     contain when no rule foresaw an input."""
     return StructuredOutput("json", json.dumps(schema), field)
-
-
-def defs_chain(links: int) -> dict:
-    """``d_i = {"type": "object", "properties": {"a": {"$ref": "#/$defs/d_{i+1}"}}}``."""
-    defs = {
-        f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}}
-        for i in range(links)
-    }
-    defs[f"d{links}"] = {"type": "integer"}
-    return {"$ref": "#/$defs/d0", "$defs": defs}
-
-
-def rule_chain(rules: int) -> str:
-    """A Lark grammar ``r_i: "a" r_{i+1}`` of ``rules`` rules."""
-    lines = ['start: "a" r1'] + [f'r{i}: "a" r{i + 1}' for i in range(1, rules)]
-    return "\n".join([*lines, f'r{rules}: "b"'])
-
-
-def gbnf_chain(rules: int) -> str:
-    """The same chain in GBNF (converted to Lark in pure Python: quadratic, seconds for 4k)."""
-    lines = ['root ::= "a" r1'] + [f'r{i} ::= "a" r{i + 1}' for i in range(1, rules)]
-    return "\n".join([*lines, f'r{rules} ::= "b"'])
 
 
 def _cache(**kw) -> GrammarCache:
