@@ -6,15 +6,20 @@ and the grammar-constrained JSON of ``tool_choice`` ``required`` / a named funct
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from loraplex.engine.server.tools import Tools
 
-__all__ = ["parse_calls", "ToolStream", "arguments_value", "OPEN", "CLOSE"]
+__all__ = ["parse_calls", "ToolStream", "arguments_value", "OPEN", "CLOSE", "MAX_REQUIRED_CALLS"]
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# Calls one ``tool_choice: "required"`` output may hold with ``parallel_tool_calls`` (one
+# without): the grammar's array ends there, so a model that would open call after call (small
+# ones do, greedily) stops instead of running to ``max_tokens``.
+MAX_REQUIRED_CALLS = 8
 
 
 def arguments_value(value: Any) -> Any:
@@ -70,19 +75,65 @@ def _llama3(text: str) -> list[dict[str, Any]] | None:
     return calls if calls and all(c is not None for c in calls) else None  # type: ignore[return-value]
 
 
+class _RequiredCalls:
+    """The calls of a ``required`` output, ``[{"name": ..., "parameters": {...}}, ...]`` (JSON
+    its grammar enforces), taken as each object closes: text comes in pieces, and an output cut
+    at ``length`` yields the calls it completed. Each character is scanned once."""
+
+    _SPECIAL = re.compile(r'["\\{}\[\]]')
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.pos = 0  # scanned up to here
+        self.depth = 0  # open arrays / objects at ``pos``
+        self.in_string = False
+        self.start = -1  # where the open call object starts (-1: none)
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        self.buf += text
+        calls = []
+        while (m := self._SPECIAL.search(self.buf, self.pos)) is not None:
+            ch, i = m.group(), m.start()
+            self.pos = i + 1
+            if self.in_string:
+                if ch == "\\":
+                    self.pos += 1  # the escaped character (it may still be to come)
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "[{":
+                self.depth += 1
+                if self.depth == 2 and ch == "{":
+                    self.start = i
+            else:
+                self.depth -= 1
+                if self.depth == 1 and ch == "}" and self.start >= 0:
+                    call = _required_call(self.buf[self.start : i + 1])
+                    if call is not None:
+                        calls.append(call)
+                    self.start = -1
+        if self.start < 0:  # nothing to keep before the scan point
+            cut = min(self.pos, len(self.buf))  # (pos may be past an escape still to come)
+            self.buf, self.pos = self.buf[cut:], self.pos - cut
+        return calls
+
+
+def _required_call(raw: str) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    return _from_object(obj) if isinstance(obj, dict) and "parameters" in obj else None
+
+
 def parse_calls(text: str, tools: Tools, fmt: str) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) of a whole output."""
     if tools.choice == "named":
         assert tools.name is not None
         return None, [_call(tools.name, text)]
-    if tools.choice == "required":
-        try:
-            items = json.loads(text)
-        except ValueError:
-            return text, []
-        calls = [_from_object(o) for o in items] if isinstance(items, list) else []
-        good = [c for c in calls if c is not None]
-        return (None, good) if good else (text, [])
+    if tools.choice == "required":  # (content: never; an unfinished last call is dropped)
+        return None, _RequiredCalls().feed(text)
     if fmt == "llama3":
         calls = _llama3(text)
         return (None, calls) if calls else (text or None, [])
@@ -104,6 +155,7 @@ class ToolStream:
         self.pending_ws = ""  # whitespace not sent yet (trailing, or between calls)
         self.count = 0  # tool calls sent
         self.named_id: str | None = None
+        self.required = _RequiredCalls()
 
     def _content(self, text: str) -> str:
         if not text.strip():
@@ -130,9 +182,9 @@ class ToolStream:
                 self.count = 1
                 return "", [{"index": 0, **call}]
             return "", [{"index": 0, "function": {"arguments": text}}]
+        if choice == "required":  # each call as soon as its object closes
+            return "", self._index(self.required.feed(text))
         self.buf += text
-        if choice == "required":
-            return "", []
         if self.fmt == "llama3":
             if self.mode is None:
                 head = self.buf.lstrip()
@@ -173,7 +225,9 @@ class ToolStream:
         buf, self.buf = self.buf, ""
         if self.tools.choice == "named":
             return "", []
-        if self.tools.choice == "required" or (self.fmt == "llama3" and self.mode == "json"):
+        if self.tools.choice == "required":
+            return "", []  # (sent as they closed; an unfinished one was cut at length)
+        if self.fmt == "llama3" and self.mode == "json":
             content, calls = parse_calls(buf, self.tools, self.fmt)
             if calls:
                 return "", self._index(calls)

@@ -10,8 +10,9 @@ The tool format is the model's own, as its chat template defines it:
 
 ``tool_choice``: ``none`` (tools are not shown, nothing is parsed), ``auto`` (free text, calls
 parsed from it), ``required`` and a named function: the output is grammar-constrained JSON
-(``required``: a non-empty array of ``{"name", "parameters"}`` over the given tools; a named
-function: its arguments object), so the call is well-formed whatever the model would write.
+(``required``: an array of 1 to ``MAX_REQUIRED_CALLS`` ``{"name", "parameters"}`` objects over
+the given tools, exactly one with ``parallel_tool_calls: false``; a named function: its
+arguments object), so the call is well-formed whatever the model would write.
 
 Calls are read back from the output by ``tool_calls.py``; the fields are checked by
 ``tool_checks.py``.
@@ -28,7 +29,14 @@ from loraplex.engine.server.body import check_depth
 from loraplex.engine.server.errors import APIError
 from loraplex.engine.server.fields import tree_chars
 from loraplex.engine.server.limits import ServerLimits
-from loraplex.engine.server.tool_calls import CLOSE, OPEN, ToolStream, arguments_value, parse_calls
+from loraplex.engine.server.tool_calls import (
+    CLOSE,
+    MAX_REQUIRED_CALLS,
+    OPEN,
+    ToolStream,
+    arguments_value,
+    parse_calls,
+)
 from loraplex.engine.server.tool_checks import check_tool
 from loraplex.engine.structured import StructuredOutput
 
@@ -74,9 +82,8 @@ class Tools:
             for n in self.names
         ]
         one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        schema = {"type": "array", "items": one, "minItems": 1}
-        if not self.parallel:
-            schema["maxItems"] = 1
+        most = MAX_REQUIRED_CALLS if self.parallel else 1  # (an end: generation stops there)
+        schema = {"type": "array", "items": one, "minItems": 1, "maxItems": most}
         return StructuredOutput.json_schema(schema, "tools")
 
 

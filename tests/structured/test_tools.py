@@ -13,6 +13,7 @@ from loraplex.engine.server.chat import render_chat
 from loraplex.engine.server.errors import APIError
 from loraplex.engine.server.limits import ServerLimits
 from loraplex.engine.server.protocol import parse_chat
+from loraplex.engine.server.tool_calls import MAX_REQUIRED_CALLS
 from loraplex.engine.server.tools import ToolStream, parse_calls, parse_tools, tool_format
 from loraplex.engine.tokenizer import Tokenizer
 
@@ -118,7 +119,7 @@ def test_forced_choices_are_grammars():
     assert json.loads(named.constraint().value) == WEATHER["function"]["parameters"]
     required = json.loads(tools("required").constraint().value)
     assert required["type"] == "array" and required["minItems"] == 1
-    assert len(required["items"]["anyOf"]) == 2 and "maxItems" not in required
+    assert len(required["items"]["anyOf"]) == 2 and required["maxItems"] == MAX_REQUIRED_CALLS
     one = parse_tools(
         {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False}, LIMITS
     )
