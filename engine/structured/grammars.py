@@ -21,8 +21,10 @@ Untrusted input: a constraint the cache has not seen is first converted, compile
 in the grammar sandbox (sandbox.py: helper processes, where a crash ends only the helper); the
 cache then compiles the grammar text the sandbox returned. A constraint that crashed the sandbox,
 ran past ``compile_timeout_s`` or needs more than ``cache_bytes`` is refused (a 400 naming the
-request field) and remembered as refused; its waiters going away cancels a compile (the sandbox
-kills its helper). Entries are evicted by bytes (``cache_bytes``, the heap the sandbox measured
+request field). Refused constraints are remembered by digest apart from the grammars' LRU (up to
+``REFUSED_KEPT``), so a crasher is run and logged once, not again after 128 others; a timeout
+is not remembered (the same input may fit the budget when the machine is less busy). Its
+waiters going away cancels a compile (the sandbox kills its helper). Entries are evicted by bytes (``cache_bytes``, the heap the sandbox measured
 per matcher, times the lanes) as well as by count (``capacity``).
 """
 
@@ -63,6 +65,7 @@ __all__ = ["GrammarCache", "Guide", "grammar_text", "COMPILE_STACK_BYTES"]
 log = structlog.get_logger("loraplex.structured")
 
 TIMES_KEPT = 4096  # compile / lane times a GrammarCache keeps (the latest)
+REFUSED_KEPT = 4096  # digests of refused constraints a GrammarCache remembers (the latest)
 # the stack of the cache's compile threads: 4 x the sandbox's (sandbox_helper.STACK_BYTES), so
 # a grammar whose compile recursed deep but fit there fits here (virtual memory only)
 COMPILE_STACK_BYTES = 4 * sandbox_helper.STACK_BYTES
@@ -149,6 +152,10 @@ class GrammarCache:
         # key -> _Lanes of compiled matchers, or the _CompileError of a constraint refused
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._pending: dict[tuple[str, str], _Pending] = {}
+        # digest -> why, for every constraint refused: apart from the grammars' LRU, so that a
+        # refused input stays refused (and is not run, nor logged, again) however many others
+        # pass through the cache
+        self._refused: OrderedDict[str, _CompileError] = OrderedDict()
         self.nbytes = 0  # of the cached entries (``_weight``)
         self._ids = itertools.count(1)
         # seconds per first compile / per further lane (benchmarks, stats): the latest
@@ -252,12 +259,28 @@ class GrammarCache:
     def _settle(self, key: tuple[str, str], task: asyncio.Future) -> None:
         self._pending.pop(key, None)
         if not task.cancelled() and task.exception() is None:
-            self._store(key, task.result())
+            entry = task.result()
+            if not (isinstance(entry, _CompileError) and not entry.keep):
+                self._store(key, entry)
 
     async def _build(self, spec: StructuredOutput) -> Any:
         """The cache entry of a new constraint: its ``_Lanes`` (first lane compiled), or the
         ``_CompileError`` that refuses it (kept: the same input is refused without a compile).
         Raises ``EngineError`` when the sandbox cannot run (not the constraint's fault)."""
+        digest = _digest(spec)
+        known = self._refused.get(digest)
+        if known is not None:
+            self._refused.move_to_end(digest)
+            return known
+        refused = await self._check(spec, digest)
+        if isinstance(refused, _CompileError) and refused.keep:
+            self._refused[digest] = refused
+            while len(self._refused) > REFUSED_KEPT:
+                self._refused.popitem(last=False)
+        return refused
+
+    async def _check(self, spec: StructuredOutput, digest: str) -> Any:
+        """``_build`` for a constraint not refused before."""
         t0 = time.perf_counter()
         try:
             checked = await self.sandbox.check(spec.kind, spec.value, self.compile_timeout_s)
@@ -267,7 +290,7 @@ class GrammarCache:
             self.refused += 1
             log.warning(
                 "grammar_refused", reason="crash", how=e.how, field=spec.field, kind=spec.kind,
-                constraint_sha256=_digest(spec), constraint_bytes=len(spec.value),
+                constraint_sha256=digest, constraint_bytes=len(spec.value),
             )  # fmt: skip
             return _CompileError(
                 f"the constraint is refused: it crashed the grammar compiler ({e.how})", own=True
@@ -276,9 +299,10 @@ class GrammarCache:
             self.refused += 1
             log.warning(
                 "grammar_refused", reason="timeout", field=spec.field, kind=spec.kind,
-                constraint_sha256=_digest(spec), constraint_bytes=len(spec.value),
+                constraint_sha256=digest, constraint_bytes=len(spec.value),
             )  # fmt: skip
-            return _CompileError(f"{e} ({TIMEOUT_FLAG})", own=True)
+            # NOTE: not remembered: the same input may fit the budget on a less busy machine
+            return _CompileError(f"{e} ({TIMEOUT_FLAG})", own=True, keep=False)
         except SandboxError as e:
             return _CompileError(str(e))
         if checked.nbytes > self.cache_bytes:
@@ -337,8 +361,9 @@ def _weight(entry: Any) -> int:
 
 
 def _digest(spec: StructuredOutput) -> str:
-    """What a log line names a refused constraint by (never its text: it is request content)."""
-    return hashlib.sha256(f"{spec.kind}\0{spec.value}".encode()).hexdigest()[:16]
+    """What refused constraints are remembered and logged by (never the text: it is request
+    content)."""
+    return hashlib.sha256(f"{spec.kind}\0{spec.value}".encode()).hexdigest()[:32]
 
 
 def _lower_priority(barrier: threading.Barrier) -> None:
@@ -412,9 +437,10 @@ class _CompileError(Exception):
     """Why a constraint does not compile: llguidance's reason, or (``own``) the sandbox's
     verdict, a sentence of its own."""
 
-    def __init__(self, reason: str, own: bool = False) -> None:
+    def __init__(self, reason: str, own: bool = False, keep: bool = True) -> None:
         super().__init__(reason)
         self.own = own
+        self.keep = keep  # remembered (the same input is refused again without a compile)
 
     def message(self, spec: StructuredOutput) -> str:
         if self.own:

@@ -7,6 +7,8 @@ Measured with llguidance 1.9 (tests/structured/test_schema_check.py keeps the ca
   answers ``9223372036854775807``, below its minimum; ``[2^63 - 8, 2^63 - 1]`` allows only the
   last. Bounds anywhere (``allOf`` merges a bound of one branch into another's integer type)
   are therefore held to ±2^53, the range in which JSON numbers are exact (RFC 8259 §6).
+- integers beyond ±2^53 in ``const`` / ``enum`` values: ``{"const": 2**64}`` is answered
+  ``18446744073709552000`` (found by the fuzz, benchmarks/fuzz_grammars.py).
 - numbers that are not finite (``NaN``, ``Infinity``: Python's JSON reader takes them).
 Everything else is the sandbox's (sandbox.py): it contains what no rule here foresaw.
 """
@@ -38,6 +40,9 @@ def check_schema(schema: Any, field: str) -> None:
                 _check_number(value, field, f"{where}/{key}", bound=True)
             if "multipleOf" in node:
                 _check_number(node["multipleOf"], field, f"{where}/multipleOf", bound=False)
+            for key in ("const", "enum"):
+                if key in node:
+                    _check_literal(node[key], field, f"{where}/{key}")
             todo.extend((v, f"{where}/{_escape(k)}") for k, v in node.items())
         elif isinstance(node, list):
             todo.extend((v, f"{where}/{i}") for i, v in enumerate(node))
@@ -58,6 +63,22 @@ def _check_number(value: Any, field: str, where: str, *, bound: bool) -> None:
         )  # fmt: skip
     if not bound and not value > 0:
         raise _bad(field, where, "must be greater than 0")
+
+
+def _check_literal(value: Any, field: str, where: str) -> None:
+    """Integers in a ``const`` / ``enum`` value (at any depth) within ±2^53."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, dict):
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_BOUND:
+            raise _bad(
+                field, where,
+                f"holds an integer beyond ±2^53 ({MAX_BOUND}), which cannot be generated exactly",
+            )  # fmt: skip
 
 
 def _escape(key: Any) -> str:

@@ -204,3 +204,40 @@ async def test_an_integer_range_inside_2_to_53_is_answered_within_it(cache):
         m.consume_token(allowed[-1])
     value = json.loads(tok.decode(out))
     assert 2**53 - 9 <= value <= 2**53
+
+
+async def test_a_refused_input_stays_refused_past_the_grammar_lru():
+    cache = _cache(capacity=2)
+    try:
+        crasher = unchecked(INT_EDGE, "response_format")
+        with pytest.raises(InvalidRequestError, match="crashed"):
+            await cache.guide(crasher)
+        for i in range(4):  # push it out of the compiled grammars' LRU
+            await cache.guide(StructuredOutput.regex(f"[0-9]{{{i + 1}}}"))
+        assert crasher.key not in cache._cache
+        with pytest.raises(InvalidRequestError, match="crashed"):
+            await cache.guide(crasher)
+        assert cache.sandbox.crashes == 1 and cache.refused == 1  # not run (nor logged) again
+    finally:
+        cache.close()
+
+
+async def test_a_timeout_is_not_remembered():
+    cache = _cache(compile_timeout_s=0.3)
+    try:
+        spec = StructuredOutput.grammar(gbnf_chain(4000), "guided_grammar")
+        for _ in range(2):
+            with pytest.raises(InvalidRequestError, match="--grammar-compile-timeout"):
+                await cache.guide(spec)
+        assert cache.sandbox.timeouts == 2
+    finally:
+        cache.close()
+
+
+def test_integers_beyond_2_to_53_in_const_and_enum_are_a_400():
+    # the fuzz found {"oneOf": [{"const": 2**64}]} answered 18446744073709552000
+    for schema in ({"oneOf": [{"const": 2**64}]}, {"enum": [1, {"a": [-(2**60)]}]}):
+        with pytest.raises(InvalidRequestError) as e:
+            StructuredOutput.json_schema(schema, "guided_json")
+        assert e.value.field == "guided_json" and "2^53" in str(e.value)
+    StructuredOutput.json_schema({"enum": [2**53, "x", 1.5e300]}, "guided_json")  # fine
