@@ -207,6 +207,12 @@ class Runner:
         from loraplex.engine.structured.grammars import GrammarCache
         from loraplex.engine.tokenizer import Tokenizer
 
+        import logging
+
+        import structlog
+
+        # (refusals are logged as warnings: thousands of lines here, and stdout holds the summary)
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
         tok = Tokenizer.from_dir(demo_model_dir())
         self.tok = tok
         self.eos = sorted(tok.eos_token_ids)
