@@ -203,13 +203,13 @@ class Runner:
     """The engine side of each input (module docstring)."""
 
     def __init__(self, last: Path | None, seed: int, findings: Path | None = None) -> None:
-        from loraplex.engine.demo import demo_model_dir
-        from loraplex.engine.structured.grammars import GrammarCache
-        from loraplex.engine.tokenizer import Tokenizer
-
         import logging
 
         import structlog
+
+        from loraplex.engine.demo import demo_model_dir
+        from loraplex.engine.structured.grammars import GrammarCache
+        from loraplex.engine.tokenizer import Tokenizer
 
         # (refusals are logged as warnings: thousands of lines here, and stdout holds the summary)
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
