@@ -9,7 +9,7 @@ from aiohttp import web
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.request import RequestOutput
 from loraplex.engine.server.body import read_json
-from loraplex.engine.server.errors import APIError
+from loraplex.engine.server.errors import REQUEST_ID_KEY, APIError
 from loraplex.engine.server.generation import (
     Job,
     Reply,
@@ -119,6 +119,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     adapter = adapter_for(engine, req.model, req.adapters)
     await engine.load_before_tokenizing(adapter)  # its own tokenizer, if it adds tokens
     reply_id = new_id("cmpl")
+    request[REQUEST_ID_KEY] = reply_id  # (a 500's log line and reply name it)
     prompts = await off_loop(request, encode_prompts, engine, req.prompts, adapter)
     jobs = make_jobs(engine, req, prompts, reply_id)
     reply = Reply(reply_id, req.model or engine.model_name, jobs)

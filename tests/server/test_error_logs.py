@@ -86,3 +86,19 @@ def test_logged_exceptions_carry_no_locals(restore_logging, as_json):
     log = out.getvalue()
     assert SECRET not in log, log
     assert "KeyError" in log and "_fail" in log and "stdlib failure" in log
+
+
+async def test_a_completion_500_names_its_reply_id(monkeypatch):
+    """Completions name their reply id in a 500's reply (and so its log line), as chat does."""
+    from loraplex.engine.server import completions
+    from tests.robustness.server_fixtures import serve_demo
+
+    def broken(*a, **kw):
+        raise RuntimeError("broken on purpose")
+
+    monkeypatch.setattr(completions, "make_jobs", broken)
+    async for server in serve_demo():
+        status, body = await server.post(
+            "/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 2}
+        )
+        assert status == 500 and "cmpl-" in body["error"]["message"], body
