@@ -88,8 +88,9 @@ class EngineConfig:
     # in flight is planned as soon as a load lands, or this many ms (plus the recent host time
     # of planning and launching) before the step in flight is due to end, whichever comes
     # first, instead of at once; a load landing mid-step then rides the next step (its first
-    # token ~0.6 step sooner at the median) at some cost in running streams' p99 gaps while
-    # loads land (BENCHMARKS.md, "Late chaining"). None (default): plan at once
+    # token ~0.6 step sooner at the median) at the cost of up to 22 % on running streams' p99
+    # gaps while loads land (BENCHMARKS.md, "Experiments that measured slower"). None
+    # (default): plan at once
     late_chain_margin_ms: float | None = None
     # helper processes that fetch, verify, preflight and pack adapters (off this process's
     # GIL); None: 2 on CUDA, 0 (threads of this process) on CPU

@@ -3,11 +3,10 @@
 ``asyncio.gather`` of 64 ``add_adapter`` calls (or 24 ``generate`` calls) puts 64 task steps
 into one turn of the loop; each does ~0.25 ms of synchronous work (name resolution, the
 version, the loader job) before its first wait, so the step loop's own callbacks wait ~16 ms
-behind them and every running stream misses a step (H200 storm benchmark, registration of
-64). Letting one caller through per loop turn (the first version of this module) moved the
-step loop's callbacks between them, but the loop still ran back to back for those ~16 ms and
-the step thread, which needs the GIL to launch a step, got it only at the interpreter's switch
-interval: one step per burst still came 3-9 ms late (its GPU idle), in every storm run.
+behind them and every running stream misses a step. Letting one caller through per loop turn
+is not enough: it moves the step loop's callbacks between them, but the loop still runs back to
+back for those ~16 ms and the step thread, which needs the GIL to launch a step, gets it only
+at the interpreter's switch interval, so one step per burst comes 3-9 ms late (its GPU idle).
 
 ``Intake.turn()`` lets the first caller of a loop turn through at once (when nobody waits);
 the others of that turn, and any caller while some wait, queue FIFO and pass one per

@@ -23,8 +23,8 @@ class MixedGraphs:
     """CUDA graphs for steps that mix decode rows with short prefill chunks.
 
     A cold load ends with its requests' prefills: each one would otherwise turn the next step
-    into an eager forward (~20 ms of Python launches for the 8B shape on the H200, against a
-    6 ms graph replay), and every running stream would feel it. A mixed step of S sequences
+    into an eager forward (~20 ms of Python launches for the 8B shape, against a 6 ms graph
+    replay), and every running stream would feel it. A mixed step of S sequences
     and T tokens (every chunk <= ``MIXED_QMAX`` tokens) replays the graph of bucket
     (S_b, T_b): S_b a decode bucket >= S, T_b = S_b + the smallest extra in ``MIXED_EXTRAS``
     with T < T_b. The flat token rows are padded to T_b (no KV write, no adapter), the

@@ -54,8 +54,8 @@ class RequestOutput:
 
 class Tokens(Sequence[int]):
     """Prompt then output tokens, read in place: building the whole list for every row of
-    every step cost O(context) per row (at 3 000-token contexts the largest item of the loop's
-    step work on the H200, BENCHMARKS.md "Cold-load storm"). Slices are lists."""
+    every step costs O(context) per row (at 3 000-token contexts it was the largest item of the
+    loop's step work). Slices are lists."""
 
     __slots__ = ("_prompt", "_output")
 

@@ -4,8 +4,8 @@ Decode steps replay CUDA graphs captured at start-up; a step that mixes prefill 
 decodes runs eagerly. Its Triton kernels are compiled per variant: the launch configs depend on
 the step's token count T (``*_config(T)`` buckets) and the attention tile on the longest query
 (``max_query_len`` buckets), and Triton specializes integer arguments (== 1, divisible by 16)
-such as T and the block-table width. A variant first met while serving compiled for 0.7-1.0 s
-on the H200 and froze every running stream for as long (BENCHMARKS.md, "Cold-load storm").
+such as T and the block-table width. A variant first met while serving compiles for 0.7-1.0 s
+at the 8B shape and freezes every running stream for as long.
 ``warm_eager_steps`` runs one eager forward per variant class before the engine serves.
 
 ``CompileWatch`` counts Triton compiles; after start-up each one is logged as a warning

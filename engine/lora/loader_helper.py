@@ -73,9 +73,9 @@ class _Helper:
         self.send_lock = threading.Lock()
         # one job at a time in the GIL-bound parts (header and value checks, parse and pack),
         # a waiting stage (a request waits on it) before waiting registration checks: jobs
-        # interleaved on one interpreter's GIL ran slower in sum than one after the other (16
-        # loads at once on 4 helpers: 19.9 loads/s against 37.8 with 8, BENCHMARKS.md); fetch
-        # and sha256 (which releases the GIL) still overlap
+        # interleaved on one interpreter's GIL run slower in sum than one after the other (16
+        # loads at once on 4 helpers: 19.9 loads/s against 37.8 with 8); fetch and sha256
+        # (which releases the GIL) still overlap
         self.cpu_gate = PriorityGate()
 
     def serve(self) -> None:

@@ -2,9 +2,8 @@
 
 A cold load hashes, parses and packs tens of megabytes per adapter. In the engine process those
 threads share one GIL with the step thread and the event loop: a storm of 24 loads froze every
-running stream for 100+ ms at a time on the H200 (BENCHMARKS.md, "Cold-load storm"). So the
-engine starts ``loader_processes`` helper processes (spawned, CPU only, no CUDA) and sends them
-two kinds of job:
+running stream for 100+ ms at a time. So the engine starts ``loader_processes`` helper
+processes (spawned, CPU only, no CUDA) and sends them two kinds of job:
 
     prepare   resolve + fetch (the resolver plugins run in the helper), sha256 digest,
               preflight -> the staged folder, its digest, pinned URI, size, stage timings

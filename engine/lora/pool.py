@@ -5,9 +5,9 @@ Every CPU-tier adapter lives in one region (``region_bytes`` = the largest packe
 pages and pack adapters straight into a region; on CUDA the engine registers the mapping with
 ``cudaHostRegister`` once, so slot writes copy from it asynchronously at full pinned bandwidth.
 
-Why not ``torch.empty(pin_memory=True)`` per load: on the H200 a new 84 MB pinned allocation
+Why not ``torch.empty(pin_memory=True)`` per load: a new 84 MB pinned allocation
 (cudaHostAlloc) takes ~70 ms and stalls other threads' CUDA calls for as long, a cudaFreeHost
-~12 ms (``benchmarks/host_memory.py``, BENCHMARKS.md). Nothing here allocates while serving.
+~12 ms (``benchmarks/host_memory.py``). Nothing here allocates while serving.
 
 A region is reused only after the last host -> device copy out of it completed: ``release``
 takes the CUDA event recorded after that copy, and ``acquire`` hands out a region only once

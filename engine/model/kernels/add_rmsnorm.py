@@ -43,15 +43,15 @@ SPLIT_RANK = 16  # steps reading more rank rows split their rows (add_rmsnorm_sp
 
 def norm_config(num_tokens: int, hidden: int = 4096, rank: int = 0) -> NormConfig:
     """Decode-sized batches: one row per program, the whole row in one chunk (up to 4096) so
-    each pass is a single load/store round trip; on the H200 at hidden 4096 that is 2.0-2.5 µs
-    plain / 5.0-5.7 µs with 8 LoRA slots, against 3.5-3.8 / 7.3-8.2 µs for 1024-wide chunks and
-    ~10 / ~14 µs for 256-wide ones (benchmarks/norm_configs.py, BENCHMARKS.md). Larger batches:
+    each pass is a single load/store round trip: at hidden 4096 that is 2.0-2.5 µs plain /
+    5.0-5.7 µs with 8 LoRA slots, against 3.5-3.8 / 7.3-8.2 µs for 1024-wide chunks and ~10 /
+    ~14 µs for 256-wide ones (benchmarks/norm_configs.py). Larger batches:
     4-row blocks (one B tile load per slot and block).
 
     Steps reading more than ``SPLIT_RANK`` rank rows (``rank``) at decode sizes split each row
     over 1024-column chunks: one program per row read all of a row's B slice (512 KB at rank
-    64 and hidden 4096) through one SM (add_rmsnorm_split.py). H200, 8 rank-64 slots, T = 32
-    / 64: 7.2 / 12.2 µs, against 8.4 / 13.7 for 512-column chunks and 14.8 for whole rows
+    64 and hidden 4096) through one SM (add_rmsnorm_split.py). 8 rank-64 slots, T = 32 / 64:
+    7.2 / 12.2 µs, against 8.4 / 13.7 for 512-column chunks and 14.8 for whole rows
     (``benchmarks/norm_configs.py --ranks 64``); beyond 32 rows, blocks of two rows (rows
     come grouped by slot: a pair mostly shares its B chunk): 9.3 µs at T = 64, 9.0 at T = 32."""
     if rank > SPLIT_RANK and num_tokens <= 256 and hidden <= 1024 * 64:

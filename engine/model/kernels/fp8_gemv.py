@@ -1,14 +1,14 @@
 """Triton: the CUDA-core fp8 GEMV of 1-4 tokens (``fp8_aug_linear`` runs it up to
 ``GEMV_MAX_TOKENS``; ``fp8_linear.py`` has the operands and the output).
 
-At one token the tensor-core kernel streamed fp8 at ~2.1 TB/s, bound by the latency of load
--> convert -> dot per tile (BENCHMARKS.md), and a 16-row dot is mostly padding there. The GEMV has no dot: each program owns ``block_n``
-weight rows, loads (block_n, block_k) fp8 tiles with vector loads, converts them to float32
-in registers and multiplies them by the token's x slice, accumulating in float32 per (row,
-token); the per-channel scale and bias are applied once at the end. Same output, same
-launch shape otherwise: A rows in programs past the base rows (bf16, no scale), split-K
-through the same workspace, counters and split-order reduction (``_store_tile``), one
-launch, nothing that depends on more than ``T``.
+At one token the tensor-core kernel streams fp8 at ~2.1 TB/s, bound by the latency of load
+-> convert -> dot per tile, and a 16-row dot is mostly padding there. The GEMV has no dot:
+each program owns ``block_n`` weight rows, loads (block_n, block_k) fp8 tiles with vector
+loads, converts them to float32 in registers and multiplies them by the token's x slice,
+accumulating in float32 per (row, token); the per-channel scale and bias are applied once at
+the end. Same output, same launch shape otherwise: A rows in programs past the base rows
+(bf16, no scale), split-K through the same workspace, counters and split-order reduction
+(``_store_tile``), one launch, nothing that depends on more than ``T``.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ class Fp8GemvConfig:
     early_sum: bool = True  # sum each step's products per row (see _gemv_dot)
 
 
-# (N, K, tokens) -> GEMV config, the best of the H200 sweep of benchmarks/fp8_gemm.py
-# (Llama-3-8B projections, 8 slots of rank 16, one token; BENCHMARKS.md); shapes it lacks use
-# the heuristic of fp8_gemv_config.
+# (N, K, tokens) -> GEMV config, the fastest of ``benchmarks/fp8_gemm.py --gemv-only`` on sm_90
+# (Llama-3-8B projections, 8 slots of rank 16, one token); shapes it lacks use the heuristic of
+# fp8_gemv_config.
 GEMV_CONFIGS: dict[tuple[int, int, int], Fp8GemvConfig] = {
     (6144, 4096, 1): Fp8GemvConfig(16, 256, 2, 4, 1, 1, False),
     (4096, 4096, 1): Fp8GemvConfig(8, 512, 1, 4, 1, 2, False),

@@ -28,7 +28,7 @@ Shape of the launch, for the skinny decode GEMMs (T = 1..64 rows against 16-120 
 
 Grid ``((cdiv(N, BLOCK_N) + cdiv(E, BLOCK_N)), SPLIT_K, cdiv(T, BLOCK_M))``. Nothing but
 ``T`` shapes the launch, so it can be captured in a CUDA graph. Launch configurations come
-from ``CONFIGS`` (an H200 sweep of ``benchmarks/fp8_gemm.py``, BENCHMARKS.md) and
+from ``CONFIGS`` (the fastest of a ``benchmarks/fp8_gemm.py`` sweep on sm_90) and
 ``fp8_linear_config`` for shapes it lacks. Semantics: ``fp8_aug_linear_torch`` (the twin:
 de-quantize, then one float32 GEMM).
 
@@ -81,9 +81,9 @@ class Fp8LinearConfig:
     num_stages: int = 4
 
 
-# (N, K, block_m) -> config: the best of the H200 sweep of benchmarks/fp8_gemm.py (2026-12-01,
-# BENCHMARKS.md), summed over the bucket's token counts; N is the base rows (8 slots' A rows
-# of rank 16 rode along). Llama-3-8B: qkv, o, gate_up, down.
+# (N, K, block_m) -> config: the fastest of a benchmarks/fp8_gemm.py sweep on sm_90, summed
+# over the bucket's token counts; N is the base rows (8 slots' A rows of rank 16 rode along).
+# Llama-3-8B: qkv, o, gate_up, down.
 CONFIGS: dict[tuple[int, int, int], Fp8LinearConfig] = {
     (6144, 4096, 16): Fp8LinearConfig(16, 64, 128, 2, 4, 4),
     (6144, 4096, 32): Fp8LinearConfig(32, 64, 128, 2, 4, 4),

@@ -3,7 +3,7 @@
 The weight-only kernel (``fp8_linear.py``) converts fp8 weight tiles to bf16 in registers and
 streams fp8 at ~2 TB/s at best; cuBLASLt's fp8 x fp8 GEMM (``torch._scaled_mm``, one scale
 per operand) streams it at 2.2-4.0 TB/s at the decode shapes, 0.49-0.66 x the bf16 GEMM's time
-at 1-128 tokens (BENCHMARKS.md, "cuBLASLt's per-tensor fp8 GEMM"). It needs the activations
+at 1-128 tokens (``benchmarks/fp8_scaled_mm.py``). It needs the activations
 in fp8 too, and only the per-tensor form is fast at these shapes (the row-wise form with a
 scale per token and per channel is not), so the scales go around it:
 
@@ -68,10 +68,11 @@ def w8a8_supported(weight_fp8: torch.Tensor, weight_scale: torch.Tensor) -> bool
 
 
 # Where W8A8 beats the weight-only kernel, per projection (first slice name -> smallest token
-# count): the H200 at Llama-3-8B shapes with eight rank-16 slots' A rows, 1-128 tokens
-# (BENCHMARKS.md, "W8A8 on the H200"). Weight-only wins the 1-token GEMV everywhere and o_proj
-# up to 64 tokens (its four launches cost more than the 4096 x 4096 weight's bytes save);
-# gate_up's 28672 x 4096 weight pays for them from 16 tokens. Prefill sizes all run W8A8.
+# count), timed at Llama-3-8B shapes with eight rank-16 slots' A rows, 1-128 tokens
+# (``benchmarks/fp8_scaled_mm.py``'s ``_aug`` forms). Weight-only wins the 1-token GEMV
+# everywhere and o_proj up to 64 tokens (its four launches cost more than the 4096 x 4096
+# weight's bytes save); gate_up's 28672 x 4096 weight pays for them from 16 tokens. Prefill
+# sizes all run W8A8.
 _AUTO_MIN_TOKENS = {"q_proj": 64, "o_proj": 128, "gate_proj": 16, "down_proj": 64}
 _AUTO_OTHER = 64  # a projection the table does not name
 

@@ -18,8 +18,8 @@ multiply and a reduction. fp32 accumulation either way; the products of 16-bit i
 outputs before the delta is added: ``g * (y - bias) + bias`` for rows whose slot is flagged
 (``dora_flags``), the tile unchanged (no scale load) for every other row; a block without
 flagged rows skips it. The kernels call it after ``lora_delta``, so the delta's loads go out
-before the flag gather and its branch (before it, the DoRA-capable graphs cost a step without
-DoRA rows up to +4 %; after, +0.6-0.9 %, BENCHMARKS.md).
+before the flag gather and its branch: called first, the flag gather delayed the delta's loads
+and the DoRA-capable graphs cost a step without DoRA rows up to +4 %; called after, +0.6-0.9 %.
 
 Only Triton builtins (``tl.reduce`` with the standard combine functions, not ``tl.sum``): the
 ``@triton.jit`` library helpers are decorated when Triton is first imported, so with

@@ -39,12 +39,12 @@ class QKVRopeConfig:
 
 def qkv_rope_config(num_tokens: int, num_slots: int = 0, rank: int = 16) -> QKVRopeConfig:
     """One token per program for small batches (adapters in parallel), 16-token blocks
-    (tensor-core delta, B tiles shared within a block) beyond; the packed delta where the
-    H200 sweep (``benchmarks/epilogue_configs.py``, BENCHMARKS.md) found it faster: 6.0 vs
-    6.4 µs at T = 64 with 8 slots, 7.6 vs 13.0 µs at T = 64 with 32. ptxas, sm_90, bf16,
-    D = 128, R = 16: 86 registers (1 token, 4 warps), 128 (16 tokens, 8 warps).
+    (tensor-core delta, B tiles shared within a block) beyond; the packed delta where it timed
+    faster (``benchmarks/epilogue_configs.py``): 6.0 vs 6.4 µs at T = 64 with 8 slots, 7.6 vs
+    13.0 µs at T = 64 with 32. ptxas, sm_90, bf16, D = 128, R = 16: 86 registers (1 token, 4
+    warps), 128 (16 tokens, 8 warps).
 
-    Steps reading more than 16 rank rows (``rank``) with fewer than 16 slots (measured with 8;
+    Steps reading more than 16 rank rows (``rank``) with fewer than 16 slots (timed with 8;
     more slots keep the rank-16 choices) at small batches: two tokens per program
     (rows come grouped by slot, so the pair mostly shares its B tile): 8.9 against 14.3 µs at
     T = 32 with 8 rank-64 slots (``--rank 64`` sweep); at T = 64 the per-slot loop on 16-token
@@ -244,6 +244,6 @@ def lora_qkv_rope_triton(
         num_warps=cfg.num_warps,
         # HF rounds x * cos and rotate_half(x) * sin each to the model dtype before the sum:
         # no fused multiply-add may skip that rounding (with it, ~15 % of bf16 q / k elements
-        # came out one unit off the twin on the H200)
+        # come out one unit off the twin)
         enable_fp_fusion=False,
     )  # fmt: skip

@@ -41,13 +41,13 @@ class SiluMulConfig:
 
 
 def silu_mul_config(num_tokens: int, num_slots: int = 0, rank: int = 16) -> SiluMulConfig:
-    """From the H200 sweep (``benchmarks/epilogue_configs.py``, BENCHMARKS.md), rows grouped
-    by slot: the packed delta up to 32 tokens (8 slots: 5.1 vs 8.1 µs at T = 8, 5.4 vs 6.1 at
+    """The fastest configs of ``benchmarks/epilogue_configs.py``, rows grouped by slot: the
+    packed delta up to 32 tokens (8 slots: 5.1 vs 8.1 µs at T = 8, 5.4 vs 6.1 at
     T = 32), the per-slot loop at T = 64 (5.5 µs), 64-token packed blocks for many slots beyond
     (13.6 vs 16.3 µs at T = 128 with 32 slots). ptxas, sm_90, bf16, R = 16: 114 registers
     (16 x 64, 4 warps), 126 (16 x 128, 8 warps).
 
-    Steps reading more than 16 rank rows (``rank``) with fewer than 16 slots (measured with 8;
+    Steps reading more than 16 rank rows (``rank``) with fewer than 16 slots (timed with 8;
     more slots keep the rank-16 choices) up to 32 tokens: the per-slot loop over
     16 x 128 tiles, 11.1 against 16.0 µs for the packed delta at T = 32 with 8 rank-64 slots
     (``--rank 64`` sweep: the packed form's dot spans every slot's rank columns of the block);
