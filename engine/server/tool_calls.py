@@ -8,12 +8,18 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from loraplex.engine.server.tools import Tools
+from typing import Any, Protocol
 
 __all__ = ["parse_calls", "ToolStream", "arguments_value", "OPEN", "CLOSE", "MAX_REQUIRED_CALLS"]
+
+
+class Tools(Protocol):
+    """What reading calls back needs of a request's tools (``tools.Tools`` has it; named here,
+    not imported, so that tools.py -> tool_calls.py is the only arrow between the two)."""
+
+    choice: str  # "auto" | "required" | "named"
+    name: str | None  # the function of a named choice
+
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # Calls one ``tool_choice: "required"`` output may hold with ``parallel_tool_calls`` (one
