@@ -7,8 +7,9 @@ Measured with llguidance 1.9 (tests/structured/test_schema_check.py keeps the ca
   answers ``9223372036854775807``, below its minimum; ``[2^63 - 8, 2^63 - 1]`` allows only the
   last. Bounds anywhere (``allOf`` merges a bound of one branch into another's integer type)
   are therefore held to ±2^53, the range in which JSON numbers are exact (RFC 8259 §6).
-- integers beyond ±2^53 in ``const`` / ``enum`` values: ``{"const": 2**64}`` is answered
-  ``18446744073709552000`` (found by the fuzz, benchmarks/fuzz_grammars.py).
+- numbers beyond ±2^53 in ``const`` / ``enum`` values: ``{"const": 2**64}`` is answered
+  ``18446744073709552000`` (found by the fuzz, benchmarks/fuzz_grammars.py), and so are floats
+  there (``4.916144486639031e+16`` as ``49161444866390310``).
 - numbers that are not finite (``NaN``, ``Infinity``: Python's JSON reader takes them).
 Everything else is the sandbox's (sandbox.py): it contains what no rule here foresaw.
 """
@@ -66,7 +67,7 @@ def _check_number(value: Any, field: str, where: str, *, bound: bool) -> None:
 
 
 def _check_literal(value: Any, field: str, where: str) -> None:
-    """Integers in a ``const`` / ``enum`` value (at any depth) within ±2^53."""
+    """Numbers in a ``const`` / ``enum`` value (at any depth) within ±2^53."""
     todo = [value]
     while todo:
         v = todo.pop()
@@ -74,10 +75,12 @@ def _check_literal(value: Any, field: str, where: str) -> None:
             todo.extend(v.values())
         elif isinstance(v, list):
             todo.extend(v)
-        elif isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_BOUND:
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) > MAX_BOUND:
+            # (a float there is written as its shortest digits, which read back as another
+            # number: {"const": 4.916144486639031e+16} came out 49161444866390310)
             raise _bad(
                 field, where,
-                f"holds an integer beyond ±2^53 ({MAX_BOUND}), which cannot be generated exactly",
+                f"holds a number beyond ±2^53 ({MAX_BOUND}), which cannot be generated exactly",
             )  # fmt: skip
 
 

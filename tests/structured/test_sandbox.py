@@ -234,10 +234,15 @@ async def test_a_timeout_is_not_remembered():
         cache.close()
 
 
-def test_integers_beyond_2_to_53_in_const_and_enum_are_a_400():
+def test_numbers_beyond_2_to_53_in_const_and_enum_are_a_400():
     # the fuzz found {"oneOf": [{"const": 2**64}]} answered 18446744073709552000
-    for schema in ({"oneOf": [{"const": 2**64}]}, {"enum": [1, {"a": [-(2**60)]}]}):
+    # (and {"const": 4.916144486639031e16}, a float, answered 49161444866390310)
+    for schema in (
+        {"oneOf": [{"const": 2**64}]},
+        {"enum": [1, {"a": [-(2**60)]}]},
+        {"const": 4.916144486639031e16},
+    ):
         with pytest.raises(InvalidRequestError) as e:
             StructuredOutput.json_schema(schema, "guided_json")
         assert e.value.field == "guided_json" and "2^53" in str(e.value)
-    StructuredOutput.json_schema({"enum": [2**53, "x", 1.5e300]}, "guided_json")  # fine
+    StructuredOutput.json_schema({"enum": [2**53, "x", 1.5e-300]}, "guided_json")  # fine
