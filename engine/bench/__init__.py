@@ -1,6 +1,6 @@
 """Benchmark studies shipped with the package: ``loraplex bench <study>``.
 
-Install the ``bench`` extra (``pip install 'loraplex[bench]'``) for plots, progress bars and
+Install the ``bench`` extra (``pip install -e '.[bench]'`` in a checkout) for plots, progress bars and
 the S3 source. The studies use the engine's public API and its model; the ``loraplex``
 command registers them, and nothing below ``loraplex.engine.server`` imports them.
 

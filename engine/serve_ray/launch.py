@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
         from ray import serve  # noqa: F401
     except ImportError:
         log.error(
-            "missing_dependency", error="serve-ray needs Ray Serve: pip install 'loraplex[ray]'"
+            "missing_dependency",
+            error="serve-ray needs Ray Serve: pip install -e '.[ray]' in a checkout",
         )
         return 2
 

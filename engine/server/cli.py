@@ -65,7 +65,7 @@ def _bench_command() -> Subcommand:
 
     return Subcommand(
         name="bench",
-        help=f"benchmark studies ({', '.join(benches)}; extra: loraplex[bench])",
+        help=f"benchmark studies ({', '.join(benches)}; extra: pip install -e '.[bench]' in a checkout)",
         add_arguments=add_arguments,
         run=run,
     )

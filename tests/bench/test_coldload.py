@@ -167,7 +167,7 @@ def test_missing_bench_extra_fails_before_the_run(
     coldload_cli.add_arguments(p)
     args = p.parse_args(["--source", "s3", "--no-plots", "--out", str(tmp_path / "out")])
     assert coldload_cli.run(args) == 2
-    assert "loraplex[bench]" in capsys.readouterr().err
+    assert "[bench]" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

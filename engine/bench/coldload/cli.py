@@ -148,7 +148,7 @@ def _check_extras(point: PointConfig, sweep: dict, *, plots: bool) -> None:
     missing = [f"{mod} for {why}" for mod, why in need if importlib.util.find_spec(mod) is None]
     if missing:
         raise ValueError(
-            f"missing {'; '.join(missing)}: install the extra with pip install 'loraplex[bench]'"
+            f"missing {'; '.join(missing)}: install the bench extra: pip install -e '.[bench]' in a checkout"
         )
 
 
