@@ -6,12 +6,9 @@ torch twin; the fastest per case is marked.
     python -m benchmarks.epilogue_configs [--out FILE] [--rank 64 --batches 32 64 --loras 8]
                                           [--cold-l2]   # inputs evicted from L2 before each launch
                                           [--ops silu_mul]
-                                          [--pipelined]  # the per-slot loop with and without stages
 
-Columns: (block_t, block_n | -, warps, block_k[, stages[ paired]]); block_k > 0 is the packed
-delta (one dot per block_k rank columns of every slot), 0 the per-slot loop; stages > 0 that loop
-without its branch, software-pipelined (lora_delta's STAGES: B tiles in flight through shared
-memory); paired: silu_mul's gate and up slices in one such loop (lora_delta_pair).
+Columns: (block_t, block_n | -, warps, block_k); block_k > 0 is the packed delta (one dot per
+block_k rank columns of every slot), 0 the per-slot loop.
 """
 
 from __future__ import annotations
@@ -50,33 +47,11 @@ SILU = [
 QKV = [
     QKVRopeConfig(bt, w, bk) for bt, w, bk in itertools.product((16, 32, 64), (4, 8), (0, 32, 64))
 ] + [QKVRopeConfig(bt, w, 0) for bt, w in ((1, 2), (1, 4), (1, 8), (2, 4), (4, 4), (8, 4), (8, 8))]
-# --pipelined: the per-slot loop at 0 (branching), 2 and 3 stages, side by side
-SILU_PIPE = [  # and gate + up in one pipelined loop (paired)
-    SiluMulConfig(bt, bn, w, 0, s, paired)
-    for bt, bn, w in [
-        (16, 64, 4),
-        (16, 128, 4),
-        (16, 128, 8),
-        (32, 128, 4),
-        (2, 256, 4),
-        (4, 128, 4),
-    ]
-    for s, paired in ((0, False), (2, False), (3, False), (2, True), (3, True))
-]
-QKV_PIPE = [
-    QKVRopeConfig(bt, w, 0, s)
-    for bt, w in [(1, 4), (2, 4), (4, 4), (16, 4), (16, 8), (32, 4)]
-    for s in (0, 2, 3)
-]
 
 
 def label(cfg: SiluMulConfig | QKVRopeConfig) -> str:
-    """(block_t, block_n | -, warps, block_k[, stages])."""
-    stages = f", s{cfg.stages}" if cfg.stages else ""
-    stages += " paired" if getattr(cfg, "paired", False) and cfg.stages else ""
-    return (
-        f"({cfg.block_t}, {getattr(cfg, 'block_n', '-')}, {cfg.num_warps}, {cfg.block_k}{stages})"
-    )
+    """(block_t, block_n | -, warps, block_k)."""
+    return f"({cfg.block_t}, {getattr(cfg, 'block_n', '-')}, {cfg.num_warps}, {cfg.block_k})"
 
 
 def sorted_slots(t: int, loras: int, dev: str) -> LoRAMapping:
@@ -184,18 +159,12 @@ def main() -> None:
         help="B of a slot stored (R, n) as the engine's slots (default) or (n, R): a program's "
         "column block then one contiguous run",
     )  # fmt: skip
-    ap.add_argument(
-        "--pipelined", action="store_true",
-        help="only the per-slot loop's configs, each at 0 (branching), 2 and 3 stages",
-    )  # fmt: skip
     args = ap.parse_args()
-    global R, COLD_L2, B_COLUMN_MAJOR, SILU, QKV
-    if args.pipelined:
-        SILU, QKV = SILU_PIPE, QKV_PIPE
+    global R, COLD_L2, B_COLUMN_MAJOR
     R, COLD_L2 = args.rank, args.cold_l2
     B_COLUMN_MAJOR = args.b_layout == "column-major"
     lines = [
-        "| op | loras | T | fastest (block_t, block_n, warps, block_k[, stages]) | µs | engine default µs | rel err | top 3 |",
+        "| op | loras | T | fastest (block_t, block_n, warps, block_k) | µs | engine default µs | rel err | top 3 |",
         "|---|---:|---:|---|---:|---:|---:|---|",
     ]
     for op, case in (("silu_mul", silu_case), ("qkv_rope", qkv_case)):
@@ -215,10 +184,6 @@ def main() -> None:
                 line += f" ({len(bad)} configs off the twin: {bad[0][0]} {bad[0][2]:.1e})"
             print(line, flush=True)
             lines.append(line)
-            if args.pipelined:  # every config, in sweep order (0 / 2 / 3 stages side by side)
-                every = ", ".join(f"{r[0]} {r[1]:.1f}" for r in rows)
-                print(f"| {op} all | {loras} | {t} | {every} |", flush=True)
-                lines.append(f"| {op} all | {loras} | {t} | {every} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

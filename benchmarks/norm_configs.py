@@ -3,7 +3,6 @@ at decode sizes, per LoRA rank; each config is also checked against the torch tw
 out as the engine's slots (rank-major, lora/layers.py); split configs are add_rmsnorm_split.py.
 
     python -m benchmarks.norm_configs [--ranks 16 64] [--batches 1 32 64 128] [--cold-l2]
-                                      [--pipelined]  # split rows, the LoRA loop at 0 / 2 / 3 stages
 """
 
 from __future__ import annotations
@@ -40,17 +39,10 @@ CONFIGS = [
     NormConfig(block_t=16, block_h=256, num_warps=4, split=True),
     NormConfig(block_t=16, block_h=128, num_warps=4, split=True),
 ]
-PIPELINED = [  # --pipelined: split rows with the per-slot LoRA loop branching (0) or pipelined
-    NormConfig(block_t=bt, block_h=bh, num_warps=w, split=True, stages=s)
-    for bt, bh, w in [(1, 1024, 8), (1, 512, 4), (2, 1024, 8), (4, 256, 4), (16, 256, 4)]
-    for s in (0, 2, 3)
-]
 
 
 def label(c: NormConfig) -> str:
-    return f"({c.block_t}, {c.block_h}, {c.num_warps}, {c.split}" + (
-        f", s{c.stages})" if c.stages else ")"
-    )
+    return f"({c.block_t}, {c.block_h}, {c.num_warps}, {c.split})"
 
 
 def main() -> None:
@@ -63,12 +55,11 @@ def main() -> None:
         help="B of a slot stored (R, H) as the engine's slots (default) or (H, R): a program's "
         "column chunk then one contiguous run",
     )  # fmt: skip
-    ap.add_argument("--pipelined", action="store_true", help="the PIPELINED configs only")
     args = ap.parse_args()
-    configs = PIPELINED if args.pipelined else CONFIGS
+    configs = CONFIGS
     h = 4096
     for r in args.ranks:
-        for loras in (8,) if args.pipelined else (0, 8):
+        for loras in (0, 8):
             for t in args.batches:
                 dev = "cuda"
                 g = torch.Generator(device=dev).manual_seed(t)

@@ -151,9 +151,9 @@ def test_silu_mul_fed_the_delta(triton: bool) -> None:
     got = torch.empty_like(want)
     lora_silu_mul(y_aug[:, : 2 * i], None, mapping, got, delta=delta)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    if triton:  # a pipelined / paired config ignores its LoRA loop when fed the delta
+    if triton:  # a per-slot-loop config ignores its LoRA loop when fed the delta
         got2 = torch.empty_like(want)
-        cfg = SiluMulConfig(16, 32, 4, 0, 2, True)
+        cfg = SiluMulConfig(16, 32, 4)
         lora_silu_mul_triton(y_aug[:, : 2 * i], None, mapping, got2, delta=delta, config=cfg)
         torch.testing.assert_close(got2, want, rtol=1e-5, atol=1e-5)
 
@@ -174,7 +174,7 @@ def test_add_rmsnorm_fed_the_delta(triton: bool) -> None:
     delta = _delta(y_aug, b, mapping, offsets)
     configs = [None]
     if triton:  # the one-row kernel and the split one
-        configs += [NormConfig(1, 32, 4), NormConfig(1, 32, 4, True), NormConfig(2, 16, 4, True, 2)]
+        configs += [NormConfig(1, 32, 4), NormConfig(1, 32, 4, True), NormConfig(2, 16, 4, True)]
     for cfg in configs:
         res, got = res0.clone(), torch.empty_like(res0)
         if cfg is None:

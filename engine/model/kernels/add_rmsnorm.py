@@ -23,7 +23,6 @@ from loraplex.engine.model.kernels.lora_delta import (
     dora_rows,
     lora_delta,
     lora_source,
-    wide_rank_stages,
 )
 
 __all__ = ["NormConfig", "norm_config", "lora_add_rmsnorm_triton", "rmsnorm_triton"]
@@ -35,7 +34,6 @@ class NormConfig:
     block_h: int = 256
     num_warps: int = 4
     split: bool = False  # rows split over column chunks (add_rmsnorm_split.py; LoRA only)
-    stages: int = 0  # split only, > 0: its per-slot LoRA loop pipelined (lora_delta)
 
 
 SPLIT_RANK = 16  # steps reading more rank rows split their rows (add_rmsnorm_split.py)
@@ -56,9 +54,8 @@ def norm_config(num_tokens: int, hidden: int = 4096, rank: int = 0) -> NormConfi
     come grouped by slot: a pair mostly shares its B chunk): 9.3 µs at T = 64, 9.0 at T = 32."""
     if rank > SPLIT_RANK and num_tokens <= 256 and hidden <= 1024 * 64:
         return NormConfig(
-            block_t=1 if num_tokens <= 32 else 2, block_h=1024, num_warps=8, split=True,
-            stages=wide_rank_stages()[0],
-        )  # fmt: skip
+            block_t=1 if num_tokens <= 32 else 2, block_h=1024, num_warps=8, split=True
+        )
     if num_tokens <= 256:
         block_h = min(4096, triton.next_power_of_2(hidden))
         return NormConfig(block_t=1, block_h=block_h, num_warps=16 if block_h >= 4096 else 8)
@@ -186,7 +183,7 @@ def _launch(
         assert y_aug is not None and token_slots is not None
         add_rmsnorm_split(
             y_aug, residual, lora_b, token_slots, norm_weight, eps, out, rank=rank,
-            block_h=cfg.block_h, num_warps=cfg.num_warps, block_t=cfg.block_t, stages=cfg.stages,
+            block_h=cfg.block_h, num_warps=cfg.num_warps, block_t=cfg.block_t,
             block_r=block_r(rank, use_dot, cfg.block_t * cfg.block_h, cfg.num_warps), dora=dora,
             delta=delta,
         )  # fmt: skip

@@ -70,7 +70,6 @@ def _split_kernel(
     BLOCK_R: tl.constexpr,
     HAS_LORA: tl.constexpr,
     USE_DOT: tl.constexpr,
-    STAGES: tl.constexpr,
     HAS_DORA: tl.constexpr,
     DORA_BIAS: tl.constexpr,
     FROM_DELTA: tl.constexpr,
@@ -96,8 +95,8 @@ def _split_kernel(
         acc = tl.full((BLOCK_T, BLOCK_H), 0.0, tl.float32)
         acc = lora_delta(
             acc, ya_ptr, b_ptr, tok, slots, cols, c_mask, H, 1, L, L, R,
-            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, 0, STAGES,
-            FROM_DELTA,
+            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT,
+            FROM_DELTA=FROM_DELTA,
         )  # fmt: skip
         if HAS_DORA:
             on, any_dora = dora_flags(on_ptr, slots)
@@ -148,14 +147,13 @@ def add_rmsnorm_split(
     block_r: int,
     num_warps: int,
     block_t: int = 1,
-    stages: int = 0,
     dora: DoraRows | None = None,
     delta: torch.Tensor | None = None,
 ) -> None:
     """The split launch (``T <= MAX_ROWS``, ``cdiv(H, block_h) <= MAX_CHUNKS``); ``rank``: the
     step's rank rows, ``block_r`` its chunk; ``block_t`` rows per program (>= 16: dot delta);
-    ``stages`` > 0: the LoRA delta's per-slot loop pipelined (``lora_delta``); ``delta``: the
-    rows' delta computed apart, read instead of ``lora_b``'s (``lora_delta``'s FROM_DELTA)."""
+    ``delta``: the rows' delta computed apart, read instead of ``lora_b``'s (``lora_delta``'s
+    FROM_DELTA)."""
     t, h = residual.shape
     nchunk = triton.cdiv(h, block_h)
     if t > MAX_ROWS or nchunk > MAX_CHUNKS:
@@ -176,7 +174,6 @@ def add_rmsnorm_split(
         BLOCK_R=block_r,
         HAS_LORA=has_lora,
         USE_DOT=block_t >= 16,
-        STAGES=stages,
         HAS_DORA=has_dora,
         DORA_BIAS=dora_bias,
         FROM_DELTA=delta is not None,

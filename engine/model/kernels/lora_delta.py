@@ -28,8 +28,6 @@ Only Triton builtins (``tl.reduce`` with the standard combine functions, not ``t
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import TYPE_CHECKING
 
 import triton
@@ -42,31 +40,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "lora_delta",
-    "lora_delta_pair",
     "dora_flags",
     "dora_rows",
     "dora_args",
     "lora_source",
     "block_r",
-    "wide_rank_stages",
 ]
 
 
 THREAD_ELEMS = 128  # fp32 products per thread of one broadcast chunk (R = 16 at 1 x 4096, 16 warps)
-
-
-@functools.cache
-def wide_rank_stages() -> tuple[int, bool]:
-    """(``stages`` of the per-slot loop in the epilogues' configs for steps above rank 16,
-    whether silu_mul pairs its slices in one loop): ``LORAPLEX_EPILOGUE_STAGES`` = N or Np,
-    default 0 (the branching loop). A switch to A/B the pipelined loop on the decode step
-    (benchmarks/ab_env.sh) before a default is chosen."""
-    raw = os.environ.get("LORAPLEX_EPILOGUE_STAGES", "0")
-    paired = raw.endswith("p")
-    digits = raw[:-1] if paired else raw
-    if not digits.isdigit() or int(digits) > 4 or (paired and int(digits) == 0):
-        raise ValueError(f"LORAPLEX_EPILOGUE_STAGES={raw!r}: 0-4, or 1p-4p (silu_mul paired)")
-    return int(digits), paired
 
 
 def block_r(rank: int, use_dot: bool, tile: int = 0, num_warps: int = 16) -> int:
@@ -116,37 +98,6 @@ def _slot_tiles(
 
 
 @triton.jit
-def lora_delta_pair(
-    acc_a, acc_b, ya_ptr, b_ptr, tok, slots, cols, col_mask, off_b, k_col_a, k_col_b,
-    step_l, step_r, L, R, stride_yt, stride_yn, stride_bl, stride_bn, stride_br,
-    BLOCK_R: tl.constexpr, USE_DOT: tl.constexpr, STAGES: tl.constexpr,
-):  # fmt: skip
-    """Two slices' deltas in one pipelined per-slot loop (``lora_delta`` with ``STAGES``):
-    ``acc_a`` of columns ``cols`` (shrinks from ``k_col_a``), ``acc_b`` of ``off_b + cols``
-    (from ``k_col_b``), steps alternating between them, so the pipeline runs on from one slice's
-    tiles to the other's instead of draining between two loops (silu_mul's gate and up). Each
-    step's product goes to its slice's tile; the other gets an exact zero. The product is
-    summed apart and then added (``lora_delta`` may accumulate into its tile inside the dot), so
-    on a GPU the fp32 sums can round differently from the unpaired loop. Returns both."""
-    lo = tl.reduce(tl.where(slots >= 0, slots, L), 0, tl.standard._elementwise_min)
-    hi = tl.reduce(slots, 0, tl.standard._elementwise_max) + 1
-    h_rows = ya_ptr + tok[:, None] * stride_yt
-    n_r = tl.cdiv(R, BLOCK_R)
-    for i in tl.range(0, 2 * (hi - lo) * n_r, num_stages=STAGES):
-        j = i // 2
-        second = (i % 2) == 1
-        h, b = _slot_tiles(
-            h_rows, b_ptr, slots, cols + tl.where(second, off_b, 0), col_mask,
-            tl.where(second, k_col_b, k_col_a), lo + j // n_r, (j % n_r) * BLOCK_R,
-            step_l, step_r, R, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R,
-        )  # fmt: skip
-        d = _mul_add(tl.zeros_like(acc_a), h, b, USE_DOT)
-        acc_a += tl.where(second, 0.0, d)
-        acc_b += tl.where(second, d, 0.0)
-    return acc_a, acc_b
-
-
-@triton.jit
 def lora_delta(
     acc,
     ya_ptr,
@@ -191,8 +142,8 @@ def lora_delta(
     other rows masked to zero) and its ``B`` tile (masked off entirely for a slot no row of the
     block holds), so Triton's software pipeliner keeps ``STAGES - 1`` ``B`` tiles in flight
     through shared memory while the current one is multiplied, instead of one load, its wait and
-    its dot after another. Each token's nonzero terms come in the same order (its slot's rank
-    chunks, ascending) as in the branching loop, the others add exact zeros: the same sums.
+    its dot after another. Only ``lora_expand_delta`` (the delta on its own, fused.py's side
+    form) takes it; the fused epilogues run the branching loop below, which timed faster there.
 
     Otherwise one gather per rank chunk loads every token's own shrinks; the loop over the
     slots present masks them per slot (the masked terms add exact zeros: the same sums, bit

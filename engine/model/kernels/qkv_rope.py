@@ -23,7 +23,6 @@ from loraplex.engine.model.kernels.lora_delta import (
     dora_rows,
     lora_delta,
     lora_source,
-    wide_rank_stages,
 )
 
 __all__ = ["QKVRopeConfig", "qkv_rope_config", "lora_qkv_rope_triton"]
@@ -34,7 +33,6 @@ class QKVRopeConfig:
     block_t: int = 16
     num_warps: int = 4
     block_k: int = 0  # > 0: packed LoRA delta (one dot per BLOCK_K rank columns, lora_delta)
-    stages: int = 0  # > 0 (block_k 0): the per-slot loop pipelined, B tiles in flight (lora_delta)
 
 
 def qkv_rope_config(num_tokens: int, num_slots: int = 0, rank: int = 16) -> QKVRopeConfig:
@@ -50,9 +48,9 @@ def qkv_rope_config(num_tokens: int, num_slots: int = 0, rank: int = 16) -> QKVR
     T = 32 with 8 rank-64 slots (``--rank 64`` sweep); at T = 64 the per-slot loop on 16-token
     blocks, 9.8 against 13.5 µs for the packed delta."""
     if num_tokens <= 32 and rank > 16 and 0 < num_slots < 16:
-        return QKVRopeConfig(block_t=2, num_warps=4, stages=wide_rank_stages()[0])
+        return QKVRopeConfig(block_t=2, num_warps=4)
     if num_tokens <= 64 and rank > 16 and 0 < num_slots < 16:
-        return QKVRopeConfig(block_t=16, num_warps=4, stages=wide_rank_stages()[0])
+        return QKVRopeConfig(block_t=16, num_warps=4)
     if num_tokens <= 32:
         return QKVRopeConfig(block_t=1, num_warps=4)
     if num_slots >= 16:
@@ -80,7 +78,6 @@ def _qkv_rope_kernel(
     HAS_LORA: tl.constexpr,
     USE_DOT: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
     HAS_DORA: tl.constexpr,
     DORA_BIAS: tl.constexpr,
     FROM_DELTA: tl.constexpr,
@@ -109,14 +106,14 @@ def _qkv_rope_kernel(
         d1 = tl.full((BLOCK_T, BLOCK_HALF), 0.0, tl.float32)
         d1 = lora_delta(
             d1, ya_ptr, b_ptr, tok, slots, c1, h_mask, n_base + s * L, 1, 3 * L, L, R,
-            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K, STAGES,
-            FROM_DELTA,
+            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
+            FROM_DELTA=FROM_DELTA,
         )  # fmt: skip
         d2 = tl.full((BLOCK_T, BLOCK_HALF), 0.0, tl.float32)
         d2 = lora_delta(
             d2, ya_ptr, b_ptr, tok, slots, c2, h_mask, n_base + s * L, 1, 3 * L, L, R,
-            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K, STAGES,
-            FROM_DELTA,
+            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
+            FROM_DELTA=FROM_DELTA,
         )  # fmt: skip
         if HAS_DORA:  # after the deltas: their loads go out before the flag gather
             on, any_dora = dora_flags(on_ptr, slots)
@@ -171,8 +168,8 @@ def _qkv_rope_kernel(
             dv = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)
             dv = lora_delta(
                 dv, ya_ptr, b_ptr, tok, slots, cv, d_mask, n_base + 2 * L, 1, 3 * L, L, R,
-                stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K, STAGES,
-                FROM_DELTA,
+                stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
+                FROM_DELTA=FROM_DELTA,
             )  # fmt: skip
             if HAS_DORA:  # noqa: SIM102 (any_dora exists only under the constexpr)
                 if any_dora:
@@ -237,7 +234,6 @@ def lora_qkv_rope_triton(
         HAS_LORA=has_lora,
         USE_DOT=use_dot,
         BLOCK_K=cfg.block_k if use_dot else 0,
-        STAGES=cfg.stages if not (use_dot and cfg.block_k) else 0,
         HAS_DORA=has_dora,
         DORA_BIAS=dora_bias,
         FROM_DELTA=delta is not None,

@@ -22,9 +22,7 @@ from loraplex.engine.model.kernels.lora_delta import (
     dora_flags,
     dora_rows,
     lora_delta,
-    lora_delta_pair,
     lora_source,
-    wide_rank_stages,
 )
 
 __all__ = ["SiluMulConfig", "silu_mul_config", "lora_silu_mul_triton"]
@@ -36,8 +34,6 @@ class SiluMulConfig:
     block_n: int = 128
     num_warps: int = 4
     block_k: int = 0  # > 0: packed LoRA delta (one dot per BLOCK_K rank columns, lora_delta)
-    stages: int = 0  # > 0 (block_k 0): the per-slot loop pipelined, B tiles in flight (lora_delta)
-    paired: bool = False  # with stages: gate and up in one pipelined loop (lora_delta_pair)
 
 
 def silu_mul_config(num_tokens: int, num_slots: int = 0, rank: int = 16) -> SiluMulConfig:
@@ -53,8 +49,7 @@ def silu_mul_config(num_tokens: int, num_slots: int = 0, rank: int = 16) -> Silu
     (``--rank 64`` sweep: the packed form's dot spans every slot's rank columns of the block);
     at T = 64 the packed delta in 32-column chunks on 16 x 128 tiles, 13.8 against 18.3 µs."""
     if 0 < num_slots < 16 and num_tokens <= 32 and rank > 16:
-        stages, paired = wide_rank_stages()
-        return SiluMulConfig(block_t=16, block_n=128, num_warps=4, stages=stages, paired=paired)
+        return SiluMulConfig(block_t=16, block_n=128, num_warps=4)
     if 0 < num_slots < 16 and num_tokens <= 64 and rank > 16:
         return SiluMulConfig(block_t=16, block_n=128, num_warps=4, block_k=32)
     if num_slots and num_tokens <= 32:
@@ -97,8 +92,6 @@ def _silu_mul_kernel(
     HAS_LORA: tl.constexpr,
     USE_DOT: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
-    PAIRED: tl.constexpr,
     HAS_DORA: tl.constexpr,
     DORA_BIAS: tl.constexpr,
     FROM_DELTA: tl.constexpr,
@@ -116,23 +109,16 @@ def _silu_mul_kernel(
         slots = tl.load(slots_ptr + tok * stride_slot, mask=t_mask, other=-1).to(tl.int32)
         dg = tl.full((BLOCK_T, BLOCK_N), 0.0, tl.float32)
         du = tl.full((BLOCK_T, BLOCK_N), 0.0, tl.float32)
-        if PAIRED:  # gate and up in one pipelined loop
-            dg, du = lora_delta_pair(
-                dg, du, ya_ptr, b_ptr, tok, slots, cols, c_mask, inter, 2 * inter,
-                2 * inter + L, 1, 2 * L, L, R, stride_yt, stride_yn, stride_bl, stride_bn,
-                stride_br, BLOCK_R, USE_DOT, STAGES,
-            )  # fmt: skip
-        else:
-            dg = lora_delta(
-                dg, ya_ptr, b_ptr, tok, slots, cols, c_mask, 2 * inter, 1, 2 * L, L, R,
-                stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
-                STAGES, FROM_DELTA,
-            )  # fmt: skip
-            du = lora_delta(
-                du, ya_ptr, b_ptr, tok, slots, inter + cols, c_mask, 2 * inter + L, 1, 2 * L, L,
-                R, stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT,
-                BLOCK_K, STAGES, FROM_DELTA,
-            )  # fmt: skip
+        dg = lora_delta(
+            dg, ya_ptr, b_ptr, tok, slots, cols, c_mask, 2 * inter, 1, 2 * L, L, R,
+            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
+            FROM_DELTA=FROM_DELTA,
+        )  # fmt: skip
+        du = lora_delta(
+            du, ya_ptr, b_ptr, tok, slots, inter + cols, c_mask, 2 * inter + L, 1, 2 * L, L, R,
+            stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
+            FROM_DELTA=FROM_DELTA,
+        )  # fmt: skip
         if HAS_DORA:  # after the deltas: their loads go out before the flag gather
             on, any_dora = dora_flags(on_ptr, slots)
             if any_dora:
@@ -176,7 +162,6 @@ def lora_silu_mul_triton(
     has_lora = lora_b is not None or delta is not None
     d_args, (has_dora, dora_bias) = dora_args(dora if has_lora else None, y_aug)
     grid = (triton.cdiv(t, cfg.block_t), triton.cdiv(inter, cfg.block_n))
-    stages = cfg.stages if not (use_dot and cfg.block_k) else 0
     _silu_mul_kernel[grid](
         y_aug,
         b,
@@ -199,8 +184,6 @@ def lora_silu_mul_triton(
         HAS_LORA=has_lora,
         USE_DOT=use_dot,
         BLOCK_K=cfg.block_k if use_dot else 0,
-        STAGES=stages,
-        PAIRED=cfg.paired and stages > 0 and delta is None,
         HAS_DORA=has_dora,
         DORA_BIAS=dora_bias,
         FROM_DELTA=delta is not None,
