@@ -13,7 +13,6 @@ import asyncio
 import gc
 import itertools
 import sys
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -270,7 +269,6 @@ class AsyncEngine:
         plans = [plan]
         try:
             step = await loop.run_in_executor(self._executor, core.launch, plan, items)
-            due = None  # when a held-back plan was due (``_await_landing``)
             while not self._closed:
                 nxt = core.chain(step)
                 if nxt is None:
@@ -279,14 +277,11 @@ class AsyncEngine:
                 nstep, result = await loop.run_in_executor(
                     self._executor, self._launch_collect, core, nxt, step
                 )
-                if due is not None:  # how long planning and the hop to the step thread took
-                    core.note_plan_lag(nstep.t_start - due)
                 plans.pop(0)
                 core.apply(step, result, behind=nstep)
                 self._forget_finished()
                 step = nstep
                 await asyncio.sleep(0)  # let consumers take their outputs
-                due = await self._await_landing(core)
             result = await loop.run_in_executor(self._executor, core.collect, step)
         except Exception as e:  # noqa: BLE001 - one bad step must not stop the engine
             log.exception("step_failed")
@@ -297,26 +292,6 @@ class AsyncEngine:
         core.apply(step, result)
         self._forget_finished()
         await asyncio.sleep(0)
-
-    async def _await_landing(self, core: EngineCore) -> float | None:
-        """Between two chained steps, while requests wait on cold loads: hold back planning
-        until a load lands (or a request arrives) or ``core.chain_deadline()`` passes, so that
-        the landing rides the next step. Returns when planning was due (the deadline, or when
-        a wake ended the wait; ``perf_counter``), None where there was no wait."""
-        deadline = core.chain_deadline()
-        if deadline is None:
-            return None
-        # (a wake since the last plan is already in what ``chain`` sees: only new ones count)
-        self._wake.clear()
-        t0 = time.perf_counter()
-        try:
-            await asyncio.wait_for(self._wake.wait(), deadline - t0)
-        except TimeoutError:
-            due = deadline  # (the loop resumes late: timers round, other threads hold the GIL)
-        else:
-            due = time.perf_counter()
-        core.note_chain_wait(time.perf_counter() - t0, due < deadline)
-        return due
 
     @staticmethod
     def _launch_collect(

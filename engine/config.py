@@ -84,14 +84,6 @@ class EngineConfig:
     # waits on the write on the device) while the step's joined writes total at most this many
     # bytes and no earlier write is still landing; 0: requests wait for their write to land
     slot_write_join_bytes: int = 128 << 20
-    # pipelined decode while requests wait on cold loads (CUDA): the step queued behind the one
-    # in flight is planned as soon as a load lands, or this many ms (plus the recent host time
-    # of planning and launching) before the step in flight is due to end, whichever comes
-    # first, instead of at once; a load landing mid-step then rides the next step (its first
-    # token ~0.6 step sooner at the median) at the cost of up to 22 % on running streams' p99
-    # gaps while loads land (BENCHMARKS.md, "Experiments that measured slower"). None
-    # (default): plan at once
-    late_chain_margin_ms: float | None = None
     # helper processes that fetch, verify, preflight and pack adapters (off this process's
     # GIL); None: 2 on CUDA, 0 (threads of this process) on CPU
     loader_processes: int | None = None
@@ -166,8 +158,6 @@ class EngineConfig:
         w8a8 = self.fp8_w8a8_min_tokens
         if w8a8 is not None and w8a8 != "auto" and not (type(w8a8) is int and w8a8 >= 1):
             raise ValueError(f"fp8_w8a8_min_tokens must be 'auto', None or >= 1, got {w8a8!r}")
-        if self.late_chain_margin_ms is not None and not self.late_chain_margin_ms >= 0:
-            raise ValueError("late_chain_margin_ms must be None or >= 0")
         if self.grammar_compile_timeout_s is not None and not self.grammar_compile_timeout_s > 0:
             raise ValueError("grammar_compile_timeout_s must be None or > 0")
         if self.grammar_cache_bytes < 1 or self.grammar_compile_processes < 1:

@@ -143,9 +143,6 @@ class EngineCore(AdapterOps, StepOps):
         self._sync_slot_writes = self.executor.side_stream is None  # they land at the step's end
         self.in_flight: set[Request] = set()  # requests of launched, not yet applied steps
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0, "steps": 0}
-        # chained steps planned late, waiting for cold loads (``chain_deadline``)
-        self.counters.update(late_chain_waits=0, late_chain_woken=0, late_chain_wait_us=0)
-        self.plan_lags: collections.deque[float] = collections.deque(maxlen=16)
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self._load_gate: asyncio.Semaphore | None = None
         self.loop_lag: LoopLag | None = None  # started by ``start`` on the engine's loop
@@ -381,11 +378,6 @@ class EngineCore(AdapterOps, StepOps):
                 for v in adapters.versions()
             },
             "adapters": dict(adapters.stats),
-            "late_chain": {
-                k.removeprefix("late_chain_"): v
-                for k, v in self.counters.items()
-                if k.startswith("late_chain_")
-            },
             "kernel_compiles_while_serving": len(COMPILES.while_serving),
             "host_pool_regions_in_use": self.loader.pool.in_use() if self.loader.pool else 0,
             **(self.loop_lag.summary() if self.loop_lag is not None else {}),

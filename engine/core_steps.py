@@ -5,16 +5,13 @@ core's, built in ``EngineCore.__init__``."""
 
 from __future__ import annotations
 
-import collections
-import itertools
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.executor import InFlightStep, StepExecutor
-from loraplex.engine.lora.manager import AdapterManager, AdapterState
+from loraplex.engine.lora.manager import AdapterManager
 from loraplex.engine.model_runner import StepItem
 from loraplex.engine.output import append_token
 from loraplex.engine.request import Request
@@ -38,7 +35,6 @@ class StepOps:
     max_model_len: int
     counters: Any
     device: Any
-    plan_lags: collections.deque[float]  # the last few ``note_plan_lag`` seconds
     _sync_slot_writes: bool
     fail: Callable[[Request, BaseException], None]  # EngineCore.fail
     finish: Callable[..., None]  # EngineCore.finish
@@ -76,55 +72,6 @@ class StepOps:
             self.fail(req, err)
         self.in_flight |= {c.req for c in plan.chunks}
         return plan, self.executor.prepare(plan, step)
-
-    def chain_deadline(self) -> float | None:
-        """Loop, between applying a step and chaining the next one behind the step in flight:
-        the ``perf_counter`` time until which planning may wait for a cold load to land
-        (``late_chain_margin_ms``), or None: plan now.
-
-        Planning the chained step at once (as steady decode does) leaves a load landing during
-        the step in flight to the step after next: its request's first token comes 2-3 steps
-        after the load. Planned late, the next step takes it: 1-2 steps. The deadline is the
-        step in flight's expected end (the previous results' time plus the recent GPU time of
-        a step's replay) less the recent longest launch (host) time, the recent longest plan
-        lag of a held-back plan (from when it was due to its launch starting: the loop resuming
-        late, planning, the hop to the step thread; ``note_plan_lag``) and the margin, so the
-        chained step is still queued before the GPU runs dry. GPU time, not the period between
-        results: a period that a late launch stretched would push the next deadline later
-        still. Only on CUDA (a CPU launch computes its step), only while some waiting request's
-        adapter is loading, and only once a few pipelined graph steps give a GPU time."""
-        margin = self.config.late_chain_margin_ms
-        if margin is None or self.device.type != "cuda" or not self.config.async_scheduling:
-            return None
-        if not any(
-            r.adapter is not None and r.adapter.state is AdapterState.LOADING
-            for r in self.scheduler.waiting
-        ):
-            return None
-        ex = self.executor
-        recent = [
-            s
-            for s in itertools.islice(reversed(ex.step_log), 8)
-            if s.pipelined and s.gpu_ms is not None
-        ]
-        if len(recent) < 3:
-            return None
-        gpu = statistics.median(s.gpu_ms for s in recent) / 1e3
-        host = max(s.host_s for s in recent)
-        lag = max(self.plan_lags, default=0.0)
-        deadline = ex.last_result_time + gpu - host - lag - margin / 1e3
-        return deadline if deadline > time.perf_counter() else None
-
-    def note_plan_lag(self, seconds: float) -> None:
-        """Loop: a held-back plan was due ``seconds`` before its launch began (the deadlines
-        allow for the longest of the recent ones)."""
-        self.plan_lags.append(seconds)
-
-    def note_chain_wait(self, seconds: float, landed: bool) -> None:
-        """Loop: a wait of ``chain_deadline`` ended, by a landing (or another wake) or not."""
-        self.counters["late_chain_waits"] += 1
-        self.counters["late_chain_woken"] += landed
-        self.counters["late_chain_wait_us"] += int(seconds * 1e6)
 
     def launch(
         self, plan: SchedulerOutput, items: list[StepItem], prev: InFlightStep | None = None

@@ -30,10 +30,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--max-concurrent-loads", type=int, default=None,
         help="default: the engine's (what `loraplex serve` starts with)",
     )  # fmt: skip
-    ap.add_argument(
-        "--late-chain-margin-ms", type=float, default=None,
-        help="the engine's late_chain_margin_ms (default: the engine's; negative: off)",
-    )  # fmt: skip
     ap.add_argument("--kv-cache-gb", type=int, default=None)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=6000)

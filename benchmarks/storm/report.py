@@ -149,14 +149,6 @@ def table(result: dict[str, Any]) -> str:
             f" zero-filled: {w.get('qkvo_fill_gbps', float('nan')):.1f} GB/s,"
             f" {w.get('qkvo_fill_gbps', float('nan')) / w['pinned_gbps']:.0%})"
         )]  # fmt: skip
-    lc = result.get("late_chain") or {}
-    if lc:
-        lines += ["", (
-            f"Chained steps planned late for cold loads: {lc['waits']} waits, {lc['woken']} ended"
-            f" by a landing or an arrival, {lc['wait_us'] / max(lc['waits'], 1) / 1e3:.2f} ms"
-            f" each on average (margin {result['args'].get('late_chain_margin_ms')} ms; None:"
-            " the engine's default)"
-        )]  # fmt: skip
     stages = [r for r in rows if r.get("stage_p50_ms") is not None]
     if stages:
         lines += ["", "Load stages of the storm requests (p50 ms): " + "; ".join(

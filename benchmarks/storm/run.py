@@ -65,9 +65,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
            else {}),
         **({"max_concurrent_loads": args.max_concurrent_loads}
            if args.max_concurrent_loads is not None else {}),
-        **({"late_chain_margin_ms": args.late_chain_margin_ms
-            if args.late_chain_margin_ms >= 0 else None}
-           if getattr(args, "late_chain_margin_ms", None) is not None else {}),
     )  # fmt: skip
     compiles = COMPILES  # the engine's own watch: every Triton compile with its time
     compiles.install()
@@ -275,7 +272,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "compiles_while_serving": len(compiles.events) - compiles_at_start,
         "rows": rows,
         "adapter_stats": stats.get("adapters"),
-        "late_chain": stats.get("late_chain"),
         "idle_slot_writes": idle_writes,
         # seconds since the first window: step ends and durations, loads done, slot writes landed
         "timeline": {

@@ -141,12 +141,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="no pipelined decode (the next step waits for the previous step's tokens)",
     )  # fmt: skip
     p.add_argument(
-        "--late-chain-margin-ms", type=float, metavar="MS",
-        help="while requests wait on cold loads, plan the next pipelined step when a load lands "
-        "or MS (plus recent planning and launch times) before the running step ends: sooner "
-        "first tokens after cold loads (default: off; a negative value: off)",
-    )  # fmt: skip
-    p.add_argument(
         "--admin-token-file", metavar="FILE",
         help="enables POST /v1/load_lora_adapter and /v1/unload_lora_adapter with this token",
     )  # fmt: skip
@@ -196,9 +190,6 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     for flag in ("grammar_cache_bytes", "grammar_compile_processes"):
         if getattr(args, flag, None) is not None:
             kw[flag] = getattr(args, flag)
-    margin = getattr(args, "late_chain_margin_ms", None)
-    if margin is not None:
-        kw["late_chain_margin_ms"] = margin if margin >= 0 else None
     for name in (
         "max_loras", "max_cpu_loras", "max_lora_rank", "max_full_module_loras", "lora_extra_vocab_size",
         "max_num_seqs",
