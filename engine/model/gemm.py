@@ -13,9 +13,8 @@ A third candidate up to ``TRITON_MAX_TOKENS`` rows: the split-K tensor-core GEMM
 conversion is then a no-op), over a few tile / split configurations (``triton_configs``): at
 decode sizes cuBLAS reads the small projections (qkv, o) at 64-73 % of the copy bandwidth
 (BENCHMARKS.md, "Decode against the bandwidth floor"), and a split-K grid fills the SMs where
-32-48 output tiles do not. It is picked only where it measured faster;
-``LORAPLEX_GEMM_TRITON=0`` leaves it out. Its split-K counters are shared per device
-(``fp8_splitk.py``): the forward's one stream runs it.
+32-48 output tiles do not. It is picked only where it measured faster. Its split-K counters
+are shared per device (``fp8_splitk.py``): the forward's one stream runs it.
 
 Each candidate is timed with its weight coming from HBM, as in a decode step, where the GEMM
 before it streamed other weights through the L2: every call follows a read of twice the L2,
@@ -26,7 +25,6 @@ there after the first call.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -160,8 +158,7 @@ def _time_ms(fn: Callable[[], object], reps: int, flush: Callable[[], None] | No
 
 def _triton_allowed(w: torch.Tensor, num_tokens: int) -> bool:
     return (
-        os.environ.get("LORAPLEX_GEMM_TRITON", "1") != "0"
-        and w.dtype in (torch.bfloat16, torch.float16)
+        w.dtype in (torch.bfloat16, torch.float16)
         and 0 < num_tokens <= TRITON_MAX_TOKENS
         and w.stride(1) == 1
     )

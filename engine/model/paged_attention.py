@@ -25,7 +25,6 @@ combine functions is what ``tl.max``/``tl.sum`` compile to, and the interpreter 
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -41,9 +40,6 @@ __all__ = [
 ]  # fmt: skip
 
 _LOG2E = 1.4426950408889634
-# decode_tiles' unsplit 128-key tiles at about two programs per SM; LORAPLEX_ATTN_WIDE=0 keeps
-# 64-key tiles under decode_partitions everywhere (A/B in one build)
-_WIDE = os.environ.get("LORAPLEX_ATTN_WIDE", "1") != "0"
 
 
 @triton.jit
@@ -226,7 +222,7 @@ def _launch(
     fp32 = q.element_size() > 2
     block_m, block_n, parts = tiles
     max_ctx = block_tables.shape[1] * bs
-    if qsl is None and block_n is None and parts is None and not fp32 and d <= 128 and _WIDE:
+    if qsl is None and block_n is None and parts is None and not fp32 and d <= 128:
         block_n, parts = decode_tiles(num_seqs, hkv, max_ctx, device_sms(q.device))
     block_n = block_n or (16 if fp32 and qsl is None else 32 if fp32 or d > 128 else 64)
     if qsl is None:

@@ -74,14 +74,12 @@ def test_triton_candidate_matches_linear(interpret, dtype):
                                    rtol=tol, atol=tol)  # fmt: skip
 
 
-def test_triton_candidate_is_for_decode_sizes_and_can_be_turned_off(monkeypatch):
+def test_triton_candidate_is_for_decode_sizes():
     w = torch.empty(64, 128, dtype=torch.bfloat16)
     assert gemm._triton_allowed(w, 1) and gemm._triton_allowed(w, gemm.TRITON_MAX_TOKENS)
     assert not gemm._triton_allowed(w, gemm.TRITON_MAX_TOKENS + 1)
     assert not gemm._triton_allowed(w.float(), 8)  # float32 weights: cuBLAS only
     assert not gemm._triton_allowed(w.t(), 8)  # K not contiguous
-    monkeypatch.setenv("LORAPLEX_GEMM_TRITON", "0")
-    assert not gemm._triton_allowed(w, 8)
 
 
 def test_triton_tuning_skips_configs_the_device_cannot_take(monkeypatch):

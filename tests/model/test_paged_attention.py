@@ -202,7 +202,7 @@ def test_decode_tiles_heuristic() -> None:
 
 def test_decode_wide_tiles_by_default(monkeypatch) -> None:
     """The default config at about two programs per SM (device_sms patched small): 128-key
-    tiles, one partition, over contexts of several tiles and none."""
+    tiles, one partition, over contexts of several tiles and none; a caller's key tile wins."""
     c = Case([300, 3, 129, 0, 257], [1] * 5, 1, 4, 32, 16, torch.float16, seed=7)
     monkeypatch.setattr(pa, "device_sms", lambda device: 3)  # 5 programs: 1.5-3 x 3 SMs
     launched = []
@@ -220,8 +220,7 @@ def test_decode_wide_tiles_by_default(monkeypatch) -> None:
     out = pa.paged_decode_attention(c.q, c.k, c.v, c.meta.block_tables, c.ctx_t, c.scale)
     _check(out, c.reference(), torch.float16)
     assert launched == [(128, 1)]
-    monkeypatch.setattr(pa, "_WIDE", False)
-    pa.paged_decode_attention(c.q, c.k, c.v, c.meta.block_tables, c.ctx_t, c.scale)
+    pa.paged_decode_attention(c.q, c.k, c.v, c.meta.block_tables, c.ctx_t, c.scale, block_n=64)
     assert launched[1][0] == 64
 
 
