@@ -1,9 +1,10 @@
 """Prometheus metrics of one engine, in an own ``CollectorRegistry``.
 
-Two sources: values read from ``engine.stats()`` at scrape time (a custom collector: vLLM's
-``vllm:lora_requests_info``, residency, hits / misses / evictions, KV blocks, queue sizes) and
-engine events (``engine.subscribe``: per-adapter request counts, TTFT / inter-token latency,
-adapter load stages).
+Two sources: values read from ``engine.stats()`` at scrape time (a custom collector: the
+model-server protocol of the Gateway API Inference Extension, metrics_protocol.py; adapter
+residency, metrics_residency.py; KV blocks, queue sizes) and engine events
+(``engine.subscribe``: per-adapter request counts, TTFT / inter-token latency, adapter load
+stages). docs/metrics.md lists every metric.
 
 Adapter labels are bounded: the top-K adapters by request count get their own label value,
 every other adapter is ``"other"`` and the base model is ``"base"``. When an adapter climbs into
@@ -13,19 +14,19 @@ the top K, the one it displaces has its series removed, so at most K + 2 values 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.metrics_protocol import ProtocolView, cache_config_family, protocol_families
+from loraplex.engine.metrics_residency import Residency, ResidentAdapter, residency_families
 
-__all__ = ["Metrics", "AdapterLabels", "BASE_LABEL", "OTHER_LABEL"]
+__all__ = ["Metrics", "AdapterLabels", "BASE_LABEL", "OTHER_LABEL", "read_residency"]
 
 BASE_LABEL, OTHER_LABEL = "base", "other"
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -66,6 +67,55 @@ class AdapterLabels:
         return name
 
 
+def read_residency(engine: Any, stats: dict[str, Any]) -> Residency:
+    """Adapter residency of ``engine`` (``stats``: its ``stats()`` of this scrape).
+
+    The one place that reads the adapter registry: when the registry moves, only this
+    function follows it. An ``AsyncEngine`` lists its versions through its internals hook; any
+    other engine (the Ray ingress's ``ClusterEngine``) has only its stats: counts, no versions.
+    """
+    loaded = {
+        "gpu": len(stats.get("gpu_resident") or ()),
+        "cpu": len(stats.get("cpu_resident") or ()),
+    }
+    capacity = {"gpu": int(stats.get("max_loras") or 0)}
+    counters = dict(stats.get("adapters") or {})
+    if not isinstance(engine, AsyncEngine):
+        return Residency(None, loaded, capacity, counters)
+    cfg = engine.config
+    capacity["cpu"] = max(cfg.max_cpu_loras, cfg.max_loras)  # (as the adapter manager holds it)
+    manager = engine.testing.adapters
+    current = {id(manager.get(n)) for n in manager.names()}
+    rows = []
+    for v in manager.versions():
+        in_cpu = v.state.value == "cpu"  # a version in a GPU slot stays in the CPU tier
+        if v.slot is None and not in_cpu:
+            continue
+        rows.append(
+            ResidentAdapter(
+                name=v.name,
+                digest=v.digest,
+                tier="gpu" if v.slot is not None else "cpu",
+                pinned=bool(v.pinned),
+                rank=int(v.lora_rank or v.rank),
+                nbytes=int(getattr(v.adapter, "nbytes", 0) or v.nbytes),
+                current=id(v) in current,
+            )
+        )
+    return Residency(tuple(rows), loaded, capacity, counters)
+
+
+def _cache_config(engine: Any, stats: dict[str, Any]) -> Metric:
+    """``vllm:cache_config_info`` of ``engine``: the block size from its config (a cluster
+    front: from a replica's capacity report; every replica runs one config)."""
+    if isinstance(engine, AsyncEngine):
+        block_size, prefix = engine.config.block_size, engine.config.enable_prefix_caching
+    else:
+        cap = engine.capacity_report()
+        block_size, prefix = cap["kv_tokens"] // max(cap["kv_blocks"], 1), None
+    return cache_config_family(block_size, int(stats.get("num_blocks") or 0), prefix)
+
+
 class _StatsCollector(Collector):
     """Reads ``engine.stats()`` at scrape time; yields nothing while no engine is running."""
 
@@ -80,71 +130,62 @@ class _StatsCollector(Collector):
             model = self.engine.model_name
         except Exception:  # noqa: BLE001 - engine closed: nothing to report
             return
-        info = GaugeMetricFamily(
-            "vllm:lora_requests_info",
-            "Running stats on LoRA requests (value: the time of the scrape).",
-            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
-        )
-        info.add_metric(
-            [str(s["max_loras"]), ",".join(s["running_adapters"]), ",".join(s["waiting_adapters"])],
-            time.time(),
-        )
-        yield info
-        for state in ("running", "waiting"):
-            g = GaugeMetricFamily(
-                f"vllm:num_requests_{state}", f"Requests {state}.", labels=["model_name"]
-            )
-            g.add_metric([model], s[state])
-            yield g
-        yield _labelled(
-            GaugeMetricFamily, "loraplex_num_requests", "Requests by scheduler queue.", "state",
-            {"running": s["running"], "waiting": s["waiting"]},
-        )  # fmt: skip
-        yield _labelled(
-            GaugeMetricFamily, "loraplex_adapters_resident", "Adapters resident per tier.", "tier",
-            {"gpu": len(s["gpu_resident"]), "cpu": len(s["cpu_resident"])},
-        )  # fmt: skip
-        a = s["adapters"]
-        yield _labelled(
-            CounterMetricFamily, "loraplex_adapter_hits", "Requests whose adapter was resident.",
-            "tier", {"gpu": a.get("gpu_hits", 0), "cpu": a.get("cpu_hits", 0)},
-        )  # fmt: skip
-        yield CounterMetricFamily(
-            "loraplex_adapter_misses",
-            "Requests whose adapter was resident in no tier (a cold load).",
-            a.get("misses", a.get("loads", 0)),
-        )
-        yield CounterMetricFamily(
-            "loraplex_adapter_load_failures",
-            "Adapter loads that failed.",
-            a.get("load_failures", 0),
-        )
-        yield _labelled(
-            CounterMetricFamily, "loraplex_adapter_evictions", "Adapters evicted per tier.",
-            "tier", {"gpu": a.get("gpu_evictions", 0), "cpu": a.get("cpu_evictions", 0)},
-        )  # fmt: skip
-        yield _labelled(
-            GaugeMetricFamily, "loraplex_kv_blocks", "KV cache blocks by state.", "state",
-            {"used": s["num_used_blocks"], "free": s["num_free_blocks"]},
-        )  # fmt: skip
-        yield CounterMetricFamily(
-            "loraplex_preemptions", "Requests preempted for KV space.", s["preemptions"]
-        )
-        yield _labelled(
-            CounterMetricFamily, "loraplex_prefix_cache", "Prefix cache block lookups.", "result",
-            {"query": s["prefix_cache_queries"], "hit": s["prefix_cache_hits"]},
-        )  # fmt: skip
-        yield CounterMetricFamily("loraplex_engine_steps", "Engine steps run.", s.get("steps", 0))
-        yield CounterMetricFamily(
-            "loraplex_kernel_compiles_while_serving",
-            "Triton kernels compiled after start-up (each one stalls every stream).",
-            s.get("kernel_compiles_while_serving", 0),
-        )
-        yield GaugeMetricFamily(
-            "loraplex_host_pool_regions_in_use",
-            "Host-pool regions holding CPU-tier adapters.",
-            s.get("host_pool_regions_in_use", 0),
-        )
+        yield from protocol_families(ProtocolView.of(s), model)
+        yield _cache_config(self.engine, s)
+        yield from residency_families(read_residency(self.engine, s))
+        yield from _engine_families(s)
+
+
+def _engine_families(s: dict[str, Any]) -> Iterator[Metric]:
+    """The engine's own families (names kept from before the protocol families came)."""
+    yield _labelled(
+        GaugeMetricFamily, "loraplex_num_requests", "Requests by scheduler queue.", "state",
+        {"running": s["running"], "waiting": s["waiting"]},
+    )  # fmt: skip
+    yield _labelled(
+        GaugeMetricFamily, "loraplex_adapters_resident",
+        "Adapters resident per tier (as loraplex:adapters_loaded).", "tier",
+        {"gpu": len(s["gpu_resident"]), "cpu": len(s["cpu_resident"])},
+    )  # fmt: skip
+    a = s["adapters"]
+    yield _labelled(
+        CounterMetricFamily, "loraplex_adapter_hits", "Requests whose adapter was resident.",
+        "tier", {"gpu": a.get("gpu_hits", 0), "cpu": a.get("cpu_hits", 0)},
+    )  # fmt: skip
+    yield CounterMetricFamily(
+        "loraplex_adapter_misses",
+        "Requests whose adapter was resident in no tier (a cold load).",
+        a.get("misses", a.get("loads", 0)),
+    )
+    yield CounterMetricFamily(
+        "loraplex_adapter_load_failures", "Adapter loads that failed.", a.get("load_failures", 0)
+    )
+    yield _labelled(
+        CounterMetricFamily, "loraplex_adapter_evictions", "Adapters evicted per tier.",
+        "tier", {"gpu": a.get("gpu_evictions", 0), "cpu": a.get("cpu_evictions", 0)},
+    )  # fmt: skip
+    yield _labelled(
+        GaugeMetricFamily, "loraplex_kv_blocks", "KV cache blocks by state.", "state",
+        {"used": s["num_used_blocks"], "free": s["num_free_blocks"]},
+    )  # fmt: skip
+    yield CounterMetricFamily(
+        "loraplex_preemptions", "Requests preempted for KV space.", s["preemptions"]
+    )
+    yield _labelled(
+        CounterMetricFamily, "loraplex_prefix_cache", "Prefix cache block lookups.", "result",
+        {"query": s["prefix_cache_queries"], "hit": s["prefix_cache_hits"]},
+    )  # fmt: skip
+    yield CounterMetricFamily("loraplex_engine_steps", "Engine steps run.", s.get("steps", 0))
+    yield CounterMetricFamily(
+        "loraplex_kernel_compiles_while_serving",
+        "Triton kernels compiled after start-up (each one stalls every stream).",
+        s.get("kernel_compiles_while_serving", 0),
+    )
+    yield GaugeMetricFamily(
+        "loraplex_host_pool_regions_in_use",
+        "Host-pool regions holding CPU-tier adapters.",
+        s.get("host_pool_regions_in_use", 0),
+    )
 
 
 def _labelled(cls: Any, name: str, doc: str, label: str, values: dict[str, float]) -> Metric:
@@ -188,8 +229,19 @@ class Metrics:
             "loraplex_e2e_request_latency_seconds", "Arrival to finish.", ["adapter"],
             buckets=E2E_BUCKETS, registry=r,
         )  # fmt: skip
-        self.load_stage = Histogram(
+        self.load_seconds = Histogram(
+            "loraplex:adapter_load_seconds",
+            "Adapter load time per stage (h2d: a GPU slot write, also when the adapter came "
+            "from the CPU tier; total: a load into the CPU tier, fetch to parsed tensors).",
+            ["stage"], buckets=LOAD_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.load_stage = Histogram(  # (the name before loraplex:adapter_load_seconds)
             "loraplex_adapter_load_stage_seconds", "Adapter cold-load time per stage.", ["stage"],
+            buckets=LOAD_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.vllm_load = Histogram(
+            "vllm:lora_adapter_load_seconds",
+            "LoRA adapter load time into the CPU tier (fetch, verify, parse; slot writes apart).",
             buckets=LOAD_BUCKETS, registry=r,
         )  # fmt: skip
         self.loads = Counter(
@@ -217,7 +269,7 @@ class Metrics:
         elif event == "loop_lag":
             self.loop_lag.observe(data["lag_s"])
         elif event == "slot_write":
-            self.load_stage.labels("h2d").observe(data.get("h2d_s") or 0.0)
+            self._stage("h2d", data.get("h2d_s") or 0.0)
             self.slot_bytes.inc(data.get("nbytes") or 0)
 
     def _request(self, d: dict[str, Any]) -> None:
@@ -239,9 +291,14 @@ class Metrics:
         for stage, seconds in (d.get("timings") or {}).items():
             # NOTE: h2d is observed from slot_write; "*_start" keys are timestamps, not spans.
             if not stage.startswith("h2d") and not stage.endswith("_start"):
-                self.load_stage.labels(stage).observe(seconds)
+                self._stage(stage, seconds)
         if d.get("total_s") is not None:
-            self.load_stage.labels("total").observe(d["total_s"])
+            self._stage("total", d["total_s"])
+            self.vllm_load.observe(d["total_s"])
+
+    def _stage(self, stage: str, seconds: float) -> None:
+        self.load_seconds.labels(stage).observe(seconds)
+        self.load_stage.labels(stage).observe(seconds)
 
     def _forget(self, adapter: str) -> None:
         """Drop the series of an adapter that left the top K (it counts as "other" now)."""
