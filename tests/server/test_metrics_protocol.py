@@ -1,17 +1,22 @@
 """/metrics speaks the model-server protocol of the Gateway API Inference Extension (the names,
 types and labels its endpoint picker reads) and reports adapter residency, checked with
 prometheus_client's parser on a scripted run: one GPU slot, a long request on ``sql`` running,
-a cold request on ``poem`` waiting for that slot, then ``poem`` taking it (an eviction)."""
+a cold request on ``poem`` waiting for that slot, then ``poem`` taking it (an eviction); and
+docs/metrics.md names every family."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from loraplex.engine.serve_ray.board import Board
+from loraplex.engine.serve_ray.metrics import RoutingCollector
 from tests.server.conftest import BASE, serve
 
 Families = dict[str, Any]
@@ -179,3 +184,19 @@ def _check_residency(fams: Families, srv) -> None:
     # the names from before stay
     assert _per_tier(fams, "loraplex_adapters_resident") == {"gpu": 1, "cpu": 1}
     assert "loraplex_adapter_load_stage_seconds" in fams
+
+
+async def test_docs_list_every_metric(server):
+    """docs/metrics.md names every family loraplex serve and the Ray ingress export."""
+    await server.client().completions.create(model="sql", prompt=[5, 6], max_tokens=2)
+    names = set(await _scrape(server.url))
+    registry = CollectorRegistry()
+    board = Board("docs-test")
+    board.reports["r1"] = {"gpu": ["sql"], "cpu": ["sql"], "load": 0, "stats": {}}
+    board.decisions[("r1", "miss")] = 1
+    registry.register(RoutingCollector(board))
+    names |= {f.name for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    assert {"vllm:lora_requests_info", "loraplex:replica_lora_requests_info"} <= names
+    page = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    missing = sorted(n for n in names if not n.endswith("_created") and f"`{n}`" not in page)
+    assert not missing, f"docs/metrics.md does not name {missing}"
