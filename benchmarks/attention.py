@@ -87,10 +87,10 @@ def run_case(
     parts, block_n = args.partitions, args.block_n
     if parts is None:  # the kernel's defaults (_launch)
         sms = pa.device_sms(device)
-        if block_n is None and dtype != torch.float32 and d <= 128:
-            block_n, parts = pa.decode_tiles(batch, hkv, nblk * bs, sms)
+        if block_n is None:
+            fp32 = dtype == torch.float32
+            block_n, parts = pa.decode_tiles(batch, hkv, nblk * bs, sms, d, fp32, device)
         else:
-            block_n = block_n or (64 if d <= 128 else 32)
             parts = pa.decode_partitions(batch, hkv, nblk * bs, block_n, sms)
 
     def ours() -> None:

@@ -174,7 +174,7 @@ def main() -> None:
             rows = case(t, loras)
             bad = [r for r in rows if r[2] > 2e-2]
             ok = sorted((r for r in rows if r[2] <= 2e-2), key=lambda r: r[1])
-            d = (silu_mul_config if op == "silu_mul" else qkv_rope_config)(t, loras, R)
+            d = (silu_mul_config if op == "silu_mul" else qkv_rope_config)(t, loras, R, "cuda")
             key = label(d)
             default = next((r[1] for r in rows if r[0] == key), float("nan"))
             best = ok[0]

@@ -5,7 +5,7 @@ the engine runs them (CUDA-graph replays of ``--reps`` calls):
 
 - ``bf16``: ``F.linear`` on the bf16 augmented weight [W; A] (the bf16 decode GEMM);
 - ``fp8``: ``fp8_aug_linear`` (kernels/fp8_linear.py) with the engine's own config
-  (``fp8_linear_config``: the ``CONFIGS`` table, else the heuristic), and the best of a sweep
+  (``fp8_linear_config``: on sm_90 the ``CONFIGS`` table, else the heuristic), and the best of a sweep
   of tile shapes and split-K factors. The sweep's pick per (N, K, token tile) is printed as a
   ``CONFIGS`` table to paste into the kernel module. These are the tensor-core kernel, with
   its config passed explicitly, also at the token counts where the engine runs the GEMV.
@@ -188,7 +188,7 @@ def main() -> None:
             x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
             ref = fp8_aug_linear_torch(x, q, scale, a).float()
             bf16_ms = cycled([functools.partial(F.linear, x, c[3]) for c in copies], args.reps)
-            own = fp8_linear_config(t, n, k, k)
+            own = fp8_linear_config(t, n, k, k, dev)
             cfgs = [own] + ([] if args.no_sweep else sweep_configs(own.block_m, k))
             times = timed_configs(x, copies, cfgs, ref, f"{name} T={t}", args.reps)
             if own not in times:
@@ -220,9 +220,9 @@ def main() -> None:
             x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
             ref = fp8_aug_linear_torch(x, q, scale, a).float()
             bf16_ms = cycled([functools.partial(F.linear, x, c[3]) for c in copies], args.reps)
-            tc = fp8_linear_config(t, n, k, k)  # the tensor-core kernel at this T
+            tc = fp8_linear_config(t, n, k, k, dev)  # the tensor-core kernel at this T
             tc_ms = timed_configs(x, copies, [tc], ref, f"{name} T={t}", args.reps).get(tc)
-            own = fp8_gemv_config(t, n, k, k, e)
+            own = fp8_gemv_config(t, n, k, k, e, dev)
             cfgs = [own] + ([] if args.no_sweep else gemv_sweep_configs(n, k, e))
             times = timed_configs(x, copies, cfgs, ref, f"{name} T={t} gemv", args.reps)
             if own not in times:

@@ -88,7 +88,7 @@ def main() -> None:
                         cells.append(f"{us:.1f}us/{e:.0e}")
                     except Exception as ex:  # noqa: BLE001
                         cells.append(f"fail:{type(ex).__name__}")
-                d = norm_config(t, h, r if loras else 0)
+                d = norm_config(t, h, r if loras else 0, dev)
                 print(f"rank {r} loras {loras} T {t} (default {label(d)}): " + " | ".join(cells),
                       flush=True)  # fmt: skip
     print("configs:", [label(c) for c in configs])

@@ -50,15 +50,18 @@ def choices() -> dict[tuple[int, int, int], str]:
     return dict(_choice)
 
 
-def triton_configs(num_tokens: int, n: int, k: int) -> list[Fp8LinearConfig]:
-    """The split-K GEMM's candidates for (num_tokens, n, k): the kernel's own heuristic and
-    64-row tiles over K tiles of 128 / 256 split 1-8 ways (each split keeping >= 2 K tiles)."""
+def triton_configs(
+    num_tokens: int, n: int, k: int, device: torch.device | None = None
+) -> list[Fp8LinearConfig]:
+    """The split-K GEMM's candidates for (num_tokens, n, k): the kernel's own config on
+    ``device`` and 64-row tiles over K tiles of 128 / 256 split 1-8 ways (each split keeping
+    >= 2 K tiles). ``tune`` times them on the device and skips those it cannot launch."""
     import triton
 
     from loraplex.engine.model.kernels.fp8_linear import Fp8LinearConfig, fp8_linear_config
 
     bm = max(16, min(64, triton.next_power_of_2(max(num_tokens, 1))))
-    out = [fp8_linear_config(num_tokens, n, k, k)]
+    out = [fp8_linear_config(num_tokens, n, k, k, device)]
     for bk in (128, 256):
         for split in (1, 2, 4, 8):
             if k % (split * bk) == 0 and k // split >= 2 * bk:
@@ -175,7 +178,7 @@ def _tune_triton(
 
     prepare_fp8_linear(w.device)
     best: tuple[Fp8LinearConfig | None, float] = (None, float("inf"))
-    for cfg in triton_configs(x.shape[0], w.shape[0], w.shape[1]):
+    for cfg in triton_configs(x.shape[0], w.shape[0], w.shape[1], w.device):
         try:
             ms = _time_ms(lambda cfg=cfg: triton_linear(x, w, cfg), reps, flush)
         except (RuntimeError, ValueError, OutOfResources):  # a config this device cannot take

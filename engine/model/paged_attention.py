@@ -24,7 +24,6 @@ combine functions is what ``tl.max``/``tl.sum`` compile to, and the interpreter 
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -33,10 +32,12 @@ import triton.language as tl
 
 from loraplex.engine.model.attention import AttentionMetadata, paged_attention_reference
 from loraplex.engine.model.backend import triton_reaches
+from loraplex.engine.model.kernels.launch_table import GENERIC, LaunchTable, Rule, device_sms
 
 __all__ = [
-    "PagedInputs", "decode_partitions", "device_sms", "device_tensors", "paged_attention",
-    "paged_decode_attention", "paged_prefill_attention",
+    "DECODE_TILES", "PREFILL_TILES", "PagedInputs", "Tiles", "decode_partitions", "decode_tiles",
+    "device_sms", "device_tensors", "paged_attention", "paged_decode_attention",
+    "paged_prefill_attention",
 ]  # fmt: skip
 
 _LOG2E = 1.4426950408889634
@@ -159,16 +160,39 @@ def _merge_kernel(
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+class Tiles(NamedTuple):
+    """Default tiles of a launch: ``block_n`` keys a step; decode: ``parts`` partitions (None:
+    ``decode_partitions``); prefill: ``block_m`` rows (queries x padded heads) at most."""
+
+    block_n: int
+    parts: int | None = None
+    block_m: int = 0
 
 
-def device_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device``; 132 (an H100/H200) off CUDA."""
-    if device.type != "cuda":
-        return 132
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+# sm_90 register budgets without spills: bf16 D <= 128 decode 16 x 64 ~116 registers, prefill
+# 128 x 64 at 8 warps ~200; D = 256 takes half the keys; fp32 (FMA dots, the tests) smaller
+# tiles still. A decode grid that already holds about two programs per SM at one partition
+# (``half_waves`` = 2 x programs // SMs in 3..5, i.e. 1.5-3 programs per SM: 25-49 sequences of
+# 8 KV heads on 132 SMs) reads the context in 128-key tiles, unsplit: at 32 sequences on 132
+# SMs the fastest form at every context timed (ctx 512 / 2048 / 4000: 22.2 / 68.2 / 128.0 µs
+# against 25.0 / 72.2 / 132.8 for two partitions of 64-key tiles; the 128-key tile split in two
+# is the slowest; ``benchmarks/base_configs.py --only attention``).
+_DECODE_SM90: tuple[Rule[Tiles], ...] = (
+    Rule(Tiles(128, 1), fp32=0, head_dim=(None, 128), half_waves=(3, 5)),
+    Rule(Tiles(64), fp32=0, head_dim=(None, 128)),
+    Rule(Tiles(32), fp32=0),
+    Rule(Tiles(16)),
+)
+_PREFILL_SM90: tuple[Rule[Tiles], ...] = (
+    Rule(Tiles(32, block_m=32), fp32=1),
+    Rule(Tiles(32, block_m=64), head_dim=(129, None)),
+    Rule(Tiles(64, block_m=128)),
+)
+# Generic: the sm_90 rows. They take at most 74 KB of shared memory a block on sm_80 / sm_86 /
+# sm_89 (the 128-key decode tile at D = 128; prefill 128 x 64: 66 KB), so they run on any GPU;
+# other GPUs' fastest tiles were not measured.
+DECODE_TILES = LaunchTable("attention_decode", {"sm90": _DECODE_SM90, GENERIC: _DECODE_SM90})
+PREFILL_TILES = LaunchTable("attention_prefill", {"sm90": _PREFILL_SM90, GENERIC: _PREFILL_SM90})
 
 
 def decode_partitions(batch: int, num_kv_heads: int, max_ctx: int, block_n: int, sms: int) -> int:
@@ -181,17 +205,21 @@ def decode_partitions(batch: int, num_kv_heads: int, max_ctx: int, block_n: int,
     return parts
 
 
-def decode_tiles(batch: int, num_kv_heads: int, max_ctx: int, sms: int) -> tuple[int, int]:
-    """(key tile, partitions) for 16-bit decode with D <= 128. A grid that already holds about
-    two programs per SM at one partition (1.5-3 x ``sms``: 25-49 sequences of 8 KV heads on
-    132 SMs) reads the context in 128-key tiles, unsplit: at 32 sequences on 132 SMs that is
-    the fastest form at every context timed (ctx 512 / 2048 / 4000: 22.2 / 68.2 / 128.0 µs
-    against 25.0 / 72.2 / 132.8 for two partitions of 64-key tiles; the 128-key tile split in
-    two is the slowest; ``benchmarks/base_configs.py --only attention``). Elsewhere 64-key
-    tiles under ``decode_partitions``."""
-    if 2 * batch * num_kv_heads >= 3 * sms and batch * num_kv_heads < 3 * sms:
-        return 128, 1
-    return 64, decode_partitions(batch, num_kv_heads, max_ctx, 64, sms)
+def decode_tiles(
+    batch: int,
+    num_kv_heads: int,
+    max_ctx: int,
+    sms: int,
+    head_dim: int = 128,
+    fp32: bool = False,
+    device: torch.device | str | None = None,
+) -> tuple[int, int]:
+    """(key tile, partitions) of a decode launch on ``device`` (None: the generic rows):
+    ``DECODE_TILES``, partitions by ``decode_partitions`` where the row leaves them open."""
+    half_waves = 2 * batch * num_kv_heads // sms
+    tiles = DECODE_TILES.pick(device, fp32=int(fp32), head_dim=head_dim, half_waves=half_waves)
+    parts = tiles.parts or decode_partitions(batch, num_kv_heads, max_ctx, tiles.block_n, sms)
+    return tiles.block_n, parts
 
 
 def _launch(
@@ -217,23 +245,24 @@ def _launch(
     if t == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
     groups, g_pad = hq // hkv, triton.next_power_of_2(hq // hkv)
-    # Register budget on sm_90 (no spills): bf16 D<=128 decode 16x64 ~116 regs, prefill 128x64
-    # @8 warps ~200; D=256 needs half the keys; fp32 (FMA dots, tests) smaller tiles still.
     fp32 = q.element_size() > 2
     block_m, block_n, parts = tiles
     max_ctx = block_tables.shape[1] * bs
-    if qsl is None and block_n is None and parts is None and not fp32 and d <= 128:
-        block_n, parts = decode_tiles(num_seqs, hkv, max_ctx, device_sms(q.device))
-    block_n = block_n or (16 if fp32 and qsl is None else 32 if fp32 or d > 128 else 64)
     if qsl is None:
-        block_m = max(16, g_pad)
+        sms = device_sms(q.device)
+        # a row that sets the partitions too (the wide tile) only where the caller set neither
+        half_waves = 2 * num_seqs * hkv // sms if block_n is None and parts is None else 0
+        row = DECODE_TILES.pick(q.device, fp32=int(fp32), head_dim=d, half_waves=half_waves)
+        block_n = block_n or row.block_n
         if parts is None:
-            parts = decode_partitions(num_seqs, hkv, max_ctx, block_n, device_sms(q.device))
+            parts = row.parts or decode_partitions(num_seqs, hkv, max_ctx, block_n, sms)
+        block_m = max(16, g_pad)
     else:
         parts = 1
+        row = PREFILL_TILES.pick(q.device, fp32=int(fp32), head_dim=d)
+        block_n = block_n or row.block_n
         if block_m is None:
-            cap = 32 if fp32 else 64 if d > 128 else 128
-            block_m = min(cap, triton.next_power_of_2(max_query_len * g_pad))
+            block_m = min(row.block_m, triton.next_power_of_2(max_query_len * g_pad))
         block_m = max(block_m, g_pad, 16)
     block_d = triton.next_power_of_2(d)
     part = ml = out  # unused when parts == 1

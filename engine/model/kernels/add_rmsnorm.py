@@ -9,6 +9,7 @@ Nothing but ``T`` shapes the launch, so it can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ import triton
 import triton.language as tl
 
 from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
+from loraplex.engine.model.kernels.launch_table import GENERIC, LaunchTable, Rule
 from loraplex.engine.model.kernels.lora_delta import (
     block_r,
     dora_args,
@@ -25,7 +27,7 @@ from loraplex.engine.model.kernels.lora_delta import (
     lora_source,
 )
 
-__all__ = ["NormConfig", "norm_config", "lora_add_rmsnorm_triton", "rmsnorm_triton"]
+__all__ = ["NormConfig", "NORM_CONFIGS", "norm_config", "lora_add_rmsnorm_triton", "rmsnorm_triton"]
 
 
 @dataclass(frozen=True)
@@ -39,27 +41,41 @@ class NormConfig:
 SPLIT_RANK = 16  # steps reading more rank rows split their rows (add_rmsnorm_split.py)
 
 
-def norm_config(num_tokens: int, hidden: int = 4096, rank: int = 0) -> NormConfig:
-    """Decode-sized batches: one row per program, the whole row in one chunk (up to 4096) so
-    each pass is a single load/store round trip: at hidden 4096 that is 2.0-2.5 µs plain /
-    5.0-5.7 µs with 8 LoRA slots, against 3.5-3.8 / 7.3-8.2 µs for 1024-wide chunks and ~10 /
-    ~14 µs for 256-wide ones (benchmarks/norm_configs.py). Larger batches:
-    4-row blocks (one B tile load per slot and block).
+def _whole_row(shape: Mapping[str, int]) -> NormConfig:
+    """One row per program, the row (<= 2048 columns) in one chunk."""
+    return NormConfig(block_t=1, block_h=triton.next_power_of_2(shape["hidden"]), num_warps=8)
 
-    Steps reading more than ``SPLIT_RANK`` rank rows (``rank``) at decode sizes split each row
-    over 1024-column chunks: one program per row read all of a row's B slice (512 KB at rank
-    64 and hidden 4096) through one SM (add_rmsnorm_split.py). 8 rank-64 slots, T = 32 / 64:
-    7.2 / 12.2 µs, against 8.4 / 13.7 for 512-column chunks and 14.8 for whole rows
-    (``benchmarks/norm_configs.py --ranks 64``); beyond 32 rows, blocks of two rows (rows
-    come grouped by slot: a pair mostly shares its B chunk): 9.3 µs at T = 64, 9.0 at T = 32."""
-    if rank > SPLIT_RANK and num_tokens <= 256 and hidden <= 1024 * 64:
-        return NormConfig(
-            block_t=1 if num_tokens <= 32 else 2, block_h=1024, num_warps=8, split=True
-        )
-    if num_tokens <= 256:
-        block_h = min(4096, triton.next_power_of_2(hidden))
-        return NormConfig(block_t=1, block_h=block_h, num_warps=16 if block_h >= 4096 else 8)
-    return NormConfig(block_t=4, block_h=64, num_warps=4)
+
+# sm_90 (benchmarks/norm_configs.py): decode-sized batches one row per program, the whole row
+# in one chunk (up to 4096) so each pass is a single load/store round trip: at hidden 4096 that
+# is 2.0-2.5 µs plain / 5.0-5.7 µs with 8 LoRA slots, against 3.5-3.8 / 7.3-8.2 µs for
+# 1024-wide chunks and ~10 / ~14 µs for 256-wide ones. Larger batches: 4-row blocks (one B tile
+# load per slot and block). Steps reading more than SPLIT_RANK rank rows at decode sizes split
+# each row over 1024-column chunks: one program per row read all of a row's B slice (512 KB at
+# rank 64 and hidden 4096) through one SM (add_rmsnorm_split.py, whose workspace bounds the
+# rows to 256 and the chunks to 64). 8 rank-64 slots, T = 32 / 64: 7.2 / 12.2 µs, against
+# 8.4 / 13.7 for 512-column chunks and 14.8 for whole rows (``--ranks 64``); beyond 32 rows,
+# blocks of two rows (rows come grouped by slot: a pair mostly shares its B chunk): 9.3 µs at
+# T = 64, 9.0 at T = 32.
+_SPLIT = {"rank": (SPLIT_RANK + 1, None), "hidden": (None, 1024 * 64)}
+_SM90: tuple[Rule[NormConfig], ...] = (
+    Rule(NormConfig(1, 1024, 8, split=True), tokens=(None, 32), **_SPLIT),
+    Rule(NormConfig(2, 1024, 8, split=True), tokens=(None, 256), **_SPLIT),
+    Rule(NormConfig(1, 4096, 16), tokens=(None, 256), hidden=(2049, None)),
+    Rule(_whole_row, tokens=(None, 256)),
+    Rule(NormConfig(4, 64, 4)),
+)
+# Generic: the sm_90 rows. They take at most 16 KB of shared memory (compiled for sm_80, sm_86
+# and sm_90), so they run on any GPU; other GPUs' fastest configs were not measured.
+NORM_CONFIGS = LaunchTable("add_rmsnorm", {"sm90": _SM90, GENERIC: _SM90})
+
+
+def norm_config(
+    num_tokens: int, hidden: int = 4096, rank: int = 0, device: torch.device | str | None = None
+) -> NormConfig:
+    """The launch for ``num_tokens`` rows of ``hidden`` columns with a LoRA delta of ``rank``
+    rank rows (0: none) on ``device`` (None: the generic rows); ``NORM_CONFIGS``."""
+    return NORM_CONFIGS.pick(device, tokens=num_tokens, hidden=hidden, rank=rank)
 
 
 @triton.jit
@@ -174,7 +190,8 @@ def _launch(
     b, b_strides, num_slots, rank = lora_source(lora_b, delta, ya)
     if rank_bound is not None:
         rank = min(rank, rank_bound)  # the step's rank rows (lora/ranks.py)
-    cfg = config or norm_config(t, h, rank if lora_b is not None and y_aug is not None else 0)
+    lora_rank = rank if lora_b is not None and y_aug is not None else 0
+    cfg = config or norm_config(t, h, lora_rank, residual.device)
     use_dot = cfg.block_t >= 16
     dora = dora if has_lora and y_aug is not None else None
     if cfg.split:

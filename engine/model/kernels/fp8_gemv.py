@@ -13,6 +13,7 @@ the end. Same output, same launch shape otherwise: A rows in programs past the b
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +21,16 @@ import triton
 import triton.language as tl
 
 from loraplex.engine.model.kernels.fp8_splitk import _COUNTERS, _store_tile, prepare_fp8_linear
+from loraplex.engine.model.kernels.launch_table import GENERIC, LaunchTable, Rule, device_sms
 
-__all__ = ["GEMV_CONFIGS", "GEMV_MAX_TOKENS", "GEMV_TOKENS", "Fp8GemvConfig", "fp8_gemv_config"]
+__all__ = [
+    "FP8_GEMV_CONFIGS",
+    "GEMV_CONFIGS",
+    "GEMV_MAX_TOKENS",
+    "GEMV_TOKENS",
+    "Fp8GemvConfig",
+    "fp8_gemv_config",
+]
 
 
 GEMV_MAX_TOKENS = 2  # fp8_aug_linear runs the CUDA-core GEMV up to this many tokens
@@ -54,22 +63,16 @@ GEMV_CONFIGS: dict[tuple[int, int, int], Fp8GemvConfig] = {
 }
 
 
-def fp8_gemv_config(num_tokens: int, n: int, k: int, group: int, e: int = 0) -> Fp8GemvConfig:
-    """The GEMV launch for ``num_tokens`` (<= GEMV_TOKENS) rows against an (n, k) fp8 weight
-    (+ ``e`` A rows) whose scale groups span ``group`` columns of K.
-
-    Heuristic (not measured yet): 16 rows x 256 columns per step, 4 warps, each step summed
-    per row. A GEMV is bound by the weight bytes in flight per SM, and registers bound
-    those: compiled for sm_90, this config takes 40 registers at one token (64-71 at two),
-    so ~12 programs fit on an SM, each with 4 KB of fp8 loads per step; per-column
-    accumulators instead take 70 (one float32 per weight of the step). A step wider than
-    256 columns (32 lanes x 8) spans warps, and its per-row sum goes through shared memory.
-    Then K is split by
-    powers of 2 while the grid stays within ~8 programs per SM (132 SMs) and each split
-    keeps >= 4 steps: a 4096-wide output has only 256 row blocks, under 2 per SM."""
-    cfg = GEMV_CONFIGS.get((n, k, num_tokens))
-    if cfg is not None and (group == k or group % cfg.block_k == 0):
-        return cfg
+def _heuristic(shape: Mapping[str, int], programs: int) -> Fp8GemvConfig:
+    """Not measured yet: 16 rows x 256 columns per step, 4 warps, each step summed per row. A
+    GEMV is bound by the weight bytes in flight per SM, and registers bound those: compiled for
+    sm_90, this config takes 40 registers at one token (64-71 at two), so ~12 programs fit on
+    an SM, each with 4 KB of fp8 loads per step; per-column accumulators instead take 70 (one
+    float32 per weight of the step). A step wider than 256 columns (32 lanes x 8) spans warps,
+    and its per-row sum goes through shared memory. Then K is split by powers of 2 while the
+    grid stays within ``programs`` and each split keeps >= 4 steps: a 4096-wide output has
+    only 256 row blocks, under 2 per SM of an H100."""
+    n, k, group, e = shape["n"], shape["k"], shape["group"], shape["e"]
     bk = 256
     while bk > 32 and group != k and group % bk:
         bk //= 2
@@ -77,9 +80,46 @@ def fp8_gemv_config(num_tokens: int, n: int, k: int, group: int, e: int = 0) -> 
     bn = 16
     tiles = triton.cdiv(n, bn) + triton.cdiv(e, bn)
     split = 1
-    while tiles * split * 2 <= 1056 and k % (2 * split * bk) == 0 and k // (2 * split) >= 4 * bk:
+    while (
+        tiles * split * 2 <= programs and k % (2 * split * bk) == 0 and k // (2 * split) >= 4 * bk
+    ):
         split *= 2
     return Fp8GemvConfig(bn, bk, split, num_warps=4)
+
+
+def _tuned(cfg: Fp8GemvConfig) -> Callable[[Mapping[str, int]], Fp8GemvConfig | None]:
+    """A measured row: taken where its K step divides the weight's scale groups."""
+    return lambda s: cfg if s["group"] == s["k"] or s["group"] % cfg.block_k == 0 else None
+
+
+# sm_90 (H100 / H200): the measured shapes, then the heuristic for ~8 programs on each of 132
+# SMs. Elsewhere the heuristic for the device's SMs: no pipelined loads (one stage), a few KB
+# of shared memory at most, so it runs on any fp8-capable GPU.
+FP8_GEMV_CONFIGS = LaunchTable(
+    "fp8_gemv",
+    {
+        "sm90": (
+            *(Rule(_tuned(c), n=n, k=k, tokens=t) for (n, k, t), c in GEMV_CONFIGS.items()),
+            Rule(lambda s: _heuristic(s, 1056)),
+        ),
+        GENERIC: (Rule(lambda s: _heuristic(s, 8 * s["sms"])),),
+    },
+)
+
+
+def fp8_gemv_config(
+    num_tokens: int,
+    n: int,
+    k: int,
+    group: int,
+    e: int = 0,
+    device: torch.device | str | None = None,
+) -> Fp8GemvConfig:
+    """The GEMV launch for ``num_tokens`` (<= GEMV_TOKENS) rows against an (n, k) fp8 weight
+    (+ ``e`` A rows) whose scale groups span ``group`` columns of K, on ``device`` (None: the
+    generic rule); ``FP8_GEMV_CONFIGS``."""
+    sms = device_sms(torch.device(device)) if device is not None else 132
+    return FP8_GEMV_CONFIGS.pick(device, tokens=num_tokens, n=n, k=k, group=group, e=e, sms=sms)
 
 
 @triton.jit

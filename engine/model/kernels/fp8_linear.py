@@ -28,9 +28,10 @@ Shape of the launch, for the skinny decode GEMMs (T = 1..64 rows against 16-120 
 
 Grid ``((cdiv(N, BLOCK_N) + cdiv(E, BLOCK_N)), SPLIT_K, cdiv(T, BLOCK_M))``. Nothing but
 ``T`` shapes the launch, so it can be captured in a CUDA graph. Launch configurations come
-from ``CONFIGS`` (the fastest of a ``benchmarks/fp8_gemm.py`` sweep on sm_90) and
-``fp8_linear_config`` for shapes it lacks. Semantics: ``fp8_aug_linear_torch`` (the twin:
-de-quantize, then one float32 GEMM).
+from ``FP8_LINEAR_CONFIGS`` (launch_table.py): on sm_90 ``CONFIGS`` (the fastest of a
+``benchmarks/fp8_gemm.py`` sweep) and a heuristic for shapes it lacks; elsewhere the heuristic
+within a shared-memory budget that every fp8-capable GPU has. Semantics:
+``fp8_aug_linear_torch`` (the twin: de-quantize, then one float32 GEMM).
 
 At 1-2 tokens (``GEMV_MAX_TOKENS``) the same call runs the CUDA-core GEMV of
 ``fp8_gemv.py`` instead; both kernels share the split-K reduction of ``fp8_splitk.py``.
@@ -38,7 +39,8 @@ At 1-2 tokens (``GEMV_MAX_TOKENS``) the same call runs the CUDA-core GEMV of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -53,9 +55,17 @@ from loraplex.engine.model.kernels.fp8_gemv import (
     fp8_gemv_config,
 )
 from loraplex.engine.model.kernels.fp8_splitk import _COUNTERS, _store_tile, prepare_fp8_linear
+from loraplex.engine.model.kernels.launch_table import (
+    GENERIC,
+    GENERIC_SMEM_BYTES,
+    LaunchTable,
+    Rule,
+    device_sms,
+)
 
 __all__ = [
     "CONFIGS",
+    "FP8_LINEAR_CONFIGS",
     "GEMV_CONFIGS",
     "GEMV_MAX_TOKENS",
     "GEMV_TOKENS",
@@ -104,14 +114,18 @@ def _bucket(num_tokens: int) -> int:
     return 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64 if num_tokens <= 64 else 128
 
 
-def fp8_linear_config(num_tokens: int, n: int, k: int, group: int) -> Fp8LinearConfig:
-    """The launch configuration for ``num_tokens`` rows against an (n, k) fp8 weight whose
-    scale groups span ``group`` columns of K (BLOCK_K must divide it when group < k)."""
-    bm = _bucket(num_tokens)
-    cfg = CONFIGS.get((n, k, bm))
-    if cfg is not None and (group == k or group % cfg.block_k == 0):
-        return cfg
-    if bm == 128:  # prefill: a plain tiled GEMM, enough tiles without split-K
+def smem_bytes(cfg: Fp8LinearConfig) -> int:
+    """Shared memory the launch asks at most: ``num_stages`` buffers of the x tile and the
+    weight tile converted to 16 bits (Triton's count on sm_90; sm_8x keeps one buffer fewer)."""
+    return cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * 2
+
+
+def _heuristic(shape: Mapping[str, int], programs: int) -> Fp8LinearConfig:
+    """Prefill (``block_m`` 128): a plain tiled GEMM, enough tiles without split-K. Decode:
+    64-row weight tiles, K split while the grid is under ``programs`` and each split keeps >= 4
+    K tiles; the K tile divides the scale groups."""
+    bm, n, k, group = shape["block_m"], shape["n"], shape["k"], shape["group"]
+    if bm == 128:
         bk = 64 if group == k or group % 64 == 0 else 32
         return Fp8LinearConfig(128, 128, bk, split_k=1, num_warps=8, num_stages=3)
     bk = 256 if bm <= 32 else 128
@@ -121,10 +135,57 @@ def fp8_linear_config(num_tokens: int, n: int, k: int, group: int) -> Fp8LinearC
     bn = 64
     tiles = triton.cdiv(n, bn)
     split = 1
-    # split K while the grid is under ~2 programs per SM and each split keeps >= 4 K tiles
-    while tiles * split < 264 and k % (2 * split * bk) == 0 and k // (2 * split) >= 4 * bk:
+    while tiles * split < programs and k % (2 * split * bk) == 0 and k // (2 * split) >= 4 * bk:
         split *= 2
     return Fp8LinearConfig(bm, bn, bk, split_k=split, num_warps=4, num_stages=4)
+
+
+def _generic(shape: Mapping[str, int]) -> Fp8LinearConfig:
+    """The heuristic for ~2 programs per SM of the device, within ``GENERIC_SMEM_BYTES``:
+    fewer stages (down to 2), then a narrower K tile (a divisor of the one before, so the
+    scale groups and the split still divide)."""
+    cfg = _heuristic(shape, 2 * shape["sms"])
+    while smem_bytes(cfg) > GENERIC_SMEM_BYTES:
+        if cfg.num_stages > 2:
+            cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.block_k > 32:
+            cfg = replace(cfg, block_k=cfg.block_k // 2)
+        else:
+            break
+    return cfg
+
+
+def _tuned(cfg: Fp8LinearConfig) -> Callable[[Mapping[str, int]], Fp8LinearConfig | None]:
+    """A measured row: taken where its K tile divides the weight's scale groups."""
+    return lambda s: cfg if s["group"] == s["k"] or s["group"] % cfg.block_k == 0 else None
+
+
+# sm_90 (H100 / H200): the measured shapes, then the heuristic sized for 132 SMs. Elsewhere the
+# heuristic for the device's SMs within the generic shared-memory budget: the sm_90 rows'
+# 256-wide K tiles at 3-4 stages ask 120-144 KB a block compiled for sm_89, more than an L4 /
+# L40S / RTX 4090 gives (99 KB); the generic configs ask at most 72 KB there.
+FP8_LINEAR_CONFIGS = LaunchTable(
+    "fp8_linear",
+    {
+        "sm90": (
+            *(Rule(_tuned(c), n=n, k=k, block_m=bm) for (n, k, bm), c in CONFIGS.items()),
+            Rule(lambda s: _heuristic(s, 264)),  # ~2 programs on each of 132 SMs
+        ),
+        GENERIC: (Rule(_generic),),
+    },
+)
+
+
+def fp8_linear_config(
+    num_tokens: int, n: int, k: int, group: int, device: torch.device | str | None = None
+) -> Fp8LinearConfig:
+    """The launch configuration for ``num_tokens`` rows against an (n, k) fp8 weight whose
+    scale groups span ``group`` columns of K (BLOCK_K must divide it when group < k), on
+    ``device`` (None: the generic rule); ``FP8_LINEAR_CONFIGS``."""
+    sms = device_sms(torch.device(device)) if device is not None else 132
+    return FP8_LINEAR_CONFIGS.pick(
+        device, block_m=_bucket(num_tokens), n=n, k=k, group=group, sms=sms
+    )
 
 
 @triton.jit
@@ -276,8 +337,8 @@ def fp8_aug_linear(
     n = weight_fp8.shape[0]
     e = a.shape[0] if a is not None else 0
     if config is None and 0 < t <= GEMV_MAX_TOKENS:
-        config = fp8_gemv_config(t, n, k, group, e)
-    cfg = config or fp8_linear_config(t, n, k, group)
+        config = fp8_gemv_config(t, n, k, group, e, x.device)
+    cfg = config or fp8_linear_config(t, n, k, group, x.device)
     if group != k and group % cfg.block_k:
         raise ValueError(f"scale group {group} is not a multiple of BLOCK_K {cfg.block_k}")
     if cfg.split_k > 1 and k % (cfg.split_k * cfg.block_k):

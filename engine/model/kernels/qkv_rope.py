@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
+from loraplex.engine.model.kernels.launch_table import GENERIC, LaunchTable, Rule
 from loraplex.engine.model.kernels.lora_delta import (
     block_r,
     dora_args,
@@ -25,7 +26,7 @@ from loraplex.engine.model.kernels.lora_delta import (
     lora_source,
 )
 
-__all__ = ["QKVRopeConfig", "qkv_rope_config", "lora_qkv_rope_triton"]
+__all__ = ["QKVRopeConfig", "QKV_ROPE_CONFIGS", "qkv_rope_config", "lora_qkv_rope_triton"]
 
 
 @dataclass(frozen=True)
@@ -35,29 +36,35 @@ class QKVRopeConfig:
     block_k: int = 0  # > 0: packed LoRA delta (one dot per BLOCK_K rank columns, lora_delta)
 
 
-def qkv_rope_config(num_tokens: int, num_slots: int = 0, rank: int = 16) -> QKVRopeConfig:
-    """One token per program for small batches (adapters in parallel), 16-token blocks
-    (tensor-core delta, B tiles shared within a block) beyond; the packed delta where it timed
-    faster (``benchmarks/epilogue_configs.py``): 6.0 vs 6.4 µs at T = 64 with 8 slots, 7.6 vs
-    13.0 µs at T = 64 with 32. ptxas, sm_90, bf16, D = 128, R = 16: 86 registers (1 token, 4
-    warps), 128 (16 tokens, 8 warps).
+# sm_90 (``benchmarks/epilogue_configs.py``, bf16, D = 128): one token per program for small
+# batches (adapters in parallel), 16-token blocks (tensor-core delta, B tiles shared within a
+# block) beyond; the packed delta where it timed faster: 6.0 vs 6.4 µs at T = 64 with 8 slots,
+# 7.6 vs 13.0 µs at T = 64 with 32; ptxas, R = 16: 86 registers (1 token, 4 warps), 128
+# (16 tokens, 8 warps). Steps reading more than 16 rank rows with fewer than 16 slots (timed
+# with 8; more slots keep the rank-16 choices) at small batches: two tokens per program (rows
+# come grouped by slot, so the pair mostly shares its B tile), 8.9 against 14.3 µs at T = 32
+# with 8 rank-64 slots; at T = 64 the per-slot loop on 16-token blocks, 9.8 against 13.5 µs
+# for the packed delta.
+_SM90: tuple[Rule[QKVRopeConfig], ...] = (
+    Rule(QKVRopeConfig(2, 4), tokens=(None, 32), rank=(17, None), slots=(1, 15)),
+    Rule(QKVRopeConfig(16, 4), tokens=(None, 64), rank=(17, None), slots=(1, 15)),
+    Rule(QKVRopeConfig(1, 4), tokens=(None, 32)),
+    Rule(QKVRopeConfig(16, 4, block_k=64), slots=(16, None), tokens=(None, 64)),
+    Rule(QKVRopeConfig(16, 4, block_k=32), slots=(16, None)),
+    Rule(QKVRopeConfig(16, 4, block_k=32), tokens=(None, 64), slots=(1, None)),
+    Rule(QKVRopeConfig(16, 8)),
+)
+# Generic: the sm_90 rows. Their tiles take at most 34 KB of shared memory (compiled for sm_80,
+# sm_86 and sm_90), so they run on any GPU; other GPUs' fastest configs were not measured.
+QKV_ROPE_CONFIGS = LaunchTable("qkv_rope", {"sm90": _SM90, GENERIC: _SM90})
 
-    Steps reading more than 16 rank rows (``rank``) with fewer than 16 slots (timed with 8;
-    more slots keep the rank-16 choices) at small batches: two tokens per program
-    (rows come grouped by slot, so the pair mostly shares its B tile): 8.9 against 14.3 µs at
-    T = 32 with 8 rank-64 slots (``--rank 64`` sweep); at T = 64 the per-slot loop on 16-token
-    blocks, 9.8 against 13.5 µs for the packed delta."""
-    if num_tokens <= 32 and rank > 16 and 0 < num_slots < 16:
-        return QKVRopeConfig(block_t=2, num_warps=4)
-    if num_tokens <= 64 and rank > 16 and 0 < num_slots < 16:
-        return QKVRopeConfig(block_t=16, num_warps=4)
-    if num_tokens <= 32:
-        return QKVRopeConfig(block_t=1, num_warps=4)
-    if num_slots >= 16:
-        return QKVRopeConfig(block_t=16, num_warps=4, block_k=64 if num_tokens <= 64 else 32)
-    if num_tokens <= 64 and num_slots > 0:
-        return QKVRopeConfig(block_t=16, num_warps=4, block_k=32)
-    return QKVRopeConfig(block_t=16, num_warps=8)
+
+def qkv_rope_config(
+    num_tokens: int, num_slots: int = 0, rank: int = 16, device: torch.device | str | None = None
+) -> QKVRopeConfig:
+    """The launch for ``num_tokens`` rows over ``num_slots`` slots reading ``rank`` rank rows
+    on ``device`` (None: the generic rows); ``QKV_ROPE_CONFIGS``."""
+    return QKV_ROPE_CONFIGS.pick(device, tokens=num_tokens, slots=num_slots, rank=rank)
 
 
 @triton.jit
@@ -208,7 +215,7 @@ def lora_qkv_rope_triton(
         return
     b, b_strides, num_slots, rank = lora_source(lora_b, delta, y_aug)
     rank = mapping.rank_rows(rank)  # the step's rank rows (lora/ranks.py)
-    cfg = config or qkv_rope_config(t, num_slots, rank)
+    cfg = config or qkv_rope_config(t, num_slots, rank, y_aug.device)
     use_dot = cfg.block_t >= 16
     min_n = 16 if use_dot else 1
     hq, head_dim, hkv = q_out.shape[1], q_out.shape[2], k_cache.shape[2]

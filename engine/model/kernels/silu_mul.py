@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
+from loraplex.engine.model.kernels.launch_table import GENERIC, LaunchTable, Rule
 from loraplex.engine.model.kernels.lora_delta import (
     block_r,
     dora_args,
@@ -25,7 +26,7 @@ from loraplex.engine.model.kernels.lora_delta import (
     lora_source,
 )
 
-__all__ = ["SiluMulConfig", "silu_mul_config", "lora_silu_mul_triton"]
+__all__ = ["SiluMulConfig", "SILU_MUL_CONFIGS", "silu_mul_config", "lora_silu_mul_triton"]
 
 
 @dataclass(frozen=True)
@@ -36,31 +37,35 @@ class SiluMulConfig:
     block_k: int = 0  # > 0: packed LoRA delta (one dot per BLOCK_K rank columns, lora_delta)
 
 
-def silu_mul_config(num_tokens: int, num_slots: int = 0, rank: int = 16) -> SiluMulConfig:
-    """The fastest configs of ``benchmarks/epilogue_configs.py``, rows grouped by slot: the
-    packed delta up to 32 tokens (8 slots: 5.1 vs 8.1 µs at T = 8, 5.4 vs 6.1 at
-    T = 32), the per-slot loop at T = 64 (5.5 µs), 64-token packed blocks for many slots beyond
-    (13.6 vs 16.3 µs at T = 128 with 32 slots). ptxas, sm_90, bf16, R = 16: 114 registers
-    (16 x 64, 4 warps), 126 (16 x 128, 8 warps).
+# The fastest configs of ``benchmarks/epilogue_configs.py`` on sm_90 (bf16, rows grouped by
+# slot): the packed delta up to 32 tokens (8 slots: 5.1 vs 8.1 µs at T = 8, 5.4 vs 6.1 at
+# T = 32), the per-slot loop at T = 64 (5.5 µs), 64-token packed blocks for many slots beyond
+# (13.6 vs 16.3 µs at T = 128 with 32 slots); ptxas, R = 16: 114 registers (16 x 64, 4 warps),
+# 126 (16 x 128, 8 warps). Steps reading more than 16 rank rows with fewer than 16 slots (timed
+# with 8; more slots keep the rank-16 choices): up to 32 tokens the per-slot loop over 16 x 128
+# tiles, 11.1 against 16.0 µs for the packed delta at T = 32 with 8 rank-64 slots (the packed
+# form's dot spans every slot's rank columns of the block); at T = 64 the packed delta in
+# 32-column chunks on 16 x 128 tiles, 13.8 against 18.3 µs.
+_SM90: tuple[Rule[SiluMulConfig], ...] = (
+    Rule(SiluMulConfig(16, 128, 4), slots=(1, 15), tokens=(None, 32), rank=(17, None)),
+    Rule(SiluMulConfig(16, 128, 4, block_k=32), slots=(1, 15), tokens=(None, 64), rank=(17, None)),
+    Rule(SiluMulConfig(16, 64, 4, block_k=64), slots=(1, None), tokens=(None, 32)),
+    Rule(SiluMulConfig(16, 64, 4), tokens=(None, 64)),
+    Rule(SiluMulConfig(64, 128, 4, block_k=64), slots=(16, None)),
+    Rule(SiluMulConfig(16, 64, 4), slots=(1, None)),
+    Rule(SiluMulConfig(16, 128, 8)),
+)
+# Generic: the sm_90 rows. Their tiles take at most 56 KB of shared memory (compiled for sm_80,
+# sm_86 and sm_90), so they run on any GPU; other GPUs' fastest configs were not measured.
+SILU_MUL_CONFIGS = LaunchTable("silu_mul", {"sm90": _SM90, GENERIC: _SM90})
 
-    Steps reading more than 16 rank rows (``rank``) with fewer than 16 slots (timed with 8;
-    more slots keep the rank-16 choices) up to 32 tokens: the per-slot loop over
-    16 x 128 tiles, 11.1 against 16.0 µs for the packed delta at T = 32 with 8 rank-64 slots
-    (``--rank 64`` sweep: the packed form's dot spans every slot's rank columns of the block);
-    at T = 64 the packed delta in 32-column chunks on 16 x 128 tiles, 13.8 against 18.3 µs."""
-    if 0 < num_slots < 16 and num_tokens <= 32 and rank > 16:
-        return SiluMulConfig(block_t=16, block_n=128, num_warps=4)
-    if 0 < num_slots < 16 and num_tokens <= 64 and rank > 16:
-        return SiluMulConfig(block_t=16, block_n=128, num_warps=4, block_k=32)
-    if num_slots and num_tokens <= 32:
-        return SiluMulConfig(block_t=16, block_n=64, num_warps=4, block_k=64)
-    if num_tokens <= 64:
-        return SiluMulConfig(block_t=16, block_n=64, num_warps=4)
-    if num_slots >= 16:
-        return SiluMulConfig(block_t=64, block_n=128, num_warps=4, block_k=64)
-    if num_slots:
-        return SiluMulConfig(block_t=16, block_n=64, num_warps=4)
-    return SiluMulConfig(block_t=16, block_n=128, num_warps=8)
+
+def silu_mul_config(
+    num_tokens: int, num_slots: int = 0, rank: int = 16, device: torch.device | str | None = None
+) -> SiluMulConfig:
+    """The launch for ``num_tokens`` rows over ``num_slots`` slots reading ``rank`` rank rows
+    on ``device`` (None: the generic rows); ``SILU_MUL_CONFIGS``."""
+    return SILU_MUL_CONFIGS.pick(device, tokens=num_tokens, slots=num_slots, rank=rank)
 
 
 @triton.jit
@@ -155,7 +160,7 @@ def lora_silu_mul_triton(
         return
     b, b_strides, num_slots, rank = lora_source(lora_b, delta, y_aug)
     rank = mapping.rank_rows(rank)  # the step's rank rows (lora/ranks.py)
-    cfg = config or silu_mul_config(t, num_slots, rank)
+    cfg = config or silu_mul_config(t, num_slots, rank, y_aug.device)
     use_dot = cfg.block_t >= 16
     inter = out.shape[1]
     slots = mapping.token_slots
