@@ -1,4 +1,5 @@
-"""Base-model configuration read from a HF ``config.json`` (Llama, Mistral, Qwen2).
+"""Base-model configuration read from a HF ``config.json`` (Llama, Mistral, Qwen2, and the
+mixture-of-experts Qwen3-MoE and Mixtral: ``moe``, ``moe/spec.py``).
 
 Which families are served is the registry's business (``registry.py``): ``from_dict`` asks it
 for the architecture first, so an unsupported model fails with ``UnknownArchitectureError``
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.engine.model.errors import ModelConfigError
+from loraplex.engine.model.moe.spec import QK_NORM_MODEL_TYPES, MoeSpec, parse_moe
 from loraplex.engine.model.quant import Fp8Format, parse_quantization_config
 from loraplex.engine.model.registry import architecture_for
 
@@ -23,11 +25,14 @@ __all__ = [
     "VOCAB_LORA_MODULES",
     "VOCAB_LAYER",
     "MODULE_ORDER",
+    "MLP_MODULES",
     "ModelConfigError",
 ]
 
 # NOTE: the order is the order of slices in the fused layers: qkv = (q, k, v), gate_up = (gate, up).
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# a dense MLP's projections: absent from the sparse (experts) layers of a MoE model
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 # Model-level LoRA targets (one each, outside the decoder layers): the input embedding and the
 # LM head. Adapter weights key them as (VOCAB_LAYER, name); as LoRA "linears" they read
 # (in, out) = (vocab, hidden) for the embedding (PEFT's lora_embedding_A is (r, vocab), the
@@ -65,6 +70,9 @@ class ModelConfig:
     # rows past vocab_size that an adapter's full tables may add (EngineConfig's
     # lora_extra_vocab_size, set on the adapter checks' copy); 0: the base's rows only
     lora_extra_vocab_size: int = 0
+    # mixture of experts (moe/spec.py): its sparse layers have experts, not the MLP modules
+    moe: MoeSpec | None = None
+    qk_norm: bool = False  # q and k RMS-normalised per head before RoPE (Qwen3)
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -93,10 +101,21 @@ class ModelConfig:
         v, h = self.vocab_size, self.hidden_size
         return {"embed_tokens": (v, h), "lm_head": (h, v)}
 
+    def has_module(self, layer: int, module: str) -> bool:
+        """Whether decoder layer ``layer`` has LoRA module ``module`` (a MoE model's sparse
+        layers have no dense MLP projections)."""
+        moe = self.moe
+        return moe is None or module not in MLP_MODULES or not moe.is_sparse(layer)
+
     def adapter_module_shapes(self) -> dict[tuple[int, str], tuple[int, int]]:
         """(layer, module) -> (in, out) of every LoRA target of the model, vocab ones included."""
         per_layer = self.lora_module_shapes()
-        out = {(i, m): s for i in range(self.num_layers) for m, s in per_layer.items()}
+        out = {
+            (i, m): s
+            for i in range(self.num_layers)
+            for m, s in per_layer.items()
+            if self.has_module(i, m)
+        }
         out.update({(VOCAB_LAYER, m): s for m, s in self.vocab_lora_shapes().items()})
         return out
 
@@ -126,12 +145,13 @@ class ModelConfig:
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+            layers = int(cfg["num_hidden_layers"])
             return ModelConfig(
                 model_type=mtype,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=head_dim,
@@ -149,6 +169,8 @@ class ModelConfig:
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
                 architecture=arch,
                 quantization=quantization,
+                moe=parse_moe(cfg, mtype, layers),
+                qk_norm=mtype in QK_NORM_MODEL_TYPES,
                 raw=cfg,
             )
         except KeyError as e:

@@ -61,6 +61,8 @@ _FAMILIES: dict[str, tuple[str, str | ModelFamily]] = {
     "LlamaForCausalLM": ("llama", "loraplex.engine.model.llama:FAMILY"),
     "MistralForCausalLM": ("mistral", "loraplex.engine.model.llama:FAMILY"),
     "Qwen2ForCausalLM": ("qwen2", "loraplex.engine.model.llama:FAMILY"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "loraplex.engine.model.moe.weights:FAMILY"),
+    "MixtralForCausalLM": ("mixtral", "loraplex.engine.model.moe.weights:FAMILY"),
 }
 
 

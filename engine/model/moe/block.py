@@ -1,0 +1,57 @@
+"""One sparse MLP: the router and the experts of a decoder layer (HF's ``*SparseMoeBlock``).
+
+Weights as transformers 5 holds them in memory (the checkpoint stores them per expert;
+``weights.py`` reads both forms)::
+
+    router:    (E, H)        logits = h @ router.T
+    w_gate_up: (E, 2I, H)    rows 0 .. I: the expert's gate_proj (Mixtral w1), I .. 2I: up_proj (w3)
+    w_down:    (E, H, I)     down_proj (Mixtral w2)
+
+``forward``: routing (``routing.route``), then the experts' SwiGLU over the pairs sorted by
+expert (``grouped_gemm.moe_experts``): the Triton grouped GEMM or its torch twin. The router
+is not a LoRA target (phase 2 of issue 42 adds the experts' LoRA).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.engine.model.moe.grouped_gemm import moe_experts
+from loraplex.engine.model.moe.routing import route
+from loraplex.engine.model.moe.spec import MoeSpec
+
+__all__ = ["SparseMoe"]
+
+
+class SparseMoe(torch.nn.Module):
+    def __init__(
+        self, hidden: int, spec: MoeSpec, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        e, i = spec.num_experts, spec.expert_size
+        kw = {"dtype": dtype, "device": device}
+        self.router = torch.nn.Parameter(torch.empty(e, hidden, **kw), False)
+        self.w_gate_up = torch.nn.Parameter(torch.empty(e, 2 * i, hidden, **kw), False)
+        self.w_down = torch.nn.Parameter(torch.empty(e, hidden, i, **kw), False)
+        # a list: every forward appends its (T, k) expert ids (the decode benchmark counts the
+        # experts a step reads); None (serving): nothing kept
+        self.routed: list[torch.Tensor] | None = None
+
+    def forward(self, h: torch.Tensor, *, triton: bool) -> torch.Tensor:
+        """(T, H) -> (T, H) in the model dtype; ``triton``: the grouped GEMM kernel, else its
+        twin."""
+        spec = self.spec
+        logits = F.linear(h, self.router)  # (T, E)
+        weights, experts = route(
+            logits, spec.top_k, renormalize=spec.renormalize, fp32_weights=spec.fp32_weights
+        )
+        if self.routed is not None:
+            self.routed.append(experts)
+        return moe_experts(h, self.w_gate_up, self.w_down, weights, experts, triton=triton)
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's three projections."""
+        one = self.w_gate_up[0].numel() + self.w_down[0].numel()
+        return one * self.w_gate_up.element_size()

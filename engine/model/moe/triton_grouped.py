@@ -1,0 +1,145 @@
+"""Triton: the grouped expert GEMM over pairs sorted by expert (``grouped_gemm.grouped_gemm``).
+
+Grid ``(B, cdiv(N, BLOCK_N))`` for the B blocks of ``routing.ExpertBlocks``: program (b, n)
+computes ``block_m`` sorted pairs of one expert against columns ``n`` of that expert's weight,
+loading each (BLOCK_K, BLOCK_N) weight tile once for the block. Padding entries (pair == P) and
+unused blocks (expert -1) load and store nothing. Semantics and roundings: the loop in
+``grouped_gemm.py``; the twin ``grouped_gemm_torch``.
+
+B, P, N and K shape the launch; P (the step's token count times k) is not specialised on
+(``do_not_specialize``), so one compiled variant serves every step size of a config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.engine.model.moe.routing import ExpertBlocks
+
+__all__ = ["GroupedConfig", "grouped_config", "grouped_gemm_triton"]
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def grouped_config(block_m: int, n: int, k: int) -> GroupedConfig:
+    """The launch for blocks of ``block_m`` pairs. NOTE: not swept on a GPU yet (issue 42's
+    decode benchmark is where the rows of a launch table come from); tiles that fit any
+    supported GPU's shared memory: at most (64 x 128 + 128 x 128) 16-bit elements a stage."""
+    if block_m >= 64:
+        return GroupedConfig(block_n=128, block_k=64, num_warps=8, num_stages=3)
+    return GroupedConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
+
+
+@triton.jit(do_not_specialize=["P"])
+def _grouped_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    pairs_ptr,
+    experts_ptr,
+    scale_ptr,
+    P,
+    N,
+    K,
+    A_DIV: tl.constexpr,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    expert = tl.load(experts_ptr + blk)
+    if expert < 0:  # past the last used block
+        return
+    offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + offs_m)
+    live = pair < P
+    row = (pair // A_DIV).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + row[:, None] * stride_am
+    w_cols = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        a = tl.load(
+            a_rows + kk[None, :] * stride_ak, mask=live[:, None] & k_mask[None, :], other=0.0
+        )
+        w = tl.load(
+            w_cols + kk[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0
+        )
+        if IEEE:  # float32 weights: no TF32 (the CPU oracle's precision)
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+    y = acc.to(out_ptr.dtype.element_ty)
+    if HAS_SCALE:
+        s = tl.load(scale_ptr + pair, mask=live, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty)
+    out = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out, y, mask=live[:, None] & n_mask[None, :])
+
+
+def grouped_gemm_triton(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    blocks: ExpertBlocks,
+    out: torch.Tensor,
+    *,
+    a_div: int,
+    scale: torch.Tensor | None = None,
+    config: GroupedConfig | None = None,
+) -> None:
+    """Triton ``grouped_gemm``; shapes checked by the caller (``grouped_gemm.grouped_gemm``)."""
+    p, n = out.shape
+    if p == 0:
+        return
+    k = a.shape[1]
+    cfg = config or grouped_config(blocks.block_m, n, k)
+    grid = (blocks.num_blocks, triton.cdiv(n, cfg.block_n))
+    _grouped_kernel[grid](
+        a,
+        w,
+        out,
+        blocks.pairs,
+        blocks.experts,
+        scale if scale is not None else out,  # a pointer never read without HAS_SCALE
+        p,
+        n,
+        k,
+        a_div,
+        a.stride(0),
+        a.stride(1),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_M=blocks.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        HAS_SCALE=scale is not None,
+        IEEE=w.dtype == torch.float32,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
