@@ -1,0 +1,122 @@
+"""The MoE path's pieces on random data: routing against HF's routers, the expert-sorted
+blocks, the grouped GEMM's Triton kernel (interpreted on CPU) against its torch twin in float32
+and float16, and the experts' MLP against HF's expert loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.engine.model.moe.grouped_gemm import grouped_gemm, moe_experts
+from loraplex.engine.model.moe.routing import max_blocks, route, sort_by_expert
+
+transformers = pytest.importorskip("transformers")
+
+
+def _router(kind: str, e: int, k: int, h: int, norm: bool):
+    if kind == "qwen3_moe":
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+        cfg = transformers.Qwen3MoeConfig(
+            hidden_size=h, num_experts=e, num_experts_per_tok=k, norm_topk_prob=norm
+        )
+        return Qwen3MoeTopKRouter(cfg), dict(renormalize=norm, fp32_weights=False)
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    cfg = transformers.MixtralConfig(hidden_size=h, num_local_experts=e, num_experts_per_tok=k)
+    return MixtralTopKRouter(cfg), dict(renormalize=True, fp32_weights=True)
+
+
+@pytest.mark.parametrize(
+    ("kind", "norm"), [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_matches_hf_routers(kind, norm, dtype):
+    g = torch.Generator().manual_seed(0)
+    hf, kw = _router(kind, 8, 3, 32, norm)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(8, 32, generator=g))
+    hf = hf.to(dtype)
+    x = torch.randn(11, 32, generator=g).to(dtype)
+    _, hf_w, hf_ids = hf(x)
+    w, ids = route(torch.nn.functional.linear(x, hf.weight), 3, **kw)
+    assert torch.equal(ids, hf_ids)
+    assert w.dtype == hf_w.dtype and torch.equal(w, hf_w)
+
+
+@pytest.mark.parametrize(("t", "k", "e", "block_m"), [(1, 2, 4, 16), (7, 3, 5, 16), (40, 2, 3, 16)])
+def test_sort_by_expert_blocks(t, k, e, block_m):
+    g = torch.Generator().manual_seed(t)
+    experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])  # (T, k)
+    blocks = sort_by_expert(experts, e, block_m)
+    p = t * k
+    assert blocks.num_blocks == max_blocks(p, e, block_m)  # static: T, k, E only
+    flat = experts.reshape(-1)
+    seen = []
+    for b, owner in enumerate(blocks.experts.tolist()):
+        pairs = [q for q in blocks.pairs[b * block_m : (b + 1) * block_m].tolist() if q < p]
+        if owner < 0:
+            assert not pairs
+            continue
+        assert all(flat[q] == owner for q in pairs)
+        seen += pairs
+    assert sorted(seen) == list(range(p))
+    used = blocks.experts >= 0
+    assert bool((used[:-1] | ~used[1:]).all()), "unused blocks only at the end"
+
+
+def _weights(e: int, n: int, k: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    return (torch.randn(e, n, k, generator=g) / k**0.5).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("t", "top_k", "e", "n", "kdim"), [(1, 2, 4, 40, 24), (13, 3, 6, 72, 136)])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_grouped_gemm_triton_matches_twin(dtype, t, top_k, e, n, kdim, scaled):
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(t, kdim, generator=g).to(dtype)
+    w = _weights(e, n, kdim, dtype, g)
+    experts = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(t)]).reshape(-1)
+    scale = torch.rand(t * top_k, generator=g) if scaled else None
+    outs = []
+    for triton in (False, True):
+        out = torch.full((t * top_k, n), float("nan"), dtype=dtype)
+        grouped_gemm(a, w, experts, out, a_div=top_k, scale=scale, triton=triton)
+        outs.append(out)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(outs[1], outs[0], **tol)
+    # the loop of the docstring, pair by pair
+    p = t * top_k - 1  # the last pair
+    want = (a[p // top_k].float() @ w[experts[p]].float().t()).to(dtype)
+    if scale is not None:
+        want = (want.float() * scale[p]).to(dtype)
+    torch.testing.assert_close(outs[0][p], want, **tol)
+
+
+def test_grouped_gemm_refuses_bad_shapes():
+    a, w = torch.zeros(3, 8), torch.zeros(2, 4, 8)
+    with pytest.raises(ValueError, match="experts"):
+        grouped_gemm(a, w, torch.zeros(5, dtype=torch.int64), torch.zeros(6, 4), a_div=2,
+                     triton=False)  # fmt: skip
+    with pytest.raises(ValueError, match="w"):
+        grouped_gemm(a, torch.zeros(2, 4, 7), torch.zeros(6, dtype=torch.int64),
+                     torch.zeros(6, 4), a_div=2, triton=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_moe_experts_match_hf_expert_loop(triton):
+    """float32: the twin and the kernel against ``Qwen3MoeExperts.forward`` (HF's loop)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=48, num_experts=5, moe_intermediate_size=24)
+    hf = Qwen3MoeExperts(cfg)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        hf.gate_up_proj.copy_(_weights(5, 48, 48, torch.float32, g))
+        hf.down_proj.copy_(_weights(5, 48, 24, torch.float32, g))
+    x = torch.randn(9, 48, generator=g)
+    weights, experts = route(torch.randn(9, 5, generator=g), 2, renormalize=False,
+                             fp32_weights=False)  # fmt: skip
+    want = hf(x, experts, weights)
+    got = moe_experts(x, hf.gate_up_proj, hf.down_proj, weights, experts, triton=triton)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
