@@ -175,6 +175,12 @@ def fused_forward(
     and the epilogue (``_Side``); ``"0"``, inside; None: the ``LORAPLEX_LORA_SIDE`` switch.
     Only steps of up to ``SIDE_MAX_TOKENS`` tokens, not for an fp8 base nor under tensor
     parallelism (those steps keep the fused form)."""
+    own = getattr(model, "fused_forward", None)  # a family's own GPU forward (moe/forward.py)
+    if own is not None:
+        return own(
+            input_ids, positions, kv_caches, meta, token_slots, attention,
+            triton=triton, dora=dora, rank_bound=rank_bound,
+        )  # fmt: skip
     cfg = model.cfg
     t = input_ids.shape[0]
     eps = cfg.rms_norm_eps

@@ -120,3 +120,40 @@ def test_moe_experts_match_hf_expert_loop(triton):
     want = hf(x, experts, weights)
     got = moe_experts(x, hf.gate_up_proj, hf.down_proj, weights, experts, triton=triton)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", ["lora", "dora", "base"])
+def test_qk_norm_triton_matches_twin(dtype, case):
+    """``lora_qk_norm`` (Qwen3's q / k norm after the qkv LoRA epilogue): the kernel against its
+    twin on rows of three slots and base rows, and the twin against HF's RMSNorm per head."""
+    from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
+    from loraplex.engine.model.kernels.qk_norm import lora_qk_norm
+
+    g = torch.Generator().manual_seed(5)
+    t, hq, hkv, d, slots_n, rank = 19, 4, 2, 16, 3, 8
+    n = (hq + 2 * hkv) * d
+    y = torch.randn(t, n + 3 * slots_n * rank, generator=g).to(dtype)
+    b = (0.1 * torch.randn(slots_n, n, rank, generator=g)).to(dtype) if case != "base" else None
+    slots = torch.randint(-1, slots_n, (t,), generator=g, dtype=torch.int32)
+    qw, kw = ((1 + 0.1 * torch.randn(d, generator=g)).to(dtype) for _ in range(2))
+    dora = None
+    if case == "dora":
+        scale = (1 + 0.1 * torch.randn(slots_n + 1, n, generator=g)).to(dtype)
+        dora = DoraRows(scale, torch.tensor([1, 0, 1, 0], dtype=torch.int32), None)
+    outs = []
+    for triton in (False, True):
+        out = torch.empty(t, n, dtype=dtype)
+        lora_qk_norm(y, b, LoRAMapping(slots, triton=triton), qw, kw, 1e-6, out, hq, dora)
+        outs.append(out)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(outs[1], outs[0], **tol)
+    if case == "base":  # HF: weight * round(x * rsqrt(mean(x^2) + eps)) per head of q and k
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+        norm = Qwen3MoeRMSNorm(d, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(qw)
+        want_q = norm(y[:, : hq * d].reshape(t, hq, d)).reshape(t, -1)
+        torch.testing.assert_close(outs[0][:, : hq * d], want_q, rtol=0, atol=0)
+        torch.testing.assert_close(outs[0][:, (hq + hkv) * d :], y[:, (hq + hkv) * d : n])

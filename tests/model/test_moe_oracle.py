@@ -1,7 +1,8 @@
 """Mixture-of-experts bases (Qwen3-MoE, Mixtral) with attention-only adapters against HF
 transformers + PEFT: mixed batches of base rows and adapter rows, prefill and three decode
-steps, logits within float32 tolerance and greedy tokens identical, on the reference forward
-(the CPU path: the grouped GEMM's torch twin)."""
+steps, logits within float32 tolerance and greedy tokens identical; on the reference forward
+(the CPU path: the grouped GEMM's torch twin) and on the GPU forward run on the CPU (its
+epilogues and the grouped GEMM as torch twins, or as Triton kernels under the interpreter)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import random
 
 import pytest
 
+from loraplex.engine.model.backend import KernelBackend
 from tests.helpers.models import make_peft_adapter
 from tests.helpers.moe_models import MOE_KINDS, make_tiny_moe
 from tests.model.test_oracle_peft import hf_mixed_batch, ours, rel_err
@@ -58,3 +60,20 @@ def test_reference_forward_matches_peft(setup):
     # the adapter must change the output: guards against a LoRA path that silently does nothing
     a, b = SAME_PROMPT
     assert rel_err(our_steps[0][a], our_steps[0][b]) > 1e-2
+
+
+BACKENDS = {
+    "fused_twins": KernelBackend(fused=True, triton=False),  # epilogues, grouped GEMM: twins
+    "fused": "fused",  # Triton kernels under the interpreter
+}
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_gpu_forward_matches_peft(setup, backend):
+    kind, model_dir, adapters, prompts, names, _, hf_tokens = setup
+    if backend == "fused" and kind != "qwen3_moe":
+        pytest.skip("the interpreter is slow: Qwen3-MoE (q / k norm, a dense layer) covers it")
+    our_steps = ours(
+        model_dir, adapters, prompts, names, hf_tokens, kernel_backend=BACKENDS[backend]
+    )
+    check(setup, our_steps, backend)

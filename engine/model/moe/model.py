@@ -146,6 +146,13 @@ class MoeForCausalLM(LlamaForCausalLM):
             f"{self.cfg.architecture} with tensor_parallel_size 1"
         )
 
+    def fused_forward(self, *args, **kw) -> torch.Tensor:
+        """The GPU forward (``moe/forward.py``): ``fused.fused_forward`` hands a model that has
+        this method its arguments (the side form's ``side`` excepted)."""
+        from loraplex.engine.model.moe.forward import moe_fused_forward
+
+        return moe_fused_forward(self, *args, **kw)
+
     def sparse_blocks(self) -> list[SparseMoe]:
         """The sparse MLPs, in layer order."""
         return [layer.mlp for layer in self.layers if layer.mlp is not None]
