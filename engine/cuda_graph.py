@@ -163,7 +163,7 @@ class DecodeGraphs:
     def gemm_weights(self, rb: int | None = None) -> list[torch.Tensor]:
         """The weights of the GEMMs a graph of rank bucket ``rb`` runs (their prefixes)."""
         layer = self.model.layers[0]
-        mods = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        mods = tuple(dict.fromkeys(layer.lora_linears().values()))  # qkv, o, (gate_up, down)
         if lora_side() == "1":  # the base rows alone, their LoRA beside them (fused.py's _Side)
             return [
                 m.aug_rows(rb)[0][: m.out_features] if m.lora_b is not None else m.aug_rows(rb)[0]

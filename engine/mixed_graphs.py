@@ -148,7 +148,7 @@ class MixedGraphs:
 
     def capture(self, sb: int, tb: int) -> None:
         layer = self.model.layers[0]
-        mods = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        mods = tuple(dict.fromkeys(layer.lora_linears().values()))  # qkv, o, (gate_up, down)
         tune([m.weight_aug for m in mods if m.float_base], tb)  # fp8 bases: CONFIGS
         tune([self.model.lm_head], sb)
         graph, logits = capture_graph(lambda: self._forward(sb, tb), self.model.device, self.pool)

@@ -1,6 +1,7 @@
 """The MoE path's pieces on random data: routing against HF's routers, the expert-sorted
 blocks, the grouped GEMM's Triton kernel (interpreted on CPU) against its torch twin in float32
-and float16, and the experts' MLP against HF's expert loop."""
+and float16 (and bfloat16 on a GPU), the experts' MLP against HF's expert loop, and Qwen3's
+q / k norm epilogue against its twin."""
 
 from __future__ import annotations
 
@@ -11,6 +12,15 @@ from loraplex.engine.model.moe.grouped_gemm import grouped_gemm, moe_experts
 from loraplex.engine.model.moe.routing import max_blocks, route, sort_by_expert
 
 transformers = pytest.importorskip("transformers")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    if dtype == torch.float32:
+        return dict(rtol=1e-5, atol=1e-5)
+    return dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else dict(rtol=2e-2, atol=2e-2)
 
 
 def _router(kind: str, e: int, k: int, h: int, norm: bool):
@@ -69,21 +79,22 @@ def _weights(e: int, n: int, k: int, dtype: torch.dtype, g: torch.Generator) -> 
     return (torch.randn(e, n, k, generator=g) / k**0.5).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("t", "top_k", "e", "n", "kdim"), [(1, 2, 4, 40, 24), (13, 3, 6, 72, 136)])
 @pytest.mark.parametrize("scaled", [False, True])
 def test_grouped_gemm_triton_matches_twin(dtype, t, top_k, e, n, kdim, scaled):
     g = torch.Generator().manual_seed(1)
-    a = torch.randn(t, kdim, generator=g).to(dtype)
-    w = _weights(e, n, kdim, dtype, g)
+    a = torch.randn(t, kdim, generator=g).to(DEVICE, dtype)
+    w = _weights(e, n, kdim, dtype, g).to(DEVICE)
     experts = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(t)]).reshape(-1)
-    scale = torch.rand(t * top_k, generator=g) if scaled else None
+    experts = experts.to(DEVICE)
+    scale = torch.rand(t * top_k, generator=g).to(DEVICE) if scaled else None
     outs = []
     for triton in (False, True):
-        out = torch.full((t * top_k, n), float("nan"), dtype=dtype)
+        out = torch.full((t * top_k, n), float("nan"), dtype=dtype, device=DEVICE)
         grouped_gemm(a, w, experts, out, a_div=top_k, scale=scale, triton=triton)
         outs.append(out)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    tol = _tol(dtype)
     torch.testing.assert_close(outs[1], outs[0], **tol)
     # the loop of the docstring, pair by pair
     p = t * top_k - 1  # the last pair
@@ -114,15 +125,16 @@ def test_moe_experts_match_hf_expert_loop(triton):
     with torch.no_grad():
         hf.gate_up_proj.copy_(_weights(5, 48, 48, torch.float32, g))
         hf.down_proj.copy_(_weights(5, 48, 24, torch.float32, g))
-    x = torch.randn(9, 48, generator=g)
-    weights, experts = route(torch.randn(9, 5, generator=g), 2, renormalize=False,
+    hf = hf.to(DEVICE)
+    x = torch.randn(9, 48, generator=g).to(DEVICE)
+    weights, experts = route(torch.randn(9, 5, generator=g).to(DEVICE), 2, renormalize=False,
                              fp32_weights=False)  # fmt: skip
     want = hf(x, experts, weights)
     got = moe_experts(x, hf.gate_up_proj, hf.down_proj, weights, experts, triton=triton)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ["lora", "dora", "base"])
 def test_qk_norm_triton_matches_twin(dtype, case):
     """``lora_qk_norm`` (Qwen3's q / k norm after the qkv LoRA epilogue): the kernel against its
@@ -133,21 +145,22 @@ def test_qk_norm_triton_matches_twin(dtype, case):
     g = torch.Generator().manual_seed(5)
     t, hq, hkv, d, slots_n, rank = 19, 4, 2, 16, 3, 8
     n = (hq + 2 * hkv) * d
-    y = torch.randn(t, n + 3 * slots_n * rank, generator=g).to(dtype)
-    b = (0.1 * torch.randn(slots_n, n, rank, generator=g)).to(dtype) if case != "base" else None
-    slots = torch.randint(-1, slots_n, (t,), generator=g, dtype=torch.int32)
-    qw, kw = ((1 + 0.1 * torch.randn(d, generator=g)).to(dtype) for _ in range(2))
+    y = torch.randn(t, n + 3 * slots_n * rank, generator=g).to(DEVICE, dtype)
+    b = 0.1 * torch.randn(slots_n, n, rank, generator=g)
+    b = b.to(DEVICE, dtype) if case != "base" else None
+    slots = torch.randint(-1, slots_n, (t,), generator=g, dtype=torch.int32).to(DEVICE)
+    qw, kw = ((1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE, dtype) for _ in range(2))
     dora = None
     if case == "dora":
-        scale = (1 + 0.1 * torch.randn(slots_n + 1, n, generator=g)).to(dtype)
-        dora = DoraRows(scale, torch.tensor([1, 0, 1, 0], dtype=torch.int32), None)
+        scale = (1 + 0.1 * torch.randn(slots_n + 1, n, generator=g)).to(DEVICE, dtype)
+        on = torch.tensor([1, 0, 1, 0], dtype=torch.int32, device=DEVICE)
+        dora = DoraRows(scale, on, None)
     outs = []
     for triton in (False, True):
-        out = torch.empty(t, n, dtype=dtype)
+        out = torch.empty(t, n, dtype=dtype, device=DEVICE)
         lora_qk_norm(y, b, LoRAMapping(slots, triton=triton), qw, kw, 1e-6, out, hq, dora)
         outs.append(out)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(outs[1], outs[0], **tol)
+    torch.testing.assert_close(outs[1], outs[0], **_tol(dtype))
     if case == "base":  # HF: weight * round(x * rsqrt(mean(x^2) + eps)) per head of q and k
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from loraplex.engine.model.backend import KernelBackend
 from tests.helpers.models import make_peft_adapter
 from tests.helpers.moe_models import MOE_KINDS, make_tiny_moe
-from tests.model.test_oracle_peft import hf_mixed_batch, ours, rel_err
+from tests.model.test_oracle_peft import half_ok, hf_mixed_batch, ours, rel_err
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -77,3 +78,40 @@ def test_gpu_forward_matches_peft(setup, backend):
         model_dir, adapters, prompts, names, hf_tokens, kernel_backend=BACKENDS[backend]
     )
     check(setup, our_steps, backend)
+
+
+@pytest.mark.gpu
+def test_gpu_forward_in_bfloat16_against_peft(setup):
+    """bfloat16 on CUDA (Triton kernels, decode steps as CUDA graphs): against PEFT in float32
+    on the same GPU, our error is of the order of PEFT's own in bfloat16 (``half_ok``)."""
+    kind, model_dir, adapters, prompts, names, _, _ = setup
+    run = dict(model_dir=model_dir, adapters=adapters, prompts=prompts, names=names)
+    ref_steps, ref_tokens = hf_mixed_batch(**run, dtype=torch.float32, device="cuda")
+    hf_steps, _ = hf_mixed_batch(**run, dtype=torch.bfloat16, device="cuda", force=ref_tokens)
+    graphs: list[bool] = []
+    our_steps = ours(
+        model_dir, adapters, prompts, names, ref_tokens, dtype=torch.bfloat16, device="cuda",
+        graphs=graphs,
+    )  # fmt: skip
+    assert graphs[1:] == [True] * (len(graphs) - 1), "decode steps ran eagerly"
+    for step, ref_step in enumerate(ref_steps):
+        for row in range(len(prompts)):
+            ref = ref_step[row]
+            err, hf_err = rel_err(our_steps[step][row], ref), rel_err(hf_steps[step][row], ref)
+            assert half_ok(err, hf_err), f"{kind} step {step} row {row}: {err:.2e} vs {hf_err:.2e}"
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_equals_eager(setup):
+    """Decode through captured CUDA graphs (the batch padded to its bucket: padding rows are
+    routed to experts too) gives the same logits as the eager fused path, bit for bit."""
+    kind, model_dir, adapters, prompts, names, _, _ = setup
+    g = random.Random(6)
+    tokens = [[g.randrange(3, 200) for _ in ROWS] for _ in range(4)]
+    run = dict(dtype=torch.bfloat16, device="cuda")
+    graphs: list[bool] = []
+    graph = ours(model_dir, adapters, prompts, names, tokens, **run, graphs=graphs)
+    eager = ours(model_dir, adapters, prompts, names, tokens, **run, use_cuda_graphs=False)
+    assert graphs[1:] == [True] * (len(graphs) - 1)
+    for step, (a, b) in enumerate(zip(graph, eager, strict=True)):
+        assert torch.equal(a, b), f"{kind} step {step}: max diff {(a - b).abs().max().item()}"
