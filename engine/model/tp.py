@@ -67,6 +67,11 @@ class TPShard:
 
 
 def _check(cfg: ModelConfig, size: int) -> None:
+    if cfg.moe is not None:  # (before any other field: the experts are not split at all)
+        raise TensorParallelError(
+            f"mixture-of-experts models ({cfg.architecture}) are not split over ranks yet: "
+            "use tensor_parallel_size 1"
+        )
     if cfg.num_heads % size:
         raise TensorParallelError(f"{cfg.num_heads} attention heads do not split over {size} ranks")
     if cfg.num_kv_heads % size and size % cfg.num_kv_heads:

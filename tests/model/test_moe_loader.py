@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from loraplex.engine.model.config import ModelConfig, ModelConfigError
 from loraplex.engine.model.loader import ModelLoadError, load_model
 from loraplex.engine.model.moe.model import MoeForCausalLM
-from loraplex.engine.model.tp import TensorParallelError
+from loraplex.engine.model.tp import TensorParallelError, TPShard, shard_config
 from tests.helpers.models import TINY_CONFIG
 from tests.helpers.moe_models import MOE_KINDS, fuse_experts, make_tiny_moe
 
@@ -138,6 +138,12 @@ def test_checkpoints_with_other_expert_counts_are_refused(model_dir, tmp_path):
 
 
 def test_tensor_parallelism_is_refused(model_dir):
+    """Where the engine checks a model splits (parallel/group.py, before any worker starts;
+    the memory estimate of --dry-run), and on the model itself."""
+    cfg = ModelConfig.from_dir(model_dir)
+    with pytest.raises(TensorParallelError, match="mixture-of-experts .* tensor_parallel_size 1"):
+        shard_config(cfg, TPShard(0, 2))
+    assert shard_config(cfg, TPShard(0, 1)) is cfg
     model = _load(model_dir)
     with pytest.raises(TensorParallelError, match="not split over ranks"):
         model.set_tensor_parallel(None)  # type: ignore[arg-type]
