@@ -5,6 +5,8 @@ q / k norm epilogue against its twin."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -170,3 +172,18 @@ def test_qk_norm_triton_matches_twin(dtype, case):
         want_q = norm(y[:, : hq * d].reshape(t, hq, d)).reshape(t, -1)
         torch.testing.assert_close(outs[0][:, : hq * d], want_q, rtol=0, atol=0)
         torch.testing.assert_close(outs[0][:, (hq + hkv) * d :], y[:, (hq + hkv) * d : n])
+
+
+def test_grouped_gemm_launch_rows_fit_every_gpu():
+    """Each row of the grouped GEMM's launch table (every device entry) fits the shared memory
+    of its devices and Triton's dot tiles, for the block sizes the sort makes."""
+    from loraplex.engine.model.kernels.launch_table import GENERIC, GENERIC_SMEM_BYTES
+    from loraplex.engine.model.moe.grouped_gemm import block_m_for
+    from loraplex.engine.model.moe.triton_grouped import GROUPED_CONFIGS
+
+    assert set(GROUPED_CONFIGS.entries) == {GENERIC}  # an sm_90 entry gets its own limit here
+    for block_m in {block_m_for(p, 128) for p in (8, 512, 8192, 65536)}:
+        for (n, k), elem in itertools.product(((1536, 2048), (2048, 768), (28672, 4096)), (2, 4)):
+            cfg = GROUPED_CONFIGS.pick(None, block_m=block_m, n=n, k=k, elem=elem)
+            assert block_m >= 16 and cfg.block_n >= 16 and cfg.block_k >= 16
+            assert cfg.smem_bytes(block_m, elem) <= GENERIC_SMEM_BYTES, (cfg, elem)

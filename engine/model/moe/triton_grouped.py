@@ -18,9 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.engine.model.kernels.launch_table import GENERIC, LaunchTable, Rule
 from loraplex.engine.model.moe.routing import ExpertBlocks
 
-__all__ = ["GroupedConfig", "grouped_config", "grouped_gemm_triton"]
+__all__ = ["GROUPED_CONFIGS", "GroupedConfig", "grouped_config", "grouped_gemm_triton"]
 
 
 @dataclass(frozen=True)
@@ -30,14 +31,28 @@ class GroupedConfig:
     num_warps: int = 4
     num_stages: int = 2
 
+    def smem_bytes(self, block_m: int, elem: int = 2) -> int:
+        """Shared memory of the pipelined A (block_m x K tile) and W (K x N tile) loads."""
+        return (block_m + self.block_n) * self.block_k * elem * self.num_stages
 
-def grouped_config(block_m: int, n: int, k: int) -> GroupedConfig:
-    """The launch for blocks of ``block_m`` pairs. NOTE: not swept on a GPU yet (issue 42's
-    decode benchmark is where the rows of a launch table come from); tiles that fit any
-    supported GPU's shared memory: at most (64 x 128 + 128 x 128) 16-bit elements a stage."""
-    if block_m >= 64:
-        return GroupedConfig(block_n=128, block_k=64, num_warps=8, num_stages=3)
-    return GroupedConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
+
+# NOTE: not swept on a GPU yet (benchmarks/moe_decode.py is where an sm_90 entry's rows will come
+# from); the generic rows fit any supported GPU's shared memory (GENERIC_SMEM_BYTES): 16-bit
+# weights 72 KB for blocks of 64 pairs, 60 KB for blocks of 16; float32 at most 64 KB
+_GENERIC: tuple[Rule[GroupedConfig], ...] = (
+    Rule(GroupedConfig(block_n=64, block_k=64, num_warps=4, num_stages=2), elem=(4, None)),
+    Rule(GroupedConfig(block_n=128, block_k=64, num_warps=8, num_stages=3), block_m=(64, None)),
+    Rule(GroupedConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)),
+)
+GROUPED_CONFIGS = LaunchTable("moe_grouped_gemm", {GENERIC: _GENERIC})
+
+
+def grouped_config(
+    block_m: int, n: int, k: int, elem: int = 2, device: torch.device | str | None = None
+) -> GroupedConfig:
+    """The launch for blocks of ``block_m`` pairs against (N, K) expert weights of ``elem``
+    bytes an element on ``device`` (None: the generic rows); ``GROUPED_CONFIGS``."""
+    return GROUPED_CONFIGS.pick(device, block_m=block_m, n=n, k=k, elem=elem)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -115,7 +130,7 @@ def grouped_gemm_triton(
     if p == 0:
         return
     k = a.shape[1]
-    cfg = config or grouped_config(blocks.block_m, n, k)
+    cfg = config or grouped_config(blocks.block_m, n, k, w.element_size(), a.device)
     grid = (blocks.num_blocks, triton.cdiv(n, cfg.block_n))
     _grouped_kernel[grid](
         a,
