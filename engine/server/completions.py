@@ -8,7 +8,7 @@ from aiohttp import web
 
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.request import RequestOutput
-from loraplex.engine.server.body import read_json
+from loraplex.engine.server.body import read_request
 from loraplex.engine.server.errors import REQUEST_ID_KEY, APIError
 from loraplex.engine.server.generation import (
     Job,
@@ -115,7 +115,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     request.app[DRAIN_KEY].check_open()
     limits = request.app[LIMITS_KEY].for_context(engine.max_model_len)
-    req = parse_completion(await read_json(request), limits)
+    req = await read_request(request, lambda body: parse_completion(body, limits))
     adapter = adapter_for(engine, req.model, req.adapters)
     await engine.load_before_tokenizing(adapter)  # its own tokenizer, if it adds tokens
     reply_id = new_id("cmpl")
