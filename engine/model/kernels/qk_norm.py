@@ -25,8 +25,6 @@ from loraplex.engine.model.kernels.reference import dora_rows_torch, lora_delta_
 
 __all__ = ["lora_qk_norm", "lora_qk_norm_torch"]
 
-BLOCK_T = 16  # a tensor-core dot for the delta (lora_delta's USE_DOT)
-
 
 def _check(
     y_aug: torch.Tensor,

@@ -21,9 +21,10 @@ from loraplex.engine.model.kernels.lora_delta import (
     lora_delta,
     lora_source,
 )
-from loraplex.engine.model.kernels.qk_norm import BLOCK_T
 
 __all__ = ["lora_qk_norm_triton"]
+
+BLOCK_T = 16  # a tensor-core dot for the delta (lora_delta's USE_DOT)
 
 
 @triton.jit

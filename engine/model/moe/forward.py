@@ -26,7 +26,6 @@ for MoE models).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -37,15 +36,13 @@ from loraplex.engine.model.fused import _dora, _linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul, rmsnorm
 from loraplex.engine.model.kernels.qk_norm import lora_qk_norm
 from loraplex.engine.model.paged_attention import paged_attention
-
-if TYPE_CHECKING:
-    from loraplex.engine.model.moe.model import MoeForCausalLM
+from loraplex.engine.model.protocol import CausalLM
 
 __all__ = ["moe_fused_forward"]
 
 
 def moe_fused_forward(
-    model: MoeForCausalLM,
+    model: CausalLM,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -57,8 +54,9 @@ def moe_fused_forward(
     dora: bool = False,
     rank_bound: int | None = None,
 ) -> torch.Tensor:
-    """``fused.fused_forward``'s contract for a ``MoeForCausalLM``: input_ids, positions,
-    token_slots (T,) -> final normed hidden states (T, H)."""
+    """``fused.fused_forward``'s contract for a ``MoeForCausalLM`` (``moe/model.py``, which
+    calls this: typed by the protocol, no import back): input_ids, positions, token_slots (T,)
+    -> final normed hidden states (T, H)."""
     cfg = model.cfg
     t = input_ids.shape[0]
     eps = cfg.rms_norm_eps
