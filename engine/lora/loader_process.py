@@ -319,5 +319,9 @@ class LoaderProcesses:
                 proc.process.wait(timeout=2.0)
             except subprocess.TimeoutExpired:
                 proc.process.kill()
-                proc.process.wait(timeout=2.0)
+                # SIGKILL cannot be refused, but on a loaded machine the kernel may take
+                # seconds to tear a torch-sized process down: wait longer, and never let a
+                # slow exit fail the engine's close (the child is reaped when it goes).
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.process.wait(timeout=30.0)
         self.procs.clear()

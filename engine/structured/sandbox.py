@@ -234,7 +234,10 @@ class GrammarSandbox:
                 h.process.wait(timeout=2.0)
             except subprocess.TimeoutExpired:
                 h.process.kill()
-                h.process.wait(timeout=2.0)
+                # a loaded machine may take seconds to tear the child down after SIGKILL:
+                # a slow exit must not fail the engine's close
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    h.process.wait(timeout=30.0)
 
 
 def _settle(fut: asyncio.Future, msg: tuple) -> None:
