@@ -15,6 +15,7 @@ __all__ = [
     "AdapterSourceError",
     "AdapterPolicyError",
     "AdapterTooLargeError",
+    "SlotFullError",
 ]
 
 
@@ -68,3 +69,7 @@ class AdapterPolicyError(AdapterSourceError):
 
 class AdapterTooLargeError(LoRAError):
     """The adapter's files are larger than the configured byte quota."""
+
+
+class SlotFullError(LoRAError):
+    """Every GPU slot is pinned: a request that needs a new slot cannot be served."""

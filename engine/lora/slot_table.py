@@ -15,14 +15,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from loraplex.engine.lora.errors import LoRAError
+from loraplex.engine.lora.errors import SlotFullError
 from loraplex.engine.lora.version import AdapterState, AdapterVersion, _has_full
 
 __all__ = ["SlotTable", "SlotFullError"]
-
-
-class SlotFullError(LoRAError):
-    """Every GPU slot is pinned: a request that needs a new slot cannot be served."""
 
 
 class SlotTable:

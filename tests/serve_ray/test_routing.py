@@ -10,8 +10,9 @@ from collections import Counter
 import pytest
 
 from loraplex.engine.errors import EngineClosedError, InvalidRequestError
-from loraplex.engine.lora.errors import AdapterNotFoundError, AdapterPolicyError
+from loraplex.engine.lora.errors import AdapterNotFoundError, AdapterPolicyError, SlotFullError
 from loraplex.engine.serve_ray.routing import ReplicaView, rank_replicas, residency_key
+from loraplex.engine.server.errors import from_exception
 
 pytest.importorskip("ray.serve")
 
@@ -119,6 +120,14 @@ def test_wire_errors_come_back_typed():
     foreign = WireError("os", "system", "boom").exception()
     assert type(foreign) is RuntimeError and "boom" in str(foreign)
     assert issubclass(ReplicaFailedError, EngineClosedError)  # the server maps it to 503
+
+
+def test_slot_full_error_crosses_as_503():
+    """Every GPU slot pinned: the replica's SlotFullError is the ingress's HTTP 503, as on
+    ``loraplex serve`` (it used to arrive as a RuntimeError, i.e. a 500)."""
+    err = WireError.of(SlotFullError("all 2 GPU slots are pinned")).exception()
+    assert type(err) is SlotFullError and "pinned" in str(err)
+    assert from_exception(err).status == 503
 
 
 def test_cluster_stats_sum_counts_and_join_lists():
