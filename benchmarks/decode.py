@@ -146,7 +146,7 @@ async def coldload(engine, args, names, rows):
     loads = [v for v in engine.testing.adapters.versions() if v.name == "cold"]
     t = loads[0].timings if loads else {}
     from loraplex.engine.lora.slot_timing import measure_slot_write
-    from loraplex.engine.lora.staging import packed_for
+    from loraplex.engine.model.lora.slot_image import packed_for
 
     packed = packed_for(loads[0].adapter) if loads and loads[0].adapter is not None else None
     model = engine.testing.executor.model

@@ -28,8 +28,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels import triton
 
-from loraplex.engine.lora.mapping import DoraRows, LoRAMapping  # noqa: E402
 from loraplex.engine.model import kernels as K  # noqa: E402
+from loraplex.engine.model.lora.mapping import DoraRows, LoRAMapping  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, q heads, kv heads, head dim, layers
     "llama3-8b": (4096, 14336, 32, 8, 128, 32),

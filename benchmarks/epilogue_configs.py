@@ -20,7 +20,6 @@ import itertools
 import torch
 
 from benchmarks.graph_timing import graph_us
-from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.kernels.qkv_rope import (
     QKVRopeConfig,
     lora_qkv_rope_triton,
@@ -32,6 +31,7 @@ from loraplex.engine.model.kernels.silu_mul import (
     lora_silu_mul_triton,
     silu_mul_config,
 )
+from loraplex.engine.model.lora.mapping import LoRAMapping
 
 H, INTER, HQ, HKV, D = 4096, 14336, 32, 8, 128
 R = 16  # --rank
@@ -61,7 +61,7 @@ def sorted_slots(t: int, loras: int, dev: str) -> LoRAMapping:
 
 
 def _b(loras: int, n: int, g: torch.Generator) -> torch.Tensor:
-    """(L, n, R) bf16 stored (L, R, n), as the engine's slots (lora/layers.py)."""
+    """(L, n, R) bf16 stored (L, R, n), as the engine's slots (model/lora/layers.py)."""
     b = 0.05 * torch.randn(loras, R, n, device="cuda", generator=g)
     b = b.to(torch.bfloat16).permute(0, 2, 1)
     return b.contiguous() if B_COLUMN_MAJOR else b  # --b-layout column-major: (L, n, R) stored so

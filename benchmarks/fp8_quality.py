@@ -37,8 +37,8 @@ import torch
 from benchmarks.checkpoints import cpu_model_dir
 from benchmarks.record import append_cpu_record
 from loraplex.engine.lora.adapter import load_adapter
-from loraplex.engine.lora.slots import write_slot
 from loraplex.engine.model.loader import load_model
+from loraplex.engine.model.lora.slot_buffers import write_slot
 from loraplex.engine.model.quant import drop_float_bases, fp8_layers
 from loraplex.engine.model_runner import ModelRunner, StepItem
 

@@ -29,11 +29,11 @@ import torch
 import triton
 from triton.runtime.jit import JITFunction
 
-from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.kernels.add_rmsnorm import NormConfig, lora_add_rmsnorm_triton
-from loraplex.engine.model.kernels.lora_expand_delta import ExpandDeltaConfig, lora_expand_delta
 from loraplex.engine.model.kernels.qkv_rope import QKVRopeConfig, lora_qkv_rope_triton
 from loraplex.engine.model.kernels.silu_mul import SiluMulConfig, lora_silu_mul_triton
+from loraplex.engine.model.lora.mapping import LoRAMapping
+from loraplex.engine.model.lora.ops.expand_delta import ExpandDeltaConfig, lora_expand_delta
 
 H, INTER, HQ, HKV, D = 4096, 14336, 32, 8, 128
 SM_REGS, SM_SMEM, SM_WARPS = 65536, 228 * 1024, 64  # sm_90 per-SM limits

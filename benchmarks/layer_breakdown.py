@@ -18,10 +18,10 @@ import torch
 
 from benchmarks.graph_timing import graph_us
 from benchmarks.synthetic import LLAMA3_8B, random_model
-from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model import gemm
 from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul
+from loraplex.engine.model.lora.mapping import LoRAMapping
 from loraplex.engine.model.paged_attention import paged_decode_attention
 
 COLD_L2 = False  # --cold-l2: every launch after an L2 eviction, as after the step's GEMMs
@@ -62,7 +62,7 @@ def launches(model, loras: int, t: int, ctx_len: int, bound: int | None = None) 
     act = torch.empty(t, mc.intermediate_size, dtype=torch.bfloat16, device=dev)
     out = torch.empty_like(h)
     mods = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-    # the step's LoRA metadata, as fused_forward's (``bound``: its rank bucket, lora/ranks.py)
+    # the step's LoRA metadata, as fused_forward's (``bound``: its rank bucket, model/lora/ranks.py)
     mapping = LoRAMapping(slots, triton=True, rank_bound=bound)
     w_qkv, w_o, w_gu, w_d = (m.aug_rows(bound)[0] for m in mods)
     qkv = linear(h, w_qkv)

@@ -27,8 +27,8 @@ import torch
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from loraplex.engine.lora import ops  # noqa: E402
-from loraplex.engine.lora.mapping import LoRAMapping  # noqa: E402
+from loraplex.engine.model.lora import ops  # noqa: E402
+from loraplex.engine.model.lora.mapping import LoRAMapping  # noqa: E402
 
 # name -> (in_features, slice widths)
 LLAMA3_8B = {
@@ -84,8 +84,8 @@ def run_case(
     layer: str, in_features: int, widths: tuple[int, ...], batch: int, adapters: int,
     args: argparse.Namespace, device: torch.device, dtype: torch.dtype, bandwidth: float,
 ) -> Row:  # fmt: skip
-    from loraplex.engine.lora.ops.triton_expand import expand_config
-    from loraplex.engine.lora.ops.triton_shrink import device_sms, shrink_config
+    from loraplex.engine.model.lora.ops.triton_expand import expand_config
+    from loraplex.engine.model.lora.ops.triton_shrink import device_sms, shrink_config
 
     cuda = device.type == "cuda"
     r, num_slots, s = args.rank, args.max_loras, len(widths)

@@ -34,10 +34,10 @@ from collections.abc import Callable
 
 import torch
 
-from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul
-from loraplex.engine.model.kernels.lora_expand_delta import ExpandDeltaConfig, lora_expand_delta
+from loraplex.engine.model.lora.mapping import LoRAMapping
+from loraplex.engine.model.lora.ops.expand_delta import ExpandDeltaConfig, lora_expand_delta
 
 __all__ = ["VARIANTS", "projections", "check", "main"]
 

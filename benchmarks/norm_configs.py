@@ -1,6 +1,6 @@
 """Which (rows per program, chunk width, warps, split rows) makes the fused add+RMSNorm fastest
 at decode sizes, per LoRA rank; each config is also checked against the torch twin. B is laid
-out as the engine's slots (rank-major, lora/layers.py); split configs are add_rmsnorm_split.py.
+out as the engine's slots (rank-major, model/lora/layers.py); split configs are add_rmsnorm_split.py.
 
     python -m benchmarks.norm_configs [--ranks 16 64] [--batches 1 32 64 128] [--cold-l2]
 """
@@ -13,13 +13,13 @@ import functools
 import torch
 
 from benchmarks.graph_timing import graph_us
-from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.kernels.add_rmsnorm import (
     NormConfig,
     lora_add_rmsnorm_triton,
     norm_config,
 )
 from loraplex.engine.model.kernels.reference import lora_add_rmsnorm_torch
+from loraplex.engine.model.lora.mapping import LoRAMapping
 
 CONFIGS = [
     NormConfig(block_t=1, block_h=256, num_warps=8),

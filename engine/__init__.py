@@ -1,6 +1,6 @@
 """loraplex engine: one frozen base model, many LoRA adapters per continuous batch.
 
-The public names are imported lazily so that ``import loraplex.engine.lora.ops`` (and the
+The public names are imported lazily so that ``import loraplex.engine.model.lora.ops`` (and the
 like) does not pull in the whole engine.
 """
 

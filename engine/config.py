@@ -35,7 +35,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_adapter_bytes: int = 2 << 30
     # full-table slots for adapters whose modules_to_save replaces embed_tokens / lm_head
-    # (lora/full.py): LoRA slots 0..N-1 also hold one (vocab, hidden) table per module; 0:
+    # (model/lora/full.py): LoRA slots 0..N-1 also hold one (vocab, hidden) table per module; 0:
     # such adapters are refused (AdapterConfigError naming modules_to_save)
     max_full_module_loras: int = 0
     # rows past the base vocabulary that full tables may add (adapters that added tokens,

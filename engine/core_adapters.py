@@ -16,11 +16,12 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.errors import AdapterCompositionError, InvalidRequestError
 from loraplex.engine.executor import StepExecutor
 from loraplex.engine.lora.adapter import LoRAAdapter, load_magnitudes
-from loraplex.engine.lora.dora import compute_dora
 from loraplex.engine.lora.errors import AdapterNotFoundError
 from loraplex.engine.lora.loader import AdapterLoader
 from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion
-from loraplex.engine.lora.staging import packed_for
+from loraplex.engine.lora.tensor_checks import fold_dora
+from loraplex.engine.model.lora.dora import row_scales
+from loraplex.engine.model.lora.slot_image import packed_for
 from loraplex.engine.model.protocol import CausalLM
 from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
@@ -226,10 +227,11 @@ class AdapterOps:
         )
 
     def _compute_dora(self, v: AdapterVersion, adapter: LoRAAdapter) -> None:
-        """Worker thread: a DoRA adapter's row scales against this model (lora/dora.py)."""
+        """Worker thread: a DoRA adapter's row scales against this model (model/lora/dora.py)."""
         t0 = time.perf_counter()
         assert v.local_dir is not None  # (on failure the manager releases v's region)
-        compute_dora(self.model, adapter, load_magnitudes(v.local_dir, self.model_config))
+        mags = load_magnitudes(v.local_dir, self.model_config)
+        fold_dora(adapter, row_scales(self.model, adapter.name, adapter.weights, mags))
         v.timings["dora"] = time.perf_counter() - t0
 
     async def _fetched(self, v: AdapterVersion) -> None:

@@ -5,7 +5,7 @@ buffers; the batch is padded up to the bucket with rows that write no KV (slot -
 context (length 0) and use no adapter (slot -1). Everything a kernel needs at replay time is
 read from these device buffers, never from host values, so the captured launches stay valid.
 
-Rank buckets (lora/ranks.py): a decode graph of rank bucket r_b reads only the A rows of
+Rank buckets (model/lora/ranks.py): a decode graph of rank bucket r_b reads only the A rows of
 ranks < r_b of every slot and loops over r_b rank columns, so a step whose adapters all have
 rank <= r_b costs what it costs in an engine of ``max_lora_rank`` r_b. The step's bucket is
 the smallest one >= the largest rank among its rows' slots (``run(rank=...)``). Buckets above
@@ -19,10 +19,10 @@ from collections.abc import Callable
 
 import torch
 
-from loraplex.engine.lora.ranks import rank_bucket, rank_buckets
 from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.fused import fused_forward, lora_side
 from loraplex.engine.model.gemm import linear, tune
+from loraplex.engine.model.lora.ranks import rank_bucket, rank_buckets
 from loraplex.engine.model.protocol import CausalLM
 
 __all__ = ["DecodeGraphs", "BUCKETS", "capture_graph"]
@@ -62,7 +62,7 @@ def _logits(
         logits = out[: hidden.shape[0]].copy_(logits)
     else:
         logits = logits.float()
-    full = getattr(model, "full_modules", None)  # modules_to_save tables (lora/full.py)
+    full = getattr(model, "full_modules", None)  # modules_to_save tables (model/lora/full.py)
     if full is not None and full.extra:  # V + E wide: LoRA deltas on the base's, then widened
         head = model.lora_vocab().get("lm_head")
         if head is not None:

@@ -28,8 +28,8 @@ from loraplex.engine.kv import BlockManager
 from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion
 from loraplex.engine.lora.pool import HostPool
 from loraplex.engine.lora.slot_writer import SlotWriter
-from loraplex.engine.lora.slots import write_slot
 from loraplex.engine.mixed_graphs import MixedGraphs
+from loraplex.engine.model.lora.slot_buffers import write_slot
 from loraplex.engine.model.protocol import CausalLM
 from loraplex.engine.model_runner import ModelRunner, StepItem
 from loraplex.engine.request import Request

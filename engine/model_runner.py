@@ -14,12 +14,12 @@ from typing import Any
 import torch
 
 from loraplex.engine.cuda_graph import DecodeGraphs
-from loraplex.engine.lora.mapping import LoRAMapping
-from loraplex.engine.lora.ranks import adapter_rank, step_rank
-from loraplex.engine.lora.slots import write_slot
 from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.backend import KernelBackend, resolve_kernel_backend
 from loraplex.engine.model.fused import fused_forward
+from loraplex.engine.model.lora.mapping import LoRAMapping
+from loraplex.engine.model.lora.ranks import adapter_rank, step_rank
+from loraplex.engine.model.lora.slot_buffers import write_slot
 from loraplex.engine.model.protocol import CausalLM
 
 __all__ = ["StepItem", "ModelRunner"]
@@ -77,7 +77,7 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.slot_ranks: list[int] = [0] * model.max_loras
-        self.dora_slots: set[int] = set()  # slots holding a DoRA adapter (lora/dora.py)
+        self.dora_slots: set[int] = set()  # slots holding a DoRA adapter (model/lora/dora.py)
         self.graphs: DecodeGraphs | None = None
         self.last_was_graph = False
         self.last_events: tuple | None = None  # CUDA events around the last graph replay
@@ -96,7 +96,7 @@ class ModelRunner:
         """Write ``adapter`` into ``slot`` now, on the current stream (the synchronous path;
         CUDA engines of one rank write on a side stream, executor.py)."""
         write_slot(self.model, slot, adapter)
-        # NOTE: the graphs' rank bucket of a step reads this (lora/ranks.py): never too low
+        # NOTE: the graphs' rank bucket of a step reads this (model/lora/ranks.py): never too low
         self.slot_ranks[slot] = adapter_rank(adapter)
 
     def close(self) -> None:

@@ -18,9 +18,7 @@ import torch
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
-from loraplex.engine.lora.full import attach_full_modules, full_slot_bytes
 from loraplex.engine.lora.pool import HostPool
-from loraplex.engine.lora.staging import slot_image_numel
 from loraplex.engine.mixed_graphs import MixedGraphs
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.kernels.fp8_linear import prepare_fp8_linear
@@ -31,6 +29,8 @@ from loraplex.engine.model.kernels.fp8_w8a8 import (
     w8a8_supported,
 )
 from loraplex.engine.model.loader import load_model, resolve_dtype
+from loraplex.engine.model.lora.full import attach_full_modules, full_slot_bytes
+from loraplex.engine.model.lora.slot_image import slot_image_numel
 from loraplex.engine.model.protocol import CausalLM
 from loraplex.engine.model.quant import drop_float_bases, fp8_layers, quantize_model
 from loraplex.engine.model.tp import TensorParallelError, full_config
@@ -106,7 +106,7 @@ def _build(
             tensor_parallel=group.start() if group is not None else None,
         )
     if config.max_full_module_loras and getattr(model, "full_modules", None) is None:
-        # before the KV cache is sized from the free memory (lora/full.py)
+        # before the KV cache is sized from the free memory (model/lora/full.py)
         attach_full_modules(model, config.max_full_module_loras, config.lora_extra_vocab_size)
     if config.quantization == "fp8":
         quantize_model(model)  # a caller's float model (a loaded one is fp8 already)

@@ -100,8 +100,12 @@ def warm_slot_writes(model: Any, pool: Any, stream: Any) -> None:
     region, then the slot cleared: allocates the write's device staging buffer, loads its
     kernels and makes the full layout's scatter plans now rather than on the first cold
     loads."""
-    from loraplex.engine.lora.slots import clear_slot, prepare_scatter_plans, write_slot
-    from loraplex.engine.lora.staging import PackedAdapter, full_layout
+    from loraplex.engine.model.lora.slot_buffers import (
+        clear_slot,
+        prepare_scatter_plans,
+        write_slot,
+    )
+    from loraplex.engine.model.lora.slot_image import PackedAdapter, full_layout
 
     region = pool.acquire()
     if region is None:

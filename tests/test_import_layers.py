@@ -44,8 +44,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("plugin system", ("loraplex.plugins",)),
     # the built-in resolver plugins (local, huggingface, s3) and the loraplex.resolvers facade
     ("resolver plugins", ("loraplex.resolvers",)),
-    # the model, adapters (load pipeline, slots, kernels) and KV blocks, below the core
-    ("model, lora, kv", ("loraplex.engine.model", "loraplex.engine.lora", "loraplex.engine.kv")),
+    # the model with its LoRA compute (layers, mapping, kernels and twins, the slot image and
+    # the device half of a slot write) and KV blocks: nothing above them
+    ("model", ("loraplex.engine.model", "loraplex.engine.kv")),
+    # the adapter lifecycle (registry, load pipeline, host pool, slot table and writer)
+    ("lora", ("loraplex.engine.lora",)),
     # the engine core: AsyncEngine, EngineCore, step, scheduler, requests, runner, demo, ...
     ("core", ("loraplex.engine",)),
     # benchmark studies on the engine's API (``loraplex bench``); they never import the server

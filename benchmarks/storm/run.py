@@ -294,7 +294,7 @@ def idle_slot_writes(engine: AsyncEngine) -> dict[str, float]:
     q/k/v/o part (27 MB), next to a plain pinned copy."""
     from loraplex.engine.lora.adapter import LoRAAdapter
     from loraplex.engine.lora.slot_timing import measure_slot_write
-    from loraplex.engine.lora.staging import pack_adapter, packed_for
+    from loraplex.engine.model.lora.slot_image import pack_adapter, packed_for
 
     internals = engine.testing
     model = internals.executor.model

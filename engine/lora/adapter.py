@@ -5,7 +5,7 @@ Only safetensors are read: pickle-based weight files are refused, never opened.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +50,7 @@ from loraplex.engine.model.config import (
     MODULE_ORDER,
     ModelConfig,
 )
+from loraplex.engine.model.lora.weights import LoRAWeights, WeightsView
 
 __all__ = [
     "MAX_ADAPTER_WEIGHT",
@@ -75,32 +76,18 @@ ModuleDims = dict[tuple[int, str], tuple[int, int, int]]
 PairSink = Callable[[tuple[int, str], torch.Tensor, torch.Tensor, float], None]
 
 
-@dataclass(frozen=True)
-class LoRAWeights:
-    a: torch.Tensor  # (r, in)
-    b: torch.Tensor  # (out, r), LoRA scale already folded in
-
-
-class WeightsView(Mapping[tuple[int, str], LoRAWeights]):
-    """Read-only weights whose tensors are made on access (e.g. views of a packed slot image,
-    staging.PackedWeights); knows its rank and byte size without making them."""
-
-    rank: int
-    nbytes: int
-
-
 @dataclass
 class LoRAAdapter:
     name: str
     path: str
     config: PeftLoRAConfig
-    # (layer index, module short name) -> tensors; a WeightsView once packed (staging.py)
+    # (layer index, module short name) -> tensors; a WeightsView once packed (slot_image.py)
     weights: dict[tuple[int, str], LoRAWeights] | WeightsView
     # DoRA: (layer, module) -> the row scale m / ||W + s B A|| (out,) float32, folded into B
     # too (dora.py); None for plain LoRA and until computed against the base
     dora: dict[tuple[int, str], torch.Tensor] | None = None
     # modules_to_save: "embed_tokens" / "lm_head" -> the full (vocab, hidden) table that
-    # replaces the base's for this adapter's rows (lora/full.py); empty for most adapters
+    # replaces the base's for this adapter's rows (model/lora/full.py); empty for most adapters
     full: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property

@@ -1,5 +1,5 @@
 """Adapters that added tokens: full ``embed_tokens`` / ``lm_head`` tables (modules_to_save,
-lora/full.py) with V + k rows for a base vocabulary of V, served with
+model/lora/full.py) with V + k rows for a base vocabulary of V, served with
 ``lora_extra_vocab_size`` = E >= k.
 
 Such an adapter brings its own ``tokenizer.json`` (PEFT users save it next to the adapter after

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.engine.lora.adapter import LoRAAdapter, LoRAWeights, check_weight_values
+from loraplex.engine.lora.adapter import LoRAAdapter, check_weight_values
 from loraplex.engine.lora.errors import AdapterConfigError, AdapterRankError
 from loraplex.engine.model.config import MODULE_ORDER
+from loraplex.engine.model.lora.weights import LoRAWeights
 
 __all__ = ["combine_adapters"]
 

@@ -2,7 +2,7 @@
 
     resolve (plugin, cheap) -> fetch (async I/O into a staging dir) -> verify (sha256 digest)
     -> preflight (config + safetensors header) -> stage (stager.py: parse and pack into one
-    host-pool region: pinned, shared memory; modules_to_save tables, lora/full.py, are not in
+    host-pool region: pinned, shared memory; modules_to_save tables, model/lora/full.py, are not in
     the region: plain CPU tensors of the adapter, read in this process)
 
 This module owns sources, fetch / verify / preflight and the staging directory; the stage

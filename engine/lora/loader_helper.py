@@ -175,7 +175,8 @@ class _Helper:
     def _stage_sync(self, p: dict, stop: threading.Event) -> dict:
         import torch
 
-        from loraplex.engine.lora.staging import packed_for, stage_file
+        from loraplex.engine.lora.staging import stage_file
+        from loraplex.engine.model.lora.slot_image import packed_for
 
         t0 = time.perf_counter()
         dtype = getattr(torch, p["dtype"])

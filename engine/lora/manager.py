@@ -5,7 +5,7 @@ already holding the old version finish on it. Tiers:
 
     CPU tier  (max_cpu_loras, LRU)  parsed tensors, pinned when serving on CUDA
     GPU slots (max_loras, LRU)      slot buffers inside every LoRA layer; slots
-                                    0..max_full-1 also hold full tables (lora/full.py), the
+                                    0..max_full-1 also hold full tables (model/lora/full.py), the
                                     only ones an adapter with modules_to_save tables takes
 
 A version in a GPU slot stays in the CPU tier. A slot is reassigned only when no running
@@ -80,7 +80,7 @@ class AdapterManager:
     ) -> None:
         self.max_loras = max_loras
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
-        # slots 0..max_full-1 also hold full tables (lora/full.py): the only ones an adapter
+        # slots 0..max_full-1 also hold full tables (model/lora/full.py): the only ones an adapter
         # with modules_to_save tables may take; other adapters take them last
         self.max_full = max_full
         self._loader = loader

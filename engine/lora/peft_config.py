@@ -77,7 +77,7 @@ class PeftLoRAConfig:
     exclude_modules: tuple[str, ...] | str | None = None
     use_dora: bool = False  # DoRA: every targeted module has a lora_magnitude_vector
     # full tables the adapter replaces (PEFT modules_to_save), as short names: "embed_tokens",
-    # "lm_head" (served only with max_full_module_loras > 0, lora/full.py)
+    # "lm_head" (served only with max_full_module_loras > 0, model/lora/full.py)
     modules_to_save: tuple[str, ...] = ()
     # PEFT's ensure_weight_tying: on a base with tied embeddings, a LoRA on embed_tokens also
     # wraps lm_head (and the other way round), saved as a LoRA of its own on the partner

@@ -1,6 +1,6 @@
 """GPU slots: which adapter version holds each, and which one a version may take.
 
-Slots ``0 .. max_full - 1`` also hold full tables (lora/full.py): the only ones an adapter with
+Slots ``0 .. max_full - 1`` also hold full tables (model/lora/full.py): the only ones an adapter with
 modules_to_save tables may take; other adapters take them last. A slot is taken from its owner
 only when the owner is idle: no running request reads it (``slot_refs == 0``), its write has
 completed, no operator pin holds it, and (unless ``force``: a starved request needs a slot) no

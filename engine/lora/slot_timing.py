@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.engine.lora.slots import forget_slot_contents, write_slot
+from loraplex.engine.model.lora.slot_buffers import forget_slot_contents, write_slot
 
 if TYPE_CHECKING:
-    from loraplex.engine.lora.staging import PackedAdapter
+    from loraplex.engine.model.lora.slot_image import PackedAdapter
     from loraplex.engine.model.protocol import CausalLM
 
 __all__ = ["measure_slot_write"]

@@ -26,7 +26,7 @@ from typing import Any
 import structlog
 import torch
 
-from loraplex.engine.lora.slots import write_slot
+from loraplex.engine.model.lora.slot_buffers import write_slot
 
 __all__ = ["SlotWriter"]
 

@@ -1,7 +1,7 @@
 """The stage step of a cold load: an adapter version's fetched files (loader.py) parsed into
 the CPU tensors the engine copies into a GPU slot.
 
-The tensors are one contiguous slot image (staging.py) written into a region of the engine's
+The tensors are one contiguous slot image (model/lora/slot_image.py, packed by staging.py) written into a region of the engine's
 host pool (pinned, shared memory, pool.py) when it has one, else into a fresh buffer. With
 loader processes (``loader_process.py``) a helper parses and packs straight into the region and
 this process adopts it; otherwise a thread of this process does, and a cancelled stage stops
@@ -25,15 +25,10 @@ from loraplex.engine.lora.errors import AdapterNotFoundError
 from loraplex.engine.lora.loader_process import LoaderProcesses
 from loraplex.engine.lora.manager import AdapterVersion
 from loraplex.engine.lora.pool import HostPool, Region
-from loraplex.engine.lora.staging import (
-    PackedAdapter,
-    PackEntry,
-    adopt_packed,
-    stage_file,
-    stage_packed,
-)
+from loraplex.engine.lora.staging import adopt_packed, stage_file, stage_packed
 from loraplex.engine.lora.thread_jobs import run_to_end
 from loraplex.engine.model.config import ModelConfig
+from loraplex.engine.model.lora.slot_image import PackedAdapter, PackEntry
 
 __all__ = ["AdapterStager"]
 
@@ -91,7 +86,7 @@ class AdapterStager:
                 on_end=end,
             )
             adapter = await asyncio.to_thread(self._adopt, v, r, region, dtype)
-            if adapter.config.modules_to_save:  # not in the region: read here (lora/full.py)
+            if adapter.config.modules_to_save:  # not in the region: read here (model/lora/full.py)
                 adapter.full = await asyncio.to_thread(
                     load_full_tables, r["path"], self.model_config, dtype
                 )

@@ -1,11 +1,12 @@
 """Checks of an adapter file's tensors by name and value, used by the parser (``adapter.py``),
-DoRA (``dora.py``) and compositions (``combine.py``): which base module a PEFT key names (with
+DoRA (``fold_dora``) and compositions (``combine.py``): which base module a PEFT key names (with
 typed refusals for anything else), and the value bound every weight must meet.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 
@@ -19,6 +20,7 @@ __all__ = [
     "MAX_ADAPTER_WEIGHT",
     "check_folded_values",
     "check_weight_values",
+    "fold_dora",
     "fold_scale_into",
     "parse_key",
 ]
@@ -146,3 +148,18 @@ def fold_scale_into(dst: torch.Tensor, b: torch.Tensor, scale: float) -> None:
             dst.mul_(scale)
     else:
         torch.mul(b.float(), scale, out=dst)
+
+
+@torch.no_grad()
+def fold_dora(adapter: Any, scales: dict[tuple[int, str], torch.Tensor]) -> None:
+    """A DoRA adapter's row scales g (model/lora/dora.py ``row_scales``) checked and folded
+    into its B in place (the packed image's B blocks are the same storage); sets
+    ``adapter.dora``. Trained magnitudes keep g near 1: NaN, Inf or huge g come from broken
+    files and are refused (AdapterValueError)."""
+    for key, g in scales.items():
+        check_weight_values(g, f"layer {key[0]} {key[1]} DoRA scale m / ||W + s B A||")
+        b = adapter.weights[key].b  # (out, r): a view of the packed image, or the tensor
+        scaled = b.float() * g[:, None]
+        check_weight_values(scaled, f"layer {key[0]} {key[1]} lora_B (DoRA scale folded in)")
+        b.copy_(scaled)
+    adapter.dora = scales

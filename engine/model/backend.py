@@ -8,7 +8,7 @@ once per runner:
 | `fused` | ``fused.py``: augmented GEMMs, fused epilogues,     | Triton epilogues             |
 |         | Triton paged attention; CUDA graphs on the GPU      |                              |
 | `sgmv`  | ``llama.py`` reference forward, torch attention     | Triton SGMV shrink / expand  |
-| `torch` | ``llama.py`` reference forward, torch attention     | torch twins (``lora/ops``)   |
+| `torch` | ``llama.py`` reference forward, torch attention     | torch twins (``model/lora/ops``)   |
 | `auto`  | `fused` on CUDA, `torch` elsewhere                  |                              |
 
 Triton on CPU runs only under ``TRITON_INTERPRET=1`` (the tests). A ``KernelBackend`` is the

@@ -17,11 +17,11 @@ The row -> adapter mapping is just ``token_slots`` (T,) int32 (-1 = base), wrapp
 forward in the step's ``LoRAMapping`` (no segments, no host-side sizes), so the whole step can
 be captured in a CUDA graph. ``triton=False`` runs the epilogues as their torch twins (tests on
 CPU; paged attention stays Triton). Numerics follow the reference path (llama.py) and HF: the
-kernels' torch twins pin them. DoRA rows (lora/dora.py) take their row scale inside the same
+kernels' torch twins pin them. DoRA rows (model/lora/dora.py) take their row scale inside the same
 epilogues (``dora``), so graphs serve them with no extra launch.
 
-The embedding LoRA (``lora_vocab()``, lora/vocab.py) is added to the embedded rows, and rows of
-a slot with a full embedding table (``full_modules``, lora/full.py) take theirs; the LM head's
+The embedding LoRA (``lora_vocab()``, model/lora/vocab.py) is added to the embedded rows, and rows of
+a slot with a full embedding table (``full_modules``, model/lora/full.py) take theirs; the LM head's
 LoRA and full tables are the caller's (``compute_logits`` / the graphs), on the logits rows.
 
 The side form (``side`` / ``LORAPLEX_LORA_SIDE``; default off): each projection's LoRA on a
@@ -44,12 +44,12 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from loraplex.engine.lora.layers import LoRALinear
-from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
 from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul, rmsnorm
-from loraplex.engine.model.kernels.lora_expand_delta import lora_expand_delta
+from loraplex.engine.model.lora.layers import LoRALinear
+from loraplex.engine.model.lora.mapping import DoraRows, LoRAMapping
+from loraplex.engine.model.lora.ops.expand_delta import lora_expand_delta
 from loraplex.engine.model.paged_attention import paged_attention
 from loraplex.engine.model.protocol import CausalLM
 
@@ -165,12 +165,12 @@ def fused_forward(
 
     ``attention``: ``paged_attention``'s signature; mixed-step graphs pass their own split.
     ``triton``: the epilogues as Triton kernels, else as their torch twins.
-    ``dora``: the epilogues apply the DoRA row scale (lora/dora.py; B already holds it) to the
+    ``dora``: the epilogues apply the DoRA row scale (model/lora/dora.py; B already holds it) to the
     base output of rows whose slot holds a DoRA adapter before they add the delta (a flag per
     slot and projection, read in the kernels: the decode graphs are captured with it, eager
     steps set it only when some row needs it). Not under tensor parallelism (refused there).
     ``rank_bound``: every row's adapter has rank <= it: the GEMMs read only the A rows of
-    ranks below it and the epilogues loop over as many (lora/ranks.py); None: all rows.
+    ranks below it and the epilogues loop over as many (model/lora/ranks.py); None: all rows.
     ``side``: ``"1"``, each projection's LoRA beside its base GEMM instead of inside the GEMM
     and the epilogue (``_Side``); ``"0"``, inside; None: the ``LORAPLEX_LORA_SIDE`` switch.
     Only steps of up to ``SIDE_MAX_TOKENS`` tokens, not for an fp8 base nor under tensor
@@ -205,7 +205,7 @@ def fused_forward(
             return _linear(x, lin, mapping), {"lora_b": lin.lora_b}
         return beside.project(x, lin)
 
-    full = getattr(model, "full_modules", None)  # modules_to_save tables (lora/full.py)
+    full = getattr(model, "full_modules", None)  # modules_to_save tables (model/lora/full.py)
     # ids of added tokens (full tables past the vocabulary) reach the base clamped
     ids = full.base_ids(input_ids) if full is not None and full.extra else input_ids
     if tp is not None:

@@ -16,10 +16,6 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from loraplex.engine.lora.full import FullModules
-from loraplex.engine.lora.layers import LoRALinear
-from loraplex.engine.lora.mapping import LoRAMapping
-from loraplex.engine.lora.vocab import VocabLoRA
 from loraplex.engine.model.attention import (
     AttentionMetadata,
     paged_attention_batched,
@@ -27,6 +23,10 @@ from loraplex.engine.model.attention import (
 )
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.loader import ModelLoadError
+from loraplex.engine.model.lora.full import FullModules
+from loraplex.engine.model.lora.layers import LoRALinear
+from loraplex.engine.model.lora.mapping import LoRAMapping
+from loraplex.engine.model.lora.vocab import VocabLoRA
 from loraplex.engine.model.registry import ModelFamily
 from loraplex.engine.model.rope import RotaryEmbedding, apply_rotary
 from loraplex.engine.model.tp import TensorParallel
@@ -143,7 +143,7 @@ class LlamaForCausalLM(torch.nn.Module):
             self.lm_head = torch.nn.Parameter(
                 torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), False
             )
-        # model-level LoRA slots (lora/vocab.py): the embedding's and the LM head's
+        # model-level LoRA slots (model/lora/vocab.py): the embedding's and the LM head's
         self.embed_lora: VocabLoRA | None = None
         self.lm_head_lora: VocabLoRA | None = None
         if max_loras > 0:
@@ -156,7 +156,7 @@ class LlamaForCausalLM(torch.nn.Module):
         # a shard of a tensor-parallel model: ``cfg`` is the shard's (tp.shard_config), the
         # embedding and LM head hold its vocabulary rows
         self.tp: TensorParallel | None = None
-        # full-table slots (modules_to_save, lora/full.py: attach_full_modules); None: none
+        # full-table slots (modules_to_save, model/lora/full.py: attach_full_modules); None: none
         self.full_modules: FullModules | None = None
 
     def set_tensor_parallel(self, tp: TensorParallel) -> None:
@@ -215,7 +215,7 @@ class LlamaForCausalLM(torch.nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: (T,). Returns final hidden states (T, hidden)."""
         fm = self.full_modules
-        # ids of tokens an adapter added (full tables past the vocabulary, lora/full.py) reach
+        # ids of tokens an adapter added (full tables past the vocabulary, model/lora/full.py) reach
         # the base embedding clamped: their rows come from the adapter's table below
         ids = fm.base_ids(input_ids) if fm is not None and fm.extra else input_ids
         if self.tp is not None:
@@ -240,7 +240,7 @@ class LlamaForCausalLM(torch.nn.Module):
         ``mapping``: the slots of these N rows (their LM head LoRA deltas), or None (base)."""
         logits = F.linear(hidden, self.lm_head).float()
         fm = self.full_modules
-        if fm is not None and fm.extra:  # logits V + E wide (lora/full.py: widen_logits)
+        if fm is not None and fm.extra:  # logits V + E wide (model/lora/full.py: widen_logits)
             slots = None if mapping is None else mapping.token_slots
             if mapping is not None and self.lm_head_lora is not None:
                 self.lm_head_lora.add(logits, hidden, mapping.token_slots, triton=mapping.triton)

@@ -9,7 +9,7 @@ Who reads what:
 
 - model runner: ``cfg``, ``dtype``, ``device``, ``max_loras``, ``set_base_layout``, the
   reference forward (``__call__``) and ``compute_logits``;
-- slot writes and the host tier (``lora/slots.py``, ``lora/staging.py``): ``lora_linears`` and
+- slot writes and the host tier (``model/lora/slot_buffers.py``, ``model/lora/slot_image.py``): ``lora_linears`` and
   ``lora_vocab`` (the embedding's and the LM head's LoRA slots);
 - the fused GPU forward (``fused.py``), CUDA graphs and warm-up: ``layers`` and ``lm_head``,
   and the Llama layer attributes that ``fused.py`` lists (a family with another layer
@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
-    from loraplex.engine.lora.full import FullModules
-    from loraplex.engine.lora.layers import LoRALinear
-    from loraplex.engine.lora.mapping import LoRAMapping
-    from loraplex.engine.lora.vocab import VocabLoRA
     from loraplex.engine.model.attention import AttentionMetadata
     from loraplex.engine.model.config import ModelConfig
+    from loraplex.engine.model.lora.full import FullModules
+    from loraplex.engine.model.lora.layers import LoRALinear
+    from loraplex.engine.model.lora.mapping import LoRAMapping
+    from loraplex.engine.model.lora.vocab import VocabLoRA
 
 __all__ = ["CausalLM"]
 
@@ -41,7 +41,7 @@ class CausalLM(Protocol):
     device: torch.device
     layers: torch.nn.ModuleList  # decoder layers, each with its LoRALinear projections
     lm_head: torch.Tensor  # (vocab, hidden)
-    full_modules: FullModules | None  # modules_to_save tables (lora/full.py); None: none
+    full_modules: FullModules | None  # modules_to_save tables (model/lora/full.py); None: none
 
     @property
     def max_loras(self) -> int:
@@ -72,7 +72,7 @@ class CausalLM(Protocol):
         ...
 
     def lora_vocab(self) -> dict[str, VocabLoRA]:
-        """Model-level LoRA slots by module (``embed_tokens``, ``lm_head``; lora/vocab.py)."""
+        """Model-level LoRA slots by module (``embed_tokens``, ``lm_head``; model/lora/vocab.py)."""
         ...
 
     def lora_linears(self) -> Iterator[tuple[int, dict[str, LoRALinear]]]:

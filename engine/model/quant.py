@@ -51,7 +51,7 @@ import torch
 from loraplex.engine.model.errors import UnsupportedQuantizationError
 
 if TYPE_CHECKING:
-    from loraplex.engine.lora.layers import LoRALinear
+    from loraplex.engine.model.lora.layers import LoRALinear
 
 __all__ = [
     "FP8_DTYPE",

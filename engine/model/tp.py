@@ -181,7 +181,7 @@ def shard_lora(
 def shard_adapter(adapter: Any, cfg: ModelConfig, shard: TPShard) -> Any:
     """A copy of ``adapter`` (``LoRAAdapter`` with plain weights) with every module's tensors
     cut for ``shard`` (contiguous), ready for the rank's slot writes."""
-    from loraplex.engine.lora.adapter import LoRAWeights
+    from loraplex.engine.model.lora.weights import LoRAWeights
 
     if shard.size == 1:
         return adapter

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loraplex.engine.lora.slots import write_slot
-from loraplex.engine.lora.staging import PackedAdapter, pack_adapter
+from loraplex.engine.model.lora.slot_buffers import write_slot
+from loraplex.engine.model.lora.slot_image import PackedAdapter, pack_adapter
 from loraplex.engine.model.protocol import CausalLM
 from loraplex.engine.model.tp import TPShard, shard_adapter
 from loraplex.engine.model_runner import ModelRunner, StepItem

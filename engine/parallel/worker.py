@@ -36,10 +36,10 @@ def _serve(conn: Connection, init: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from loraplex.engine.lora.slots import write_slot
-    from loraplex.engine.lora.staging import PackedAdapter
     from loraplex.engine.model.config import ModelConfig
     from loraplex.engine.model.loader import load_model
+    from loraplex.engine.model.lora.slot_buffers import write_slot
+    from loraplex.engine.model.lora.slot_image import PackedAdapter
     from loraplex.engine.model.tp import TensorParallel, TPShard
     from loraplex.engine.model_runner import ModelRunner, StepItem
 

@@ -116,10 +116,10 @@ def estimate_memory(meta: ModelMetadata, config: EngineConfig, model: str) -> Me
     """The estimate for serving ``meta`` with ``config`` (its device, dtype, slots, limits)."""
     import torch
 
-    from loraplex.engine.lora.full import full_slot_bytes
-    from loraplex.engine.lora.staging import slot_image_numel
     from loraplex.engine.model.config import ModelConfig
     from loraplex.engine.model.loader import resolve_dtype
+    from loraplex.engine.model.lora.full import full_slot_bytes
+    from loraplex.engine.model.lora.slot_image import slot_image_numel
     from loraplex.engine.model.tp import TPShard, shard_config
     from loraplex.engine.model_runner import ModelRunner
     from loraplex.engine.startup import GPU_HEADROOM
@@ -144,7 +144,7 @@ def estimate_memory(meta: ModelMetadata, config: EngineConfig, model: str) -> Me
     blocks = config.max_num_seqs * math.ceil(max_len / config.block_size)
     slot = slot_image_numel(rank_cfg, config.max_lora_rank) * elem
     # RoPE cos and sin tables (model/rope.py), and each projection's DoRA row scales for
-    # every slot and the base (lora/layers.py: dora_scale, (L + 1, N))
+    # every slot and the base (model/lora/layers.py: dora_scale, (L + 1, N))
     rope = 2 * mcfg.max_position_embeddings * mcfg.head_dim * 4
     rows = sum(out for _, out in rank_cfg.lora_module_shapes().values())
     dora = rank_cfg.num_layers * (config.max_loras + 1) * rows * elem if config.max_loras else 0

@@ -2,7 +2,7 @@
 
 Grid: ``(R, cdiv(V, BLOCK))``; program (i, j) reads the mask words of vocab tile j of mask row
 i and writes -inf into ``logits[rows[i]]`` where a token's bit is clear. Only Triton builtins
-(see ``lora/ops/triton_shrink.py`` on the interpreter).
+(see ``model/lora/ops/triton_shrink.py`` on the interpreter).
 """
 
 from __future__ import annotations

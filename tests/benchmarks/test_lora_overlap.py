@@ -10,7 +10,7 @@ import torch
 
 from benchmarks import lora_overlap
 from benchmarks.synthetic import random_model
-from loraplex.engine.model.kernels.lora_expand_delta import ExpandDeltaConfig
+from loraplex.engine.model.lora.ops.expand_delta import ExpandDeltaConfig
 
 TINY = {
     "model_type": "llama",

@@ -1,4 +1,4 @@
-"""Full-table adapters (``modules_to_save`` on ``embed_tokens`` / ``lm_head``, lora/full.py)
+"""Full-table adapters (``modules_to_save`` on ``embed_tokens`` / ``lm_head``, model/lora/full.py)
 through AsyncEngine: cold loads, CPU tier, the one full-table slot taken in turns (eviction
 and re-writes) next to plain adapters, prefix-cache identity, against HF PEFT; typed 400
 refusals through the HTTP admin route that leave nothing loaded."""

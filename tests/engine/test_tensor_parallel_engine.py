@@ -193,7 +193,7 @@ def test_shards_see_the_full_config_and_refuse_dora():
     ``full_config``. DoRA's row norms span the whole row: refused when the load computes them."""
     from types import SimpleNamespace
 
-    from loraplex.engine.lora.dora import compute_dora
+    from loraplex.engine.model.lora.dora import row_scales
     from loraplex.engine.model.tp import TensorParallel, TPShard, full_config, shard_config
     from tests.model.test_tensor_parallel import CFG
 
@@ -202,4 +202,4 @@ def test_shards_see_the_full_config_and_refuse_dora():
     assert shard.cfg.vocab_size == 125 and full_config(shard) is CFG
     assert full_config(SimpleNamespace(cfg=CFG, tp=None)) is CFG
     with pytest.raises(TensorParallelError, match="DoRA"):
-        compute_dora(shard, SimpleNamespace(name="d"), {})
+        row_scales(shard, "d", {}, {})

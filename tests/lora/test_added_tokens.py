@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 from loraplex.engine.lora.adapter import load_adapter
 from loraplex.engine.lora.added_tokens import check_adapter_vocab
 from loraplex.engine.lora.errors import AdapterConfigError, AdapterShapeError, AdapterTargetError
-from loraplex.engine.lora.full import FullModules
 from loraplex.engine.lora.preflight import preflight
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.config import ModelConfig
+from loraplex.engine.model.lora.full import FullModules
 from tests.helpers.models import copy_adapter, make_peft_adapter, make_tiny_model
 from tests.helpers.tokenizers import make_tokenizer, swap_token_ids
 from tests.lora.test_full_modules import hf_rows

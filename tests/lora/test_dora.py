@@ -11,14 +11,15 @@ import torch
 from safetensors.torch import load_file
 
 from loraplex.engine.lora.adapter import load_adapter, load_magnitudes
-from loraplex.engine.lora.dora import compute_dora
 from loraplex.engine.lora.errors import AdapterConfigError, AdapterFormatError, AdapterShapeError
-from loraplex.engine.lora.ops.dora import apply_dora
 from loraplex.engine.lora.preflight import preflight
-from loraplex.engine.lora.slots import clear_slot, write_slot
+from loraplex.engine.lora.tensor_checks import fold_dora
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.loader import load_model
+from loraplex.engine.model.lora.dora import row_scales
+from loraplex.engine.model.lora.ops.dora import apply_dora
+from loraplex.engine.model.lora.slot_buffers import clear_slot, write_slot
 from tests.helpers.models import copy_adapter, make_peft_adapter, make_tiny_model
 from tests.model.test_oracle_peft import (
     DECODE_STEPS,
@@ -72,7 +73,7 @@ def _loaded(adapters):
             a = load_adapter(path, model.cfg, max_lora_rank=16, name=name)
             mags = load_magnitudes(path, model.cfg)
             if mags:
-                compute_dora(model, a, mags)
+                fold_dora(a, row_scales(model, a.name, a.weights, mags))
             out[name] = a
         return out
 

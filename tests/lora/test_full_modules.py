@@ -1,4 +1,4 @@
-"""Full-table adapters (PEFT ``modules_to_save`` on ``embed_tokens`` / ``lm_head``, lora/full.py)
+"""Full-table adapters (PEFT ``modules_to_save`` on ``embed_tokens`` / ``lm_head``, model/lora/full.py)
 against PEFT: logits of batches mixing base rows, plain LoRA rows and rows of adapters with a
 full embedding, a full LM head or both within 1e-4 in float32, untied (llama) and tied (qwen2:
 each table replaces only its own module, as in PEFT); the head kernel against its twin; slot
@@ -21,15 +21,15 @@ from loraplex.engine.lora.errors import (
     AdapterShapeError,
     AdapterTargetError,
 )
-from loraplex.engine.lora.full import attach_full_modules
 from loraplex.engine.lora.manager import AdapterManager, AdapterState
-from loraplex.engine.lora.ops.full_head import full_head, full_head_torch
 from loraplex.engine.lora.preflight import preflight
-from loraplex.engine.lora.slots import clear_slot, write_slot, write_slot_reference
 from loraplex.engine.lora.staging import stage_packed
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.loader import load_model
+from loraplex.engine.model.lora.full import attach_full_modules
+from loraplex.engine.model.lora.ops.full_head import full_head, full_head_torch
+from loraplex.engine.model.lora.slot_buffers import clear_slot, write_slot, write_slot_reference
 from tests.helpers.models import copy_adapter, make_peft_adapter, make_tiny_model
 from tests.model.test_oracle_peft import (
     DECODE_STEPS,

@@ -16,13 +16,13 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
     # Kernels decorated before the variable was set would be compiled ones: decorate again.
     for _name in ("triton_shrink", "triton_expand"):
-        if f"loraplex.engine.lora.ops.{_name}" in sys.modules:
-            importlib.reload(sys.modules[f"loraplex.engine.lora.ops.{_name}"])
+        if f"loraplex.engine.model.lora.ops.{_name}" in sys.modules:
+            importlib.reload(sys.modules[f"loraplex.engine.model.lora.ops.{_name}"])
 
 import pytest  # noqa: E402
 
-from loraplex.engine.lora import ops  # noqa: E402
-from loraplex.engine.lora.mapping import LoRAMapping  # noqa: E402
+from loraplex.engine.model.lora import ops  # noqa: E402
+from loraplex.engine.model.lora.mapping import LoRAMapping  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter's bfloat16 tl.dot is broken: bfloat16 only on a GPU.
@@ -32,8 +32,8 @@ TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 def _triton_kernels():
     pytest.importorskip("triton")
-    from loraplex.engine.lora.ops.triton_expand import ExpandConfig
-    from loraplex.engine.lora.ops.triton_shrink import ShrinkConfig
+    from loraplex.engine.model.lora.ops.triton_expand import ExpandConfig
+    from loraplex.engine.model.lora.ops.triton_shrink import ShrinkConfig
 
     return ShrinkConfig, ExpandConfig
 

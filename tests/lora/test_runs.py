@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.engine.lora.mapping import LoRAMapping
-from loraplex.engine.lora.ops.reference import expand_torch, shrink_torch
-from loraplex.engine.lora.ops.runs import add_lora_runs
+from loraplex.engine.model.lora.mapping import LoRAMapping
+from loraplex.engine.model.lora.ops.reference import expand_torch, shrink_torch
+from loraplex.engine.model.lora.ops.runs import add_lora_runs
 
 # (token slots grouped by slot, slot ranks, R, slice widths, in_features)
 CASES = {

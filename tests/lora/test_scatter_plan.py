@@ -1,4 +1,4 @@
-"""The scatter plan's table (lora/scatter.py ``build_plan``): per view, per row, per BLOCK-wide
+"""The scatter plan's table (model/lora/ops/scatter.py ``build_plan``): per view, per row, per BLOCK-wide
 piece, against a plain loop over the same views; and the start-up helper that makes a
 layout's two plans (with and without the zero-fill)."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from loraplex.engine.bench.synthetic import LLAMA3_8B, random_model
-from loraplex.engine.lora.scatter import BLOCK, build_plan
-from loraplex.engine.lora.slots import _cache, prepare_scatter_plans
-from loraplex.engine.lora.staging import PackedAdapter, full_layout
+from loraplex.engine.model.lora.ops.scatter import BLOCK, build_plan
+from loraplex.engine.model.lora.slot_buffers import _cache, prepare_scatter_plans
+from loraplex.engine.model.lora.slot_image import PackedAdapter, full_layout
 
 
 def reference_rows(views, base):

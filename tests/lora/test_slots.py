@@ -9,15 +9,12 @@ import torch
 
 from loraplex.engine.lora.adapter import LoRAAdapter, load_adapter
 from loraplex.engine.lora.slot_timing import measure_slot_write
-from loraplex.engine.lora.slots import (
-    clear_slot,
-    write_slot,
-    write_slot_reference,
-)
-from loraplex.engine.lora.staging import pack_adapter, packed_for, stage_packed
+from loraplex.engine.lora.staging import stage_packed
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.llama import LlamaForCausalLM
 from loraplex.engine.model.loader import load_model
+from loraplex.engine.model.lora.slot_buffers import clear_slot, write_slot, write_slot_reference
+from loraplex.engine.model.lora.slot_image import pack_adapter, packed_for
 from tests.helpers.models import ALL_MODULES, ATTN_MODULES, make_peft_adapter, make_tiny_model
 
 pytest.importorskip("peft")

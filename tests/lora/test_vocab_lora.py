@@ -15,13 +15,13 @@ from safetensors.torch import load_file
 from loraplex.engine.lora.adapter import load_adapter
 from loraplex.engine.lora.combine import combine_adapters
 from loraplex.engine.lora.errors import AdapterConfigError, AdapterShapeError, AdapterTargetError
-from loraplex.engine.lora.ops.vocab import lora_vocab_expand, lora_vocab_expand_torch
 from loraplex.engine.lora.preflight import preflight
-from loraplex.engine.lora.slots import clear_slot, write_slot, write_slot_reference
 from loraplex.engine.lora.staging import stage_packed
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.config import VOCAB_LAYER, ModelConfig
 from loraplex.engine.model.loader import load_model
+from loraplex.engine.model.lora.ops.vocab import lora_vocab_expand, lora_vocab_expand_torch
+from loraplex.engine.model.lora.slot_buffers import clear_slot, write_slot, write_slot_reference
 from tests.helpers.models import copy_adapter, make_peft_adapter, make_tiny_model
 from tests.lora.test_full_modules import hf_rows
 from tests.model.test_oracle_peft import (

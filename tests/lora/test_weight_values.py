@@ -140,7 +140,8 @@ def test_stage_file_packs_the_same_image_as_load_then_pack(
     """The loader's stage writes each tensor from the file straight into the slot image; the
     image must equal, bit for bit, parsing the adapter and packing it (the path the CPU oracle
     tests cover), for a scale that is not a power of two and a rank below the slots'."""
-    from loraplex.engine.lora.staging import pack_adapter, packed_for, stage_file
+    from loraplex.engine.lora.staging import stage_file
+    from loraplex.engine.model.lora.slot_image import pack_adapter, packed_for
 
     config = {"r": 4, "lora_alpha": 7, "target_modules": ["q_proj", "v_proj", "down_proj"]}
     folder = write_adapter(tmp_path / "a", dtype=file_dtype, config=config)

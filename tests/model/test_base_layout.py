@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.engine.lora.layers import LoRALinear
-from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.loader import load_model
+from loraplex.engine.model.lora.layers import LoRALinear
+from loraplex.engine.model.lora.mapping import LoRAMapping
 from loraplex.engine.model_runner import ModelRunner, StepItem
 from tests.helpers.models import make_tiny_model
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from loraplex.engine.lora.adapter import load_adapter
-from loraplex.engine.lora.slots import write_slot
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.loader import load_model
+from loraplex.engine.model.lora.slot_buffers import write_slot
 from loraplex.engine.model.quant import dequantize_fp8, drop_float_bases, fp8_layers
 from loraplex.engine.model_runner import ModelRunner, StepItem
 from tests.helpers.models import ALL_MODULES, make_peft_adapter, make_tiny_model

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import loraplex.engine.lora.layers as layers_mod
+import loraplex.engine.model.lora.layers as layers_mod
 import loraplex.engine.startup as startup
 from loraplex.engine import AsyncEngine, EngineConfig
 from loraplex.engine.model.kernels.fp8_w8a8 import (

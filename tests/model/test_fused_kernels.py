@@ -23,8 +23,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from loraplex.engine.lora.mapping import DoraRows, LoRAMapping  # noqa: E402
 from loraplex.engine.model import kernels as K  # noqa: E402
+from loraplex.engine.model.lora.mapping import DoraRows, LoRAMapping  # noqa: E402
 from loraplex.engine.model.rope import RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,7 +56,7 @@ def _aug(slots: list[int], n_base: int, num_slices: int, dtype: torch.dtype, tri
 
 
 def _col(n_base: int, s: int, num_slices: int, slot: int, r: int) -> int:
-    """Column of the shrink of (slice s, slot, rank r) in y_aug: rank-major (lora/layers.py)."""
+    """Column of the shrink of (slice s, slot, rank r) in y_aug: rank-major (model/lora/layers.py)."""
     return n_base + (r * num_slices + s) * L + slot
 
 
@@ -69,7 +69,7 @@ DORA_ON = (2,)  # the slot whose DoRA scales are flagged; slot 0 is plain LoRA
 
 
 def _dora(n_base: int, dtype: torch.dtype, kind: str | None) -> DoraRows | None:
-    """DoRA tables (lora/dora.py) for ``kind`` "bias" / "nobias" (None: no DoRA): slot 2
+    """DoRA tables (model/lora/dora.py) for ``kind`` "bias" / "nobias" (None: no DoRA): slot 2
     flagged; the plain slot 0 and the unused slot 1 hold huge scales that must never be read."""
     if kind is None:
         return None
@@ -289,7 +289,7 @@ DORA_OPS = ["add_rmsnorm", "silu_mul", "qkv_rope"]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", DORA_OPS)
 def test_dora_rows_triton_matches_twin(op: str, dtype: torch.dtype, kind: str) -> None:
-    """DoRA row scales inside the epilogues (lora/dora.py): the twin against the naive
+    """DoRA row scales inside the epilogues (model/lora/dora.py): the twin against the naive
     composition (in the runner), every Triton config against the twin; only the flagged
     slot's rows change (the plain slot's and unused slot's huge scales are never read)."""
     run, twin = RUNNERS[op]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model import kernels as K
+from loraplex.engine.model.lora.mapping import LoRAMapping
 from loraplex.engine.model.rope import RotaryEmbedding
 
 EPS = 1e-5

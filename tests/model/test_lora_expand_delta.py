@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.engine.lora.mapping import LoRAMapping
-from loraplex.engine.model.kernels.lora_expand_delta import ExpandDeltaConfig, lora_expand_delta
+from loraplex.engine.model.lora.mapping import LoRAMapping
+from loraplex.engine.model.lora.ops.expand_delta import ExpandDeltaConfig, lora_expand_delta
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 L, R = 3, 32

@@ -1,8 +1,8 @@
 """Adapters of different ranks in one batch, in an engine with a larger ``max_lora_rank``
 (issue: mixed ranks without padding waste), against HF transformers + PEFT.
 
-The A rows are rank-major (lora/layers.py) and a step may read only the prefix of ranks below
-its rank bucket (lora/ranks.py): these tests run the fused forward at the bucket the decode
+The A rows are rank-major (model/lora/layers.py) and a step may read only the prefix of ranks below
+its rank bucket (model/lora/ranks.py): these tests run the fused forward at the bucket the decode
 graphs would pick, at a tighter bound than max_lora_rank, and on every backend at full rank.
 """
 
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from loraplex.engine import model_runner
-from loraplex.engine.lora.ranks import rank_bucket, rank_buckets
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.fused import fused_forward
+from loraplex.engine.model.lora.ranks import rank_bucket, rank_buckets
 from tests.helpers.models import make_peft_adapter, make_tiny_model
 from tests.model.test_oracle_peft import (
     MODEL_KINDS,

@@ -141,8 +141,8 @@ def test_moe_experts_match_hf_expert_loop(triton):
 def test_qk_norm_triton_matches_twin(dtype, case):
     """``lora_qk_norm`` (Qwen3's q / k norm after the qkv LoRA epilogue): the kernel against its
     twin on rows of three slots and base rows, and the twin against HF's RMSNorm per head."""
-    from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
     from loraplex.engine.model.kernels.qk_norm import lora_qk_norm
+    from loraplex.engine.model.lora.mapping import DoraRows, LoRAMapping
 
     g = torch.Generator().manual_seed(5)
     t, hq, hkv, d, slots_n, rank = 19, 4, 2, 16, 3, 8

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from loraplex.engine.lora.adapter import load_adapter
-from loraplex.engine.lora.full import attach_full_modules
-from loraplex.engine.lora.slots import write_slot
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.loader import load_model
+from loraplex.engine.model.lora.full import attach_full_modules
+from loraplex.engine.model.lora.slot_buffers import write_slot
 from loraplex.engine.model_runner import ModelRunner, StepItem
 from tests.helpers.models import make_peft_adapter, make_tiny_model
 
@@ -159,7 +159,7 @@ def ours(
     loaded=None, max_full=0, extra=0, max_rank=16, graphs=None, **runner_kw,
 ):  # fmt: skip
     """``adapters``: name -> folder, or (``loaded``) name -> a LoRAAdapter in ``dtype`` (or
-    ``loaded(model)`` -> such a dict). ``max_full``: full-table slots (lora/full.py), slots
+    ``loaded(model)`` -> such a dict). ``max_full``: full-table slots (model/lora/full.py), slots
     0..max_full-1 (the last adapters: slots are taken in reverse order); ``extra``: their rows
     past the vocabulary (lora_extra_vocab_size, adapters that added tokens); ``max_rank``: the
     engine's max_lora_rank; ``graphs``: a list that gets, per step, whether it ran as a CUDA

@@ -1,4 +1,4 @@
-"""The fused epilogues at a rank bound (lora/ranks.py): a step reading only the rank-major A
+"""The fused epilogues at a rank bound (model/lora/ranks.py): a step reading only the rank-major A
 rows of ranks < r_b gives what the full-rank step gives when every row's adapter has rank
 <= r_b; Triton (interpreted on CPU) against the twins, in a rank-64 slot layout."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model import kernels as K
+from loraplex.engine.model.lora.mapping import LoRAMapping
 from loraplex.engine.model.rope import RotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -22,10 +22,10 @@ def run(
     """Entry point of a spawned rank (``size`` 1: no process group). ``fused``: the GPU
     forward (fused.py) with the epilogues' torch twins, else the reference forward."""
     from loraplex.engine.lora.adapter import load_adapter
-    from loraplex.engine.lora.slots import write_slot
     from loraplex.engine.model.backend import KernelBackend
     from loraplex.engine.model.config import ModelConfig
     from loraplex.engine.model.loader import load_model
+    from loraplex.engine.model.lora.slot_buffers import write_slot
     from loraplex.engine.model.tp import TensorParallel, TPShard, shard_adapter
     from loraplex.engine.model_runner import ModelRunner, StepItem
 

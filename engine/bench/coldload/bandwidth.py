@@ -48,7 +48,7 @@ def pinned_gbps(device: str) -> float | None:
 def write_slot_gbps(engine: Any) -> float | None:
     """GB/s of ``write_slot`` for one resident adapter (the engine must be idle); None if no
     adapter is resident or there is no CUDA device."""
-    from loraplex.engine.lora.slots import write_slot
+    from loraplex.engine.model.lora.slot_buffers import write_slot
 
     internals = engine.testing
     model = internals.executor.model

@@ -3,16 +3,16 @@
 Each base projection is one "augmented" GEMM, ``y_aug = x @ [W; A].T`` of shape
 (T, N + Rb * S * L): base output in columns ``0 .. N``, then the LoRA shrink of every slice
 ``s`` and slot ``l``, rank-major, at ``y_aug[t, N + (r * S + s) * L + l]`` for the step's
-``Rb = mapping.rank_rows(R)`` rank rows (lora/ranks.py). The op after the projection reads
+``Rb = mapping.rank_rows(R)`` rank rows (model/lora/ranks.py). The op after the projection reads
 it, adds each token's delta ``hA @ B[slot].T`` (``lora_b``: (L, N, R), scale folded in; slot -1
 = base, no delta) and does its own work: residual add + RMSNorm, SiLU-and-mul, or rotary +
 KV-cache write. Semantics and roundings: ``reference.py``.
 
-Every op takes the step's ``LoRAMapping`` (``lora/mapping.py``): its ``token_slots`` (T,) say
+Every op takes the step's ``LoRAMapping`` (``model/lora/mapping.py``): its ``token_slots`` (T,) say
 which slot each row uses, its ``triton`` flag which implementation runs, the Triton kernel (on
 CPU through ``TRITON_INTERPRET=1``) or the torch twin. The twins (``reference.py``) and the
 Triton wrappers take exactly the arguments of the op here; sizes (L, N, R, heads, head_dim)
-come from the tensors' shapes. ``dora`` (``DoraRows``, lora/dora.py): the projection's DoRA
+come from the tensors' shapes. ``dora`` (``DoraRows``, model/lora/dora.py): the projection's DoRA
 row scales, applied to the base output of rows whose slot is flagged before the delta (None: no
 DoRA). ``delta`` (T, N) fp32, with ``lora_b`` None: the rows' delta computed apart
 (``lora_expand_delta``, on a side stream beside the base GEMM), added where ``lora_b``'s would be. Triton is imported lazily. The checks below read shapes only
@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
 from loraplex.engine.model.kernels.reference import (
     lora_add_rmsnorm_torch,
     lora_qkv_rope_torch,
     lora_silu_mul_torch,
     rmsnorm_torch,
 )
+from loraplex.engine.model.lora.mapping import DoraRows, LoRAMapping
 
 __all__ = [
     "lora_add_rmsnorm",

@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
 from loraplex.engine.model.kernels.launch_table import GENERIC, LaunchTable, Rule
-from loraplex.engine.model.kernels.lora_delta import (
+from loraplex.engine.model.lora.mapping import DoraRows, LoRAMapping
+from loraplex.engine.model.lora.ops.delta import (
     block_r,
     dora_args,
     dora_flags,
@@ -189,7 +189,7 @@ def _launch(
     ya = y_aug if y_aug is not None else residual
     b, b_strides, num_slots, rank = lora_source(lora_b, delta, ya)
     if rank_bound is not None:
-        rank = min(rank, rank_bound)  # the step's rank rows (lora/ranks.py)
+        rank = min(rank, rank_bound)  # the step's rank rows (model/lora/ranks.py)
     lora_rank = rank if lora_b is not None and y_aug is not None else 0
     cfg = config or norm_config(t, h, lora_rank, residual.device)
     use_dot = cfg.block_t >= 16

@@ -23,17 +23,17 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.engine.model.kernels.lora_delta import (
+from loraplex.engine.model.kernels.workspace import per_device
+from loraplex.engine.model.lora.ops.delta import (
     dora_args,
     dora_flags,
     dora_rows,
     lora_delta,
     lora_source,
 )
-from loraplex.engine.model.kernels.workspace import per_device
 
 if TYPE_CHECKING:
-    from loraplex.engine.lora.mapping import DoraRows
+    from loraplex.engine.model.lora.mapping import DoraRows
 
 __all__ = ["MAX_ROWS", "MAX_CHUNKS", "prepare_split_norm", "add_rmsnorm_split"]
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
-from loraplex.engine.model.kernels.reference import dora_rows_torch, lora_delta_torch
+from loraplex.engine.model.lora.mapping import DoraRows, LoRAMapping
+from loraplex.engine.model.lora.ops.delta import dora_rows_torch, lora_delta_torch
 
 __all__ = ["lora_qk_norm", "lora_qk_norm_torch"]
 

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
-from loraplex.engine.model.kernels.lora_delta import (
+from loraplex.engine.model.lora.mapping import DoraRows, LoRAMapping
+from loraplex.engine.model.lora.ops.delta import (
     block_r,
     dora_args,
     dora_flags,

@@ -1,8 +1,8 @@
 """Torch twins of the fused decode kernels: the CPU path and the oracle of the Triton kernels.
 
 Shared inputs. ``y_aug`` (T, N + Rb * S * L) is the output of one augmented GEMM,
-``x @ [W; A].T`` over the step's ``Rb = mapping.rank_rows(R)`` rank rows (lora/ranks.py): base
-columns ``0 .. N`` then, rank-major (lora/layers.py), for rank ``r``, slice ``s`` and slot ``l``
+``x @ [W; A].T`` over the step's ``Rb = mapping.rank_rows(R)`` rank rows (model/lora/ranks.py): base
+columns ``0 .. N`` then, rank-major (model/lora/layers.py), for rank ``r``, slice ``s`` and slot ``l``
 the shrink ``y_aug[t, N + (r * S + s) * L + l] = x[t] . A[s, l, r]``. ``lora_b`` (L, N, R),
 scale folded in, slice ``s`` owning rows ``lo_s .. hi_s``. ``mapping.token_slots`` (T,) int32,
 -1 = base (no delta)::
@@ -13,7 +13,7 @@ scale folded in, slice ``s`` owning rows ``lo_s .. hi_s``. ``mapping.token_slots
 (``lora_expand_delta``, e.g. on a side stream beside the base GEMM), read as ``delta_s`` (rows
 of slot -1: none); ``y_aug`` needs only its base columns.
 
-DoRA (``dora``, ``mapping.DoraRows``, lora/dora.py): rows whose slot the projection's tables flag
+DoRA (``dora``, ``mapping.DoraRows``, model/lora/dora.py): rows whose slot the projection's tables flag
 read their base columns as ``dora(y) = g[slot] * (y - bias) + bias`` in fp32 (unrounded) before
 the delta; other rows read ``y`` unchanged.
 
@@ -31,57 +31,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
+from loraplex.engine.model.lora.mapping import DoraRows, LoRAMapping
+from loraplex.engine.model.lora.ops.delta import dora_rows_torch, lora_delta_torch
 
 __all__ = [
-    "dora_rows_torch",
-    "lora_delta_torch",
     "lora_add_rmsnorm_torch",
     "rmsnorm_torch",
     "lora_silu_mul_torch",
     "lora_qkv_rope_torch",
 ]
-
-
-def lora_delta_torch(
-    y_aug: torch.Tensor,
-    n_base: int,
-    lora_b: torch.Tensor,
-    mapping: LoRAMapping,
-    s: int,
-    lo: int,
-    hi: int,
-    num_slices: int = 1,
-) -> torch.Tensor:
-    """fp32 (T, hi - lo): ``delta_s`` of the module docstring for B rows ``lo .. hi``, slice
-    ``s`` of ``num_slices``.
-
-    One matmul over all slots: the shrink columns of other slots are masked to zero.
-    """
-    t = y_aug.shape[0]
-    num_slots = lora_b.shape[0]
-    rank = mapping.rank_rows(lora_b.shape[2])
-    cols = y_aug[:, n_base : n_base + rank * num_slices * num_slots].float()
-    h = cols.view(t, rank, num_slices, num_slots)[:, :, s].transpose(1, 2)  # (T, L, Rb)
-    own = mapping.token_slots.long().unsqueeze(1) == torch.arange(num_slots, device=y_aug.device)
-    h = (h * own.unsqueeze(2)).reshape(t, num_slots * rank)  # (T, L*R)
-    b = lora_b[:, lo:hi, :rank].float().permute(0, 2, 1).reshape(num_slots * rank, hi - lo)
-    return h @ b
-
-
-def dora_rows_torch(
-    y: torch.Tensor, dora: DoraRows, token_slots: torch.Tensor, lo: int, hi: int
-) -> torch.Tensor:
-    """fp32 (T, hi - lo): base columns ``lo .. hi`` (``y``, any dtype) with the DoRA row scale
-    on the rows of flagged slots (module docstring), the others unchanged."""
-    idx = token_slots.long()  # -1: the last row (ones, never flagged)
-    on = ((dora.on[idx] != 0) & (idx >= 0)).unsqueeze(1)
-    y = y.float()
-    g = dora.scale[idx, lo:hi].float()
-    if dora.bias is None:
-        return torch.where(on, g * y, y)
-    b = dora.bias[lo:hi].float()
-    return torch.where(on, g * (y - b) + b, y)
 
 
 def _projection(

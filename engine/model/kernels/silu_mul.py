@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
 from loraplex.engine.model.kernels.launch_table import GENERIC, LaunchTable, Rule
-from loraplex.engine.model.kernels.lora_delta import (
+from loraplex.engine.model.lora.mapping import DoraRows, LoRAMapping
+from loraplex.engine.model.lora.ops.delta import (
     block_r,
     dora_args,
     dora_flags,
@@ -159,7 +159,7 @@ def lora_silu_mul_triton(
     if t == 0:
         return
     b, b_strides, num_slots, rank = lora_source(lora_b, delta, y_aug)
-    rank = mapping.rank_rows(rank)  # the step's rank rows (lora/ranks.py)
+    rank = mapping.rank_rows(rank)  # the step's rank rows (model/lora/ranks.py)
     cfg = config or silu_mul_config(t, num_slots, rank, y_aug.device)
     use_dot = cfg.block_t >= 16
     inter = out.shape[1]

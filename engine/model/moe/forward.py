@@ -30,11 +30,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.fused import _dora, _linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul, rmsnorm
 from loraplex.engine.model.kernels.qk_norm import lora_qk_norm
+from loraplex.engine.model.lora.mapping import LoRAMapping
 from loraplex.engine.model.paged_attention import paged_attention
 from loraplex.engine.model.protocol import CausalLM
 

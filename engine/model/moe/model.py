@@ -19,12 +19,12 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from loraplex.engine.lora.layers import LoRALinear
-from loraplex.engine.lora.mapping import LoRAMapping
 from loraplex.engine.model.attention import AttentionMetadata, paged_attention_batched, write_kv
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.errors import ModelConfigError
 from loraplex.engine.model.llama import LlamaForCausalLM, RMSNorm
+from loraplex.engine.model.lora.layers import LoRALinear
+from loraplex.engine.model.lora.mapping import LoRAMapping
 from loraplex.engine.model.moe.block import SparseMoe
 from loraplex.engine.model.rope import apply_rotary
 from loraplex.engine.model.tp import TensorParallel, TensorParallelError

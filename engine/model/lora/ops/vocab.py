@@ -1,4 +1,4 @@
-"""The expand of the embedding / LM head LoRA (lora/vocab.py), by token slots::
+"""The expand of the embedding / LM head LoRA (model/lora/vocab.py), by token slots::
 
     for t in range(T):
         if slot[t] >= 0 and on[slot[t]]:
@@ -40,7 +40,7 @@ def lora_vocab_expand(
     if tuple(on.shape) != (L,) or on.dtype != torch.int32:
         raise ValueError(f"on {tuple(on.shape)} {on.dtype}, want ({L},) int32")
     if triton:
-        from loraplex.engine.lora.ops.triton_vocab import lora_vocab_expand_triton
+        from loraplex.engine.model.lora.ops.triton_vocab import lora_vocab_expand_triton
 
         lora_vocab_expand_triton(y, shrink, lora_b, token_slots, on)
     else:

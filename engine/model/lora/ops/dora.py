@@ -1,4 +1,4 @@
-"""The DoRA row scale on a projection's base output (lora/dora.py says what it is)."""
+"""The DoRA row scale on a projection's base output (model/lora/dora.py says what it is)."""
 
 from __future__ import annotations
 

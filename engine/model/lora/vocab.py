@@ -10,14 +10,14 @@ own delta, as in PEFT)::
 embed_tokens: in = vocab, out = hidden. PEFT's ``lora_embedding_A`` (r, vocab) is A and
 ``lora_embedding_B`` (hidden, r) is B: delta[t] = A[:, ids[t]] @ B^T (columns of A gathered by
 token id; no dropout). lm_head: in = hidden, out = vocab, delta[t] = (h[t] @ A^T) @ B^T added to
-the logits. Slot writes treat them as sites of layer ``VOCAB_LAYER`` (slots.py, staging.py).
+the logits. Slot writes treat them as sites of layer ``VOCAB_LAYER`` (slot_buffers.py, slot_image.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from loraplex.engine.lora.ops.vocab import lora_vocab_expand
+from loraplex.engine.model.lora.ops.vocab import lora_vocab_expand
 
 __all__ = ["VocabLoRA", "mark_vocab_slot"]
 
@@ -42,7 +42,9 @@ class VocabLoRA(torch.nn.Module):
         self.slice_offsets = (0, out_features)
         self.max_loras = max_loras
         self.max_rank = max_rank
-        self.slot_writes = 0  # per-module writes (set_lora / reset_lora): slots.py's zero state
+        self.slot_writes = (
+            0  # per-module writes (set_lora / reset_lora): slot_buffers.py's zero state
+        )
         self.dora_scale = None  # DoRA is refused on these targets (targets.py)
         kw = {"dtype": dtype, "device": device}
         self.register_buffer("lora_a", torch.zeros(1, max_loras, max_rank, in_features, **kw))
@@ -100,7 +102,7 @@ class VocabLoRA(torch.nn.Module):
 
 
 def mark_vocab_slot(vocab: dict[str, VocabLoRA], slot: int, modules: set[str]) -> None:
-    """After a packed slot write (slots.py): flag ``slot`` in each vocab module the adapter
+    """After a packed slot write (slot_buffers.py): flag ``slot`` in each vocab module the adapter
     has (``modules``), clear it in the others."""
     for name, mod in vocab.items():
         mod.mark(slot, name in modules)

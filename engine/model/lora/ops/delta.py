@@ -1,8 +1,8 @@
 """Shared Triton helper: the LoRA expand of one (token block x column block) tile.
 
 ``y_aug`` holds, right of its ``n_base`` base columns, the shrink of every slice and slot,
-rank-major (lora/layers.py): ``y_aug[t, n_base + (r * S + s) * L + slot] = x[t] . A[s, slot, r]``
-for the step's ``R`` rank rows (its rank bound, lora/ranks.py; zero past each adapter's rank).
+rank-major (model/lora/layers.py): ``y_aug[t, n_base + (r * S + s) * L + slot] = x[t] . A[s, slot, r]``
+for the step's ``R`` rank rows (its rank bound, model/lora/ranks.py; zero past each adapter's rank).
 The delta of column ``n`` (a row of ``lora_b``, scale folded in) for token ``t`` is::
 
     delta[t, n] = sum_{r < R} y_aug[t, n_base + (r * S + s) * L + slot_t] * lora_b[slot_t, n, r]
@@ -14,7 +14,7 @@ absent ones), masking ``hA`` rows of the other tokens to zero, and over the rank
 ``USE_DOT`` (blocks of >= 16 tokens) each chunk is one tensor-core dot; otherwise a broadcast
 multiply and a reduction. fp32 accumulation either way; the products of 16-bit inputs are exact.
 
-``dora_rows`` applies DoRA's row scale (lora/dora.py, ``mapping.DoraRows``) to a tile of base
+``dora_rows`` applies DoRA's row scale (model/lora/dora.py, ``mapping.DoraRows``) to a tile of base
 outputs before the delta is added: ``g * (y - bias) + bias`` for rows whose slot is flagged
 (``dora_flags``), the tile unchanged (no scale load) for every other row; a block without
 flagged rows skips it. The kernels call it after ``lora_delta``, so the delta's loads go out
@@ -28,15 +28,11 @@ Only Triton builtins (``tl.reduce`` with the standard combine functions, not ``t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    import torch
-
-    from loraplex.engine.lora.mapping import DoraRows
+from loraplex.engine.model.lora.mapping import DoraRows, LoRAMapping
 
 __all__ = [
     "lora_delta",
@@ -45,6 +41,8 @@ __all__ = [
     "dora_args",
     "lora_source",
     "block_r",
+    "lora_delta_torch",
+    "dora_rows_torch",
 ]
 
 
@@ -129,7 +127,7 @@ def lora_delta(
     R: the step's rank rows (<= lora_b's last dimension). The shrink of (slot, r) is column
     ``k_col + slot * step_l + r * step_r`` of ``y_aug``: rank-major slice s of S (the fused
     epilogues) is ``(n_base + s * L, 1, S * L)``; slot-major shrinks (the vocab
-    LoRA, lora/vocab.py) are ``(0, R, 1)``.
+    LoRA, model/lora/vocab.py) are ``(0, R, 1)``.
 
     ``BLOCK_K > 0`` (with ``USE_DOT``): "packed" form. The shrink columns of the slots a block
     spans (``lo .. hi``) are indexed rank-major, ``k = r * (hi - lo) + slot - lo``; each token
@@ -285,3 +283,47 @@ def dora_rows(
     else:
         out = y * g
     return out
+
+
+# -- torch twins (the CPU path and the kernels' oracle; model/kernels/reference.py's) ----------
+
+
+def lora_delta_torch(
+    y_aug: torch.Tensor,
+    n_base: int,
+    lora_b: torch.Tensor,
+    mapping: LoRAMapping,
+    s: int,
+    lo: int,
+    hi: int,
+    num_slices: int = 1,
+) -> torch.Tensor:
+    """fp32 (T, hi - lo): ``delta_s`` of the module docstring for B rows ``lo .. hi``, slice
+    ``s`` of ``num_slices``.
+
+    One matmul over all slots: the shrink columns of other slots are masked to zero.
+    """
+    t = y_aug.shape[0]
+    num_slots = lora_b.shape[0]
+    rank = mapping.rank_rows(lora_b.shape[2])
+    cols = y_aug[:, n_base : n_base + rank * num_slices * num_slots].float()
+    h = cols.view(t, rank, num_slices, num_slots)[:, :, s].transpose(1, 2)  # (T, L, Rb)
+    own = mapping.token_slots.long().unsqueeze(1) == torch.arange(num_slots, device=y_aug.device)
+    h = (h * own.unsqueeze(2)).reshape(t, num_slots * rank)  # (T, L*R)
+    b = lora_b[:, lo:hi, :rank].float().permute(0, 2, 1).reshape(num_slots * rank, hi - lo)
+    return h @ b
+
+
+def dora_rows_torch(
+    y: torch.Tensor, dora: DoraRows, token_slots: torch.Tensor, lo: int, hi: int
+) -> torch.Tensor:
+    """fp32 (T, hi - lo): base columns ``lo .. hi`` (``y``, any dtype) with the DoRA row scale
+    on the rows of flagged slots (module docstring), the others unchanged."""
+    idx = token_slots.long()  # -1: the last row (ones, never flagged)
+    on = ((dora.on[idx] != 0) & (idx >= 0)).unsqueeze(1)
+    y = y.float()
+    g = dora.scale[idx, lo:hi].float()
+    if dora.bias is None:
+        return torch.where(on, g * y, y)
+    b = dora.bias[lo:hi].float()
+    return torch.where(on, g * (y - b) + b, y)

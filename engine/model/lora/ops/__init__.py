@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from loraplex.engine.lora.mapping import LoRAMapping
-from loraplex.engine.lora.ops.reference import expand_torch, shrink_torch
+from loraplex.engine.model.lora.mapping import LoRAMapping
+from loraplex.engine.model.lora.ops.reference import expand_torch, shrink_torch
 
 __all__ = [
     "lora_shrink",
@@ -34,7 +34,7 @@ __all__ = [
 
 @functools.cache
 def _kernels() -> tuple[ModuleType, ModuleType]:
-    from loraplex.engine.lora.ops import triton_expand, triton_shrink
+    from loraplex.engine.model.lora.ops import triton_expand, triton_shrink
 
     return triton_shrink, triton_expand
 

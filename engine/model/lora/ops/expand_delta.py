@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.engine.lora.mapping import LoRAMapping
-from loraplex.engine.model.kernels.lora_delta import block_r, lora_delta
+from loraplex.engine.model.lora.mapping import LoRAMapping
+from loraplex.engine.model.lora.ops.delta import block_r, lora_delta
 
 __all__ = ["ExpandDeltaConfig", "lora_expand_delta", "lora_expand_delta_torch", "MAX_SLICES"]
 
@@ -104,7 +104,7 @@ def lora_expand_delta_torch(
     out: torch.Tensor,
 ) -> None:  # fmt: skip
     """``out[t, lo_s + j] = delta_s[t, j]`` (fp32) for every slice ``s`` of ``offsets``."""
-    from loraplex.engine.model.kernels.reference import lora_delta_torch
+    from loraplex.engine.model.lora.ops.delta import lora_delta_torch
 
     _check(shrink, lora_b, mapping, offsets, out)
     num_slices = len(offsets) - 1

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.engine.lora.mapping import LoRAMapping
+from loraplex.engine.model.lora.mapping import LoRAMapping
 
 __all__ = ["ShrinkConfig", "shrink_config", "shrink_triton"]
 

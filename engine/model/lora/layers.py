@@ -14,14 +14,14 @@ The base weight and every slot's A share one "augmented" matrix, so one GEMM giv
 base output and every slot's shrink (the fused GPU decode path, model/fused.py). The A rows
 are rank-major: rank index r of every slice and slot before rank index r + 1, so the rows of
 ranks < r_b of all slots are one prefix and a step whose adapters have rank <= r_b reads only
-``aug_rows(r_b)`` (lora/ranks.py picks r_b per step):
+``aug_rows(r_b)`` (model/lora/ranks.py picks r_b per step):
 
     weight_aug: (N_total + R*S*L, in) = [W; A[:, :, 0]; A[:, :, 1]; ...; A[:, :, R-1]]
     row N_total + (r*S + s)*L + slot = A[s, slot, r]
     (x @ weight_aug[:N_total + r_b*S*L].T)[t, N_total + (r*S + s)*L + slot] = x[t] . A[s, slot, r]
 
 forward(x) = x W^T (+ bias), then each token adds its slot's delta (scale folded into B).
-DoRA slots also scale their rows' base output first (``dora_scale``, lora/dora.py).
+DoRA slots also scale their rows' base output first (``dora_scale``, model/lora/dora.py).
 
 CPU path: ``set_base_layout(transposed=True)`` (the model runner's choice) stores the base rows
 of ``weight_aug`` as the bytes of W^T (in, N_total), in place: a GEMM of a few rows against a
@@ -42,12 +42,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from loraplex.engine.lora.mapping import DoraRows, LoRAMapping
-from loraplex.engine.lora.ops import add_lora
-from loraplex.engine.lora.ops.dora import apply_dora
-from loraplex.engine.lora.ops.runs import add_lora_runs
 from loraplex.engine.model.kernels.fp8_linear import fp8_aug_linear, fp8_aug_linear_torch
 from loraplex.engine.model.kernels.fp8_w8a8 import fp8_w8a8_linear, fp8_w8a8_linear_torch
+from loraplex.engine.model.lora.mapping import DoraRows, LoRAMapping
+from loraplex.engine.model.lora.ops import add_lora
+from loraplex.engine.model.lora.ops.dora import apply_dora
+from loraplex.engine.model.lora.ops.runs import add_lora_runs
 
 __all__ = ["LoRALinear"]
 
@@ -85,7 +85,9 @@ class LoRALinear(torch.nn.Module):
         self.out_features = offsets[-1]
         kw = {"dtype": dtype, "device": device}
         self.max_loras = max_loras
-        self.slot_writes = 0  # per-module writes (set_lora / reset_lora): slots.py's zero state
+        self.slot_writes = (
+            0  # per-module writes (set_lora / reset_lora): slot_buffers.py's zero state
+        )
         self.max_rank = max_rank
         n, extra = self.out_features, len(slices) * max_loras * max_rank
         self.weight_aug = torch.nn.Parameter(torch.zeros(n + extra, in_features, **kw), False)

@@ -1,7 +1,7 @@
 """Write an adapter's tensors into (or clear) one GPU slot of every LoRA layer of a model
-(and of its full-table slots, lora/full.py, if it has them).
+(and of its full-table slots, model/lora/full.py, if it has them).
 
-A write is one host -> device copy of the adapter's packed buffer (staging.py) into a device
+A write is one host -> device copy of the adapter's packed buffer (slot_image.py) into a device
 staging tensor, then one scatter into the slot's regions and a zero-fill of the rest (one
 Triton launch on CUDA, scatter.py; batched ``_foreach`` copies as its twin): a few launches
 instead of ~4 per module per layer. The zero-fill is skipped where the slot is known to hold
@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.engine.lora.scatter import ScatterPlan, build_plan, scatter_triton
-from loraplex.engine.lora.staging import LayoutKey, PackedAdapter, pack_adapter, packed_for
-from loraplex.engine.lora.vocab import mark_vocab_slot
 from loraplex.engine.model.config import MODULE_ORDER, VOCAB_LAYER
+from loraplex.engine.model.lora.ops.scatter import ScatterPlan, build_plan, scatter_triton
+from loraplex.engine.model.lora.slot_image import LayoutKey, PackedAdapter, pack_adapter, packed_for
+from loraplex.engine.model.lora.vocab import mark_vocab_slot
 
 if TYPE_CHECKING:
-    from loraplex.engine.lora.adapter import LoRAAdapter
-    from loraplex.engine.lora.layers import LoRALinear
-    from loraplex.engine.lora.vocab import VocabLoRA
+    from loraplex.engine.model.lora.layers import LoRALinear
+    from loraplex.engine.model.lora.vocab import VocabLoRA
+    from loraplex.engine.model.lora.weights import SlotSource
     from loraplex.engine.model.protocol import CausalLM
 
 __all__ = [
@@ -270,7 +270,7 @@ def _source(
 def write_slot(
     model: CausalLM,
     slot: int,
-    adapter: LoRAAdapter | PackedAdapter,
+    adapter: SlotSource | PackedAdapter,
     *,
     h2d_done: torch.cuda.Event | None = None,
     chunk_bytes: int | None = None,
@@ -279,7 +279,8 @@ def write_slot(
 ) -> None:
     """Copy every module of ``adapter`` into ``slot``; modules it does not target are zeroed.
 
-    A LoRAAdapter uses its attached packed form (``staging.stage_packed``) or is packed now.
+    An adapter (``SlotSource``) uses its attached packed form (slot_image.py ``attach_packed``)
+    or is packed now.
     ``h2d_done``: recorded on the current stream right after the host -> device copy (before
     the on-device scatter), to time the transfer alone. ``chunk_bytes`` / ``pace``: move the
     image in pieces, each after ``pace`` saw the previous one land (see slot_writer.py).
@@ -332,7 +333,7 @@ def write_slot(
 
 
 def _write_full(model: CausalLM, slot: int, adapter: object) -> None:
-    """``slot``'s full tables (modules_to_save, lora/full.py): the adapter's, none elsewhere.
+    """``slot``'s full tables (modules_to_save, model/lora/full.py): the adapter's, none elsewhere.
     Nothing happens on a model without full-table slots (an adapter with tables is refused)."""
     tables = getattr(adapter, "full", None) or {}
     fm = getattr(model, "full_modules", None)
@@ -347,7 +348,7 @@ def _write_full(model: CausalLM, slot: int, adapter: object) -> None:
 
 
 def _write_dora(c: _ModelCache, slot: int, adapter: object) -> None:
-    """``slot``'s DoRA row scales (lora/dora.py): the adapter's g per module, ones elsewhere.
+    """``slot``'s DoRA row scales (model/lora/dora.py): the adapter's g per module, ones elsewhere.
     Nothing is written while neither the slot nor the adapter has any (plain LoRA)."""
     scales = getattr(adapter, "dora", None)
     if not scales and slot not in c.dora_slots:
@@ -383,7 +384,7 @@ def clear_slot(model: CausalLM, slot: int) -> None:
 
 
 @torch.no_grad()
-def write_slot_reference(model: CausalLM, slot: int, adapter: LoRAAdapter) -> None:
+def write_slot_reference(model: CausalLM, slot: int, adapter: SlotSource) -> None:
     """The per-module write (~4 launches per module and layer): the oracle of the tests."""
     for layer_idx, linears in [(VOCAB_LAYER, model.lora_vocab()), *model.lora_linears()]:
         for module, linear in linears.items():

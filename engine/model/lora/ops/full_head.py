@@ -1,4 +1,4 @@
-"""The LM head of full-table slots (modules_to_save, lora/full.py), by token slots::
+"""The LM head of full-table slots (modules_to_save, model/lora/full.py), by token slots::
 
     for t in range(T):
         f = slot[t]
@@ -35,7 +35,7 @@ def full_head(
     if tuple(token_slots.shape) != (T,) or tuple(on.shape) != (F,):
         raise ValueError(f"token_slots {tuple(token_slots.shape)} / on {tuple(on.shape)}")
     if triton:
-        from loraplex.engine.lora.ops.triton_full_head import full_head_triton
+        from loraplex.engine.model.lora.ops.triton_full_head import full_head_triton
 
         full_head_triton(y, h, table, on, token_slots)
     else:

@@ -11,7 +11,7 @@ a write is one kernel launch with the slot index as an argument.
 The plan's offsets count in elements from the LoRA buffer with the lowest address (``base``);
 every LoRA buffer of a model has one dtype. A destination of slot ``s`` is
 ``base + dst0 + s * slot_stride``. Rows with ``src < 0`` are zero-filled. The torch reference
-twin is the ``_foreach`` path in slots.py (``write_slot(..., scatter="torch")``).
+twin is the ``_foreach`` path in slot_buffers.py (``write_slot(..., scatter="torch")``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.engine.model.kernels.lora_delta import block_r, lora_delta
+from loraplex.engine.model.lora.ops.delta import block_r, lora_delta
 
 __all__ = ["lora_vocab_expand_triton"]
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from loraplex.engine.lora.mapping import LoRAMapping
+from loraplex.engine.model.lora.mapping import LoRAMapping
 
 __all__ = ["shrink_torch", "expand_torch", "segments_host"]
 

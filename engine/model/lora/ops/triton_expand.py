@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.engine.lora.mapping import LoRAMapping
-from loraplex.engine.lora.ops.triton_shrink import device_sms
+from loraplex.engine.model.lora.mapping import LoRAMapping
+from loraplex.engine.model.lora.ops.triton_shrink import device_sms
 
 __all__ = ["ExpandConfig", "expand_config", "expand_triton", "MAX_SLICES"]
 

@@ -2,7 +2,7 @@
 
 Built once per step (the model runner, or the fused forward from its token slots) and read by
 every LoRA kernel: the fused epilogues (``model/kernels``) read ``token_slots`` only; the
-grouped SGMV ops (``lora/ops``) read the *segments*, tokens grouped by slot through a
+grouped SGMV ops (``model/lora/ops``) read the *segments*, tokens grouped by slot through a
 permutation, so one kernel launch covers all adapters of the batch:
 
     sorted_token_ids[seg_starts[g] : seg_starts[g] + seg_lens[g]]   # tokens of segment g
@@ -30,7 +30,7 @@ __all__ = ["DoraRows", "LoRAMapping"]
 
 @dataclass(frozen=True)
 class DoraRows:
-    """One projection's DoRA row scales as the fused epilogues read them (lora/dora.py).
+    """One projection's DoRA row scales as the fused epilogues read them (model/lora/dora.py).
 
     A row whose slot ``on`` flags gets ``g * (y - bias) + bias`` on its base output ``y``
     (bias included), in fp32, before its LoRA delta is added; every other row (base rows,
@@ -56,11 +56,11 @@ class LoRAMapping:
     # consecutive rows; None otherwise
     runs: tuple[tuple[int, int, int, int], ...] | None = None
     # DoRA row scales: on the reference path, some token's slot holds a DoRA adapter (base
-    # outputs get their slot's row scale, lora/dora.py); on the fused path, the epilogues read
+    # outputs get their slot's row scale, model/lora/dora.py); on the fused path, the epilogues read
     # each projection's ``DoraRows`` (flagged slots only: the decode graphs capture it so,
     # eager steps without DoRA rows skip it). False costs nothing
     dora: bool = False
-    # fused path: the step reads A rows of ranks < rank_bound only (lora/ranks.py), an upper
+    # fused path: the step reads A rows of ranks < rank_bound only (model/lora/ranks.py), an upper
     # bound of every row's adapter rank; None: all max_lora_rank rows
     rank_bound: int | None = None
 

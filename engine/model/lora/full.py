@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.engine.lora.ops.full_head import full_head
+from loraplex.engine.model.lora.ops.full_head import full_head
 
 __all__ = ["FULL_MODULES", "FullModules", "attach_full_modules", "full_slot_bytes"]
 
