@@ -85,7 +85,7 @@ def run_case(
     args: argparse.Namespace, device: torch.device, dtype: torch.dtype, bandwidth: float,
 ) -> Row:  # fmt: skip
     from loraplex.engine.model.lora.ops.triton_expand import expand_config
-    from loraplex.engine.model.lora.ops.triton_shrink import device_sms, shrink_config
+    from loraplex.engine.model.lora.ops.triton_shrink import shrink_config
 
     cuda = device.type == "cuda"
     r, num_slots, s = args.rank, args.max_loras, len(widths)
@@ -101,9 +101,8 @@ def run_case(
     mapping = LoRAMapping.build(slots, [r] * num_slots, device=device)
     buf = torch.empty(s, batch, r, dtype=torch.float32, device=device)  # (S, T, R)
 
-    sms = device_sms(device)
-    scfg = shrink_config(mapping.max_seg_len, adapters, s, in_features, r, sms)
-    ecfg = expand_config(mapping.max_seg_len, adapters, s, max(widths), r, sms)
+    scfg = shrink_config(mapping.max_seg_len, adapters, s, in_features, r, device)
+    ecfg = expand_config(mapping.max_seg_len, adapters, s, max(widths), device)
     cfg = (
         f"s:{scfg.block_m}x{scfg.block_r}x{scfg.block_k}/k{scfg.split_k} "
         f"e:{ecfg.block_m}x{ecfg.block_n}x{ecfg.block_r}"

@@ -27,6 +27,7 @@ from loraplex.engine.model.kernels.launch_table import (
     Rule,
     device_key,
 )
+from loraplex.engine.model.lora.ops import triton_expand, triton_shrink
 
 SM90_SMEM_BYTES = 227 * 1024  # a block's shared memory on an H100 / H200
 WARPS = {1, 2, 4, 8, 16}
@@ -62,6 +63,18 @@ GEMV_SHAPES = [
     for t, (n, k), e, sms in itertools.product((1, 2, 3, 4), FP8_NK, (0, 128), (132, 16))
     for g in (32, 128, k)
 ]
+SGMV_SHAPES = _grid(
+    tokens=(0, 1, 2, 16, 17, 64, 65, 512),
+    segments=(1, 8, 32),
+    slices=(1, 3),
+    k=(576, 4096, 14336),
+    rank=(1, 8, 16, 17, 64, 128, 256, 512),
+    sms=(132, 16),
+)
+EXPAND_SHAPES = [{**s, "width": s.pop("k")} for s in _grid(
+    tokens=(0, 1, 16, 17, 64, 512), segments=(1, 8, 32), slices=(1, 3, 4), k=(64, 576, 14336),
+    sms=(132, 16),
+)]  # fmt: skip
 DECODE_SHAPES = _grid(fp32=(0, 1), head_dim=(64, 80, 128, 256), half_waves=range(0, 9))
 PREFILL_SHAPES = _grid(fp32=(0, 1), head_dim=(64, 80, 128, 256))
 
@@ -106,6 +119,20 @@ def _check_gemv(cfg: fp8_gemv.Fp8GemvConfig, s: Mapping[str, int], key: str) -> 
     assert cfg.split_k == 1 or s["k"] % (cfg.split_k * cfg.block_k) == 0
 
 
+def _check_shrink(cfg: triton_shrink.ShrinkConfig, s: Mapping[str, int], key: str) -> None:
+    assert all(_pow2(v) for v in (cfg.block_m, cfg.block_r, cfg.block_k, cfg.split_k))
+    assert cfg.block_m >= 16 and cfg.block_k >= 16 and cfg.num_warps in WARPS  # tl.dot tiles
+    assert cfg.block_r >= max(16, s["rank"])  # every rank row of A in one tile
+    assert 1 <= cfg.split_k <= 64
+    assert triton_shrink.smem_bytes(cfg) <= _smem_limit(key), cfg
+
+
+def _check_expand(cfg: triton_expand.ExpandConfig, s: Mapping[str, int], key: str) -> None:
+    assert all(_pow2(v) for v in (cfg.block_m, cfg.block_n, cfg.block_r))
+    assert cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.block_r >= 16
+    assert cfg.num_warps in WARPS and 1 <= cfg.num_stages <= 4
+
+
 def _check_tiles(cfg: pa.Tiles, shape: Mapping[str, int], key: str) -> None:
     assert _pow2(cfg.block_n) and cfg.block_n >= 16
     assert cfg.parts is None or _pow2(cfg.parts)
@@ -118,6 +145,8 @@ TABLES: dict[str, tuple[LaunchTable, list[dict[str, int]], Callable]] = {
     "add_rmsnorm": (add_rmsnorm.NORM_CONFIGS, NORM_SHAPES, _check_norm),
     "fp8_linear": (fp8_linear.FP8_LINEAR_CONFIGS, FP8_SHAPES, _check_fp8_linear),
     "fp8_gemv": (fp8_gemv.FP8_GEMV_CONFIGS, GEMV_SHAPES, _check_gemv),
+    "lora_shrink": (triton_shrink.SHRINK_CONFIGS, SGMV_SHAPES, _check_shrink),
+    "lora_expand": (triton_expand.EXPAND_CONFIGS, EXPAND_SHAPES, _check_expand),
     "attention_decode": (pa.DECODE_TILES, DECODE_SHAPES, _check_tiles),
     "attention_prefill": (pa.PREFILL_TILES, PREFILL_SHAPES, _check_tiles),
 }
@@ -161,7 +190,8 @@ def test_unknown_devices_use_the_generic_entry(monkeypatch) -> None:
 
 
 def test_sm90_rows_keep_the_measured_choices(monkeypatch) -> None:
-    """Spot values of the H100 / H200 rows (decode figures were measured with them)."""
+    """Spot values of the H100 / H200 rows (decode figures were measured with them; the SGMV
+    shrink / expand ones are the values of the heuristics they replaced)."""
     monkeypatch.setattr(launch_table, "_cuda_key", lambda index: "sm90")
     monkeypatch.setattr(launch_table, "_num_sms", lambda index: 132)
     dev = "cuda:0"
@@ -187,6 +217,27 @@ def test_sm90_rows_keep_the_measured_choices(monkeypatch) -> None:
     assert pa.decode_tiles(32, 8, 4096, 132, device=dev) == (128, 1)
     assert pa.decode_tiles(16, 8, 4096, 132, device=dev) == (64, 4)
     assert pa.decode_tiles(32, 8, 4096, 132, head_dim=256, device=dev) == (32, 2)
+    shrink, expand = triton_shrink.ShrinkConfig, triton_expand.ExpandConfig
+    assert triton_shrink.shrink_config(1, 8, 3, 4096, 16, dev) == shrink(16, 16, 64, 16, 4)
+    assert triton_shrink.shrink_config(64, 8, 1, 4096, 64, dev) == shrink(64, 64, 32, 32, 8)
+    assert triton_shrink.shrink_config(512, 32, 3, 4096, 16, dev) == shrink(64, 16, 64, 1, 8)
+    assert triton_expand.expand_config(1, 8, 3, 4096, dev) == expand(16, 128, 16)
+    assert triton_expand.expand_config(64, 32, 1, 14336, dev) == expand(32, 128, 16)
+
+
+def test_sgmv_tiles_shrink_to_the_generic_budget_only_past_rank_256() -> None:
+    """The generic shrink tiles equal the sm_90 ones up to rank 256 (float32 included), and
+    narrow their K (then M) tiles beyond, where sm_90's would ask more than 96 KB."""
+    sm90, generic = (
+        triton_shrink.SHRINK_CONFIGS.entries["sm90"],
+        triton_shrink.SHRINK_CONFIGS.entries[GENERIC],
+    )
+    for shape in SGMV_SHAPES:
+        a, b = sm90[0].resolve(shape), generic[0].resolve(shape)
+        if shape["rank"] <= 256:
+            assert a == b
+        else:
+            assert triton_shrink.smem_bytes(a) > GENERIC_SMEM_BYTES >= triton_shrink.smem_bytes(b)
 
 
 def test_a_table_needs_a_generic_entry_and_a_last_rule_for_every_shape() -> None:

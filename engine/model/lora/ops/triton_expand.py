@@ -13,17 +13,17 @@ launch is CUDA-graph safe); more slices take more launches.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from loraplex.engine.model.kernels.launch_table import GENERIC, LaunchTable, Rule, device_sms
 from loraplex.engine.model.lora.mapping import LoRAMapping
-from loraplex.engine.model.lora.ops.triton_shrink import device_sms
 
-__all__ = ["ExpandConfig", "expand_config", "expand_triton", "MAX_SLICES"]
+__all__ = ["EXPAND_CONFIGS", "ExpandConfig", "expand_config", "expand_triton", "MAX_SLICES"]
 
 MAX_SLICES = 4
 
@@ -38,24 +38,43 @@ class ExpandConfig:
     num_stages: int = 2
 
 
-def expand_config(
-    max_seg_len: int, num_segments: int, num_slices: int, max_width: int, rank: int, sms: int
-) -> ExpandConfig:
-    """Pick tile sizes: N tiles of 128, narrowed while the grid is under ~2 waves of ``sms``.
+def _tiles(shape: Mapping[str, int]) -> ExpandConfig:
+    """Tile sizes: N tiles of 128, narrowed while the grid is under ~2 waves of the SMs.
 
-    The rank is looped over in chunks of 16: register use (sm_90, bf16, 4 warps) is ~80 regs
-    at 16x128x16 and ~160 at 32x128x16, but ~250 with spills at a 64-wide rank chunk.
+    The rank is looped over in chunks of 16, so any rank takes the same tiles (the rank is not
+    a dimension of the table): register use (sm_90, bf16, 4 warps) is ~80 regs at 16x128x16
+    and ~160 at 32x128x16, but ~250 with spills at a 64-wide rank chunk.
     """
-    del rank  # the rank loop covers any rank; kept for a later tuning pass
-    block_m = 16 if max_seg_len <= 16 else 32
+    seg_len = shape["tokens"]
+    block_m = 16 if seg_len <= 16 else 32
     block_r = 16
-    m_tiles = triton.cdiv(max(max_seg_len, 1), block_m)
+    grid = triton.cdiv(max(seg_len, 1), block_m) * max(shape["segments"], 1) * shape["slices"]
     block_n = 128
-    while block_n > 32 and (
-        m_tiles * triton.cdiv(max_width, block_n) * max(num_segments, 1) * num_slices < 2 * sms
-    ):
+    while block_n > 32 and grid * triton.cdiv(shape["width"], block_n) < 2 * shape["sms"]:
         block_n //= 2
     return ExpandConfig(block_m=block_m, block_n=block_n, block_r=block_r)
+
+
+# sm_90: the tiles the kernel was tuned with; elsewhere the same (a few KB of shared memory)
+EXPAND_CONFIGS: LaunchTable[ExpandConfig] = LaunchTable(
+    "lora_expand", {"sm90": (Rule(_tiles),), GENERIC: (Rule(_tiles),)}
+)
+
+
+def expand_config(
+    max_seg_len: int,
+    num_segments: int,
+    num_slices: int,
+    max_width: int,
+    device: torch.device | str | None = None,
+) -> ExpandConfig:
+    """The launch for segments of up to ``max_seg_len`` tokens into slices of up to
+    ``max_width`` columns on ``device`` (None: the generic rows); ``EXPAND_CONFIGS``."""
+    sms = device_sms(torch.device(device)) if device is not None else 132
+    return EXPAND_CONFIGS.pick(
+        device, tokens=max_seg_len, segments=num_segments, slices=num_slices, width=max_width,
+        sms=sms,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -162,14 +181,7 @@ def expand_triton(
         return
     widths = [slice_offsets[i + 1] - slice_offsets[i] for i in range(num_slices)]
     if config is None:
-        config = expand_config(
-            mapping.max_seg_len,
-            num_segments,
-            num_slices,
-            max(widths),
-            max_rank,
-            device_sms(y.device),
-        )
+        config = expand_config(mapping.max_seg_len, num_segments, num_slices, max(widths), y.device)
     m_tiles = triton.cdiv(mapping.max_seg_len, config.block_m)
     for base in range(0, num_slices, MAX_SLICES):
         count = min(MAX_SLICES, num_slices - base)

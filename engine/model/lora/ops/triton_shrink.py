@@ -13,16 +13,23 @@ that import they would refuse to run inside an interpreted kernel.
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from loraplex.engine.model.kernels.launch_table import (
+    GENERIC,
+    GENERIC_SMEM_BYTES,
+    LaunchTable,
+    Rule,
+    device_sms,
+)
 from loraplex.engine.model.lora.mapping import LoRAMapping
 
-__all__ = ["ShrinkConfig", "shrink_config", "shrink_triton"]
+__all__ = ["SHRINK_CONFIGS", "ShrinkConfig", "shrink_config", "shrink_triton", "smem_bytes"]
 
 
 @dataclass(frozen=True)
@@ -35,35 +42,62 @@ class ShrinkConfig:
     num_stages: int = 2
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def smem_bytes(cfg: ShrinkConfig, elem: int = 4) -> int:
+    """Shared memory a launch of ``cfg`` asks: x and A^T tiles per pipeline stage (``elem``:
+    bytes per element; 4, float32 inputs, bounds every dtype)."""
+    return cfg.num_stages * (cfg.block_m * cfg.block_k + cfg.block_k * cfg.block_r) * elem
 
 
-def device_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device``; 132 (an H100/H200) off CUDA."""
-    if device.type != "cuda":
-        return 132
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+def _tiles(shape: Mapping[str, int], smem: int | None = None) -> ShrinkConfig:
+    """Tile sizes and split-K so that small (decode) batches still fill the device's SMs;
+    ``smem``: a shared-memory budget the tiles keep within (narrower K, then M tiles)."""
+    # Register budget (sm_90, bf16): 16x16x64 @4 warps ~72 regs, 64x16x64 @8 warps ~80,
+    # 64x64x32 @8 warps ~130. Per-element gather pointers dominate, so tiles stay modest.
+    seg_len = max(shape["tokens"], 1)
+    block_m = min(64, max(16, triton.next_power_of_2(seg_len)))
+    block_r = max(16, triton.next_power_of_2(shape["rank"]))
+    block_k = 64 if block_r <= 32 else 32
+    if smem is not None:  # (only very large ranks get here: rank 256 in float32 fits)
+        while smem_bytes(ShrinkConfig(block_m, block_r, block_k)) > smem and block_k > 16:
+            block_k //= 2
+        while smem_bytes(ShrinkConfig(block_m, block_r, block_k)) > smem and block_m > 16:
+            block_m //= 2
+    num_warps = 8 if block_m >= 64 else 4
+    base = triton.cdiv(seg_len, block_m) * max(shape["segments"], 1) * shape["slices"]
+    k_iters = triton.cdiv(shape["k"], block_k)
+    split_k = 1
+    # Double split-K while the grid is under ~2 waves and each split keeps >= 4 K steps.
+    while base * split_k < 2 * shape["sms"] and k_iters // (split_k * 2) >= 4 and split_k < 64:
+        split_k *= 2
+    return ShrinkConfig(block_m, block_r, block_k, split_k, num_warps)
+
+
+# sm_90: the tiles the kernel was tuned with (H100 / H200); elsewhere the same within the
+# generic shared-memory budget (they differ only past rank 256)
+SHRINK_CONFIGS: LaunchTable[ShrinkConfig] = LaunchTable(
+    "lora_shrink",
+    {
+        "sm90": (Rule(_tiles),),
+        GENERIC: (Rule(lambda shape: _tiles(shape, GENERIC_SMEM_BYTES)),),
+    },
+)
 
 
 def shrink_config(
-    max_seg_len: int, num_segments: int, num_slices: int, in_features: int, rank: int, sms: int
+    max_seg_len: int,
+    num_segments: int,
+    num_slices: int,
+    in_features: int,
+    rank: int,
+    device: torch.device | str | None = None,
 ) -> ShrinkConfig:
-    """Pick tile sizes and split-K so that small (decode) batches still fill ``sms``."""
-    # Register budget (sm_90, bf16): 16x16x64 @4 warps ~72 regs, 64x16x64 @8 warps ~80,
-    # 64x64x32 @8 warps ~130. Per-element gather pointers dominate, so tiles stay modest.
-    block_m = min(64, max(16, triton.next_power_of_2(max(max_seg_len, 1))))
-    block_r = max(16, triton.next_power_of_2(rank))
-    block_k = 64 if block_r <= 32 else 32
-    num_warps = 8 if block_m >= 64 else 4
-    base = triton.cdiv(max(max_seg_len, 1), block_m) * max(num_segments, 1) * num_slices
-    k_iters = triton.cdiv(in_features, block_k)
-    split_k = 1
-    # Double split-K while the grid is under ~2 waves and each split keeps >= 4 K steps.
-    while base * split_k < 2 * sms and k_iters // (split_k * 2) >= 4 and split_k < 64:
-        split_k *= 2
-    return ShrinkConfig(block_m, block_r, block_k, split_k, num_warps)
+    """The launch for segments of up to ``max_seg_len`` tokens over ``in_features`` at
+    ``rank`` on ``device`` (None: the generic rows); ``SHRINK_CONFIGS``."""
+    sms = device_sms(torch.device(device)) if device is not None else 132
+    return SHRINK_CONFIGS.pick(
+        device, tokens=max_seg_len, segments=num_segments, slices=num_slices, k=in_features,
+        rank=rank, sms=sms,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -162,12 +196,7 @@ def shrink_triton(
         return
     if config is None:
         config = shrink_config(
-            mapping.max_seg_len,
-            num_segments,
-            num_slices,
-            in_features,
-            max_rank,
-            device_sms(x.device),
+            mapping.max_seg_len, num_segments, num_slices, in_features, max_rank, x.device
         )
     if config.block_r < max_rank:
         raise ValueError(f"config.block_r={config.block_r} < max rank {max_rank} of lora_a")
