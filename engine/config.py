@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -99,7 +99,6 @@ class EngineConfig:
     # N - 1 worker processes (one per GPU, NCCL; on CPU gloo); 1: one process, no collectives
     tensor_parallel_size: int = 1
     seed: int = 0
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

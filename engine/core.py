@@ -112,9 +112,7 @@ class EngineCore(AdapterOps, StepOps):
         self.tokenizer = tokenizer
         self.device = model.device
         cfg = self.model_config = full_config(model)  # (model.cfg: a TP rank's shard)
-        self.model_name = config.served_model_name or (
-            "demo" if config.extra.get("demo") else (config.model or "model")
-        )
+        self.model_name = config.served_model_name or config.model or "model"
         self.max_model_len = min(
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )

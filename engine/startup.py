@@ -71,7 +71,9 @@ def build_core(
     if config.model is None and model is None:
         from loraplex.engine.demo import demo_model_dir
 
-        config = replace(config, model=str(demo_model_dir()), extra={**config.extra, "demo": True})
+        # the built-in demo model is served as "demo" unless named (its folder is no name)
+        name = config.served_model_name or "demo"
+        config = replace(config, model=str(demo_model_dir()), served_model_name=name)
     group = None
     if config.tensor_parallel_size > 1:  # rank 0 of N (parallel/): this process
         assert config.model is not None

@@ -103,8 +103,6 @@ class AdapterLoader:
             cache_dir=str(self.cache_dir),
             pool_nbytes=self.pool.nbytes if self.pool is not None else 0,
             threads=max(2, -(-self.config.max_concurrent_loads // count)),
-            test_delay_s=float(self.config.extra.get("loader_test_delay_s", 0.0)),
-            test_stage_hold_s=float(self.config.extra.get("loader_test_stage_hold_s", 0.0)),
         )
         self.procs = LoaderProcesses(count, init, self.pool.fd if self.pool else None)
         self._helper_plugins = self.plugins.plugin_names

@@ -121,8 +121,6 @@ class _Helper:
 
     async def _run(self, jid: int, kind: str, payload: dict) -> None:
         try:
-            if self.init.test_delay_s:
-                await asyncio.sleep(self.init.test_delay_s)
             fn = self._prepare if kind == "prepare" else self._stage
             result = await fn(payload)
         except asyncio.CancelledError:
@@ -181,8 +179,6 @@ class _Helper:
         t0 = time.perf_counter()
         dtype = getattr(torch, p["dtype"])
         offset, nbytes = p["region"]
-        if self.init.test_stage_hold_s:  # tests: a long write into the region, not stoppable
-            time.sleep(self.init.test_stage_hold_s)
         with self.cpu_gate.hold(urgent=True):
             adapter = stage_file(
                 p["local_dir"], self.init.model_config, p["max_lora_rank"], dtype=dtype,

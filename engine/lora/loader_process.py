@@ -44,7 +44,13 @@ import structlog
 from loraplex.engine.lora import errors as lora_errors
 from loraplex.engine.lora.errors import LoRAError
 
-__all__ = ["LoaderInit", "LoaderProcesses", "LoaderProcessError", "resolve_shared"]
+__all__ = [
+    "LoaderInit",
+    "LoaderProcesses",
+    "LoaderProcessError",
+    "helper_command",
+    "resolve_shared",
+]
 
 HELPER_MODULE = "loraplex.engine.lora.loader_helper"  # what each helper process runs
 
@@ -65,8 +71,12 @@ class LoaderInit:
     cache_dir: str
     pool_nbytes: int
     threads: int = 4
-    test_delay_s: float = 0.0  # tests only: each job sleeps first (to kill a helper mid-load)
-    test_stage_hold_s: float = 0.0  # tests only: a stage holds its region this long, writing
+
+
+def helper_command() -> list[str]:
+    """The command line of a helper process, without its descriptors (tests point this at a
+    helper with delays)."""
+    return [sys.executable, "-m", HELPER_MODULE]
 
 
 def describe_error(e: BaseException) -> tuple[str, str, str, str | None]:
@@ -149,7 +159,7 @@ class LoaderProcesses:
     def _spawn(self) -> _Proc:
         ours, theirs = socket.socketpair()
         fds = [theirs.fileno()]
-        cmd = [sys.executable, "-m", HELPER_MODULE, "--conn-fd", str(theirs.fileno())]
+        cmd = [*helper_command(), "--conn-fd", str(theirs.fileno())]
         if self.pool_fd is not None:
             fds.append(self.pool_fd)
             cmd += ["--pool-fd", str(self.pool_fd)]

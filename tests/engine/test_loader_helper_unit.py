@@ -20,9 +20,17 @@ class _Conn:
 
 def _helper(tmp_path, delay: float = 0.0) -> tuple[_Helper, _Conn]:
     init = LoaderInit(model_config=None, enabled_plugins=(), settings=ResolverSettings(),
-                      cache_dir=str(tmp_path), pool_nbytes=0, test_delay_s=delay)  # fmt: skip
+                      cache_dir=str(tmp_path), pool_nbytes=0)  # fmt: skip
     conn = _Conn()
-    return _Helper(conn, init, pool=None), conn  # type: ignore[arg-type]
+    helper = _Helper(conn, init, pool=None)  # type: ignore[arg-type]
+    if delay:  # a stage that takes this long (a fake: nothing is read)
+
+        async def stage(p: dict) -> dict:
+            await asyncio.sleep(delay)
+            return {}
+
+        helper._stage = stage  # type: ignore[method-assign]
+    return helper, conn
 
 
 def test_a_job_cancelled_before_its_task_ran_is_answered(tmp_path):

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraplex.engine import AsyncEngine, SamplingParams
+from loraplex.engine.lora import loader_process
 from loraplex.engine.lora.errors import AdapterDigestError, AdapterFormatError, AdapterValueError
 from loraplex.engine.lora.loader_process import LoaderProcessError
 from loraplex.engine.lora.manager import AdapterState
@@ -30,6 +31,7 @@ from tests.engine.lifecycle_helpers import (
     truncated,
     wait_until,
 )
+from tests.helpers import slow_loader
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,9 +80,10 @@ async def test_helper_loads_match_in_process_loads(tiny, lib, tmp_path):
     assert results[0] == results[1]
 
 
-async def test_killed_helper_is_replaced_and_the_load_retried(tiny, lib, tmp_path):
+async def test_killed_helper_is_replaced_and_the_load_retried(tiny, lib, tmp_path, monkeypatch):
     model_dir, _ = tiny
-    cfg = proc_config(model_dir, tmp_path, extra={"loader_test_delay_s": 1.0})
+    monkeypatch.setattr(loader_process, "helper_command", slow_loader.command(delay=1.0))
+    cfg = proc_config(model_dir, tmp_path)
     async with AsyncEngine(cfg) as engine:
         await engine.add_adapter("poem", str(lib["poem"]))
         procs = engine.testing.loader.procs
@@ -112,9 +115,10 @@ async def test_helper_dead_before_any_job_is_replaced(tiny, lib, tmp_path):
         assert_idle(engine)
 
 
-async def test_second_death_fails_only_that_adapter(tiny, lib, tmp_path):
+async def test_second_death_fails_only_that_adapter(tiny, lib, tmp_path, monkeypatch):
     model_dir, _ = tiny
-    cfg = proc_config(model_dir, tmp_path, extra={"loader_test_delay_s": 1.0})
+    monkeypatch.setattr(loader_process, "helper_command", slow_loader.command(delay=1.0))
+    cfg = proc_config(model_dir, tmp_path)
     async with AsyncEngine(cfg) as engine:
         await engine.add_adapter("poem", str(lib["poem"]))
         procs = engine.testing.loader.procs
@@ -206,14 +210,15 @@ async def test_gpu_pool_loads_mixed_graphs_and_no_compiles_while_serving(tiny, l
 
 
 async def test_cancelled_stage_keeps_its_region_until_the_helper_stopped_writing(
-    tiny, lib, tmp_path
+    tiny, lib, tmp_path, monkeypatch
 ):
     """The helper's stage thread writes into the engine's host-pool region: a cancelled load
     gets its region back only once that thread has returned (before, the helper replied
     "cancelled" at once and the region could go to the next load while still being written)."""
     model_dir, _ = tiny
     hold = 1.0
-    cfg = proc_config(model_dir, tmp_path, extra={"loader_test_stage_hold_s": hold})
+    monkeypatch.setattr(loader_process, "helper_command", slow_loader.command(stage_hold=hold))
+    cfg = proc_config(model_dir, tmp_path)
     async with AsyncEngine(cfg) as engine:
         await engine.add_adapter("poem", str(lib["poem"]))
         procs = engine.testing.loader.procs

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from loraplex.engine import AsyncEngine
+from loraplex.engine.lora import loader_process
 from loraplex.engine.lora.manager import AdapterState
 from loraplex.plugins import hookimpl
 from loraplex.resolvers import AdapterSource, Report, Resolver, ResolverSettings, copy_file
@@ -22,13 +23,15 @@ from tests.engine.lifecycle_helpers import (
     wait_until,
 )
 from tests.engine.test_loader_process import GREEDY, PROMPT, pool_idle, proc_config
+from tests.helpers import slow_loader
 
 pytestmark = pytest.mark.timeout(120)
 
 
-async def test_cancelled_load_releases_its_region(tiny, lib, tmp_path):
+async def test_cancelled_load_releases_its_region(tiny, lib, tmp_path, monkeypatch):
     model_dir, _ = tiny
-    cfg = proc_config(model_dir, tmp_path, extra={"loader_test_delay_s": 0.5})
+    monkeypatch.setattr(loader_process, "helper_command", slow_loader.command(delay=0.5))
+    cfg = proc_config(model_dir, tmp_path)
     async with AsyncEngine(cfg) as engine:
         await engine.add_adapter("poem", str(lib["poem"]))
         procs = engine.testing.loader.procs
