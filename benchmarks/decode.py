@@ -145,7 +145,7 @@ async def coldload(engine, args, names, rows):
     quiet = [e.seconds for e in r["log"] if e.decode and e.rows == batch and not e.loading][3:]
     loads = [v for v in engine.testing.adapters.versions() if v.name == "cold"]
     t = loads[0].timings if loads else {}
-    from loraplex.engine.lora.slot_timing import measure_slot_write
+    from loraplex.engine.bench.coldload.bandwidth import measure_slot_write
     from loraplex.engine.model.lora.slot_image import packed_for
 
     packed = packed_for(loads[0].adapter) if loads and loads[0].adapter is not None else None

@@ -36,7 +36,7 @@ import torch
 
 from benchmarks.checkpoints import cpu_model_dir
 from benchmarks.record import append_cpu_record
-from loraplex.engine.lora.adapter import load_adapter
+from loraplex.engine.adapters.parse import load_adapter
 from loraplex.engine.model.loader import load_model
 from loraplex.engine.model.lora.slot_buffers import write_slot
 from loraplex.engine.model.quant import drop_float_bases, fp8_layers

@@ -40,7 +40,7 @@ class EngineConfig:
     max_full_module_loras: int = 0
     # rows past the base vocabulary that full tables may add (adapters that added tokens,
     # their own tokenizer.json): slots hold (vocab + N, hidden) tables and the logits are
-    # vocab + N wide; 0: a table must have the base's rows (lora/added_tokens.py)
+    # vocab + N wide; 0: a table must have the base's rows (adapters/added_tokens.py)
     lora_extra_vocab_size: int = 0
     # scheduling
     max_num_seqs: int = 64

@@ -19,18 +19,17 @@ from typing import Any
 
 import structlog
 
+from loraplex.engine.adapters.fetch import AdapterFetcher
+from loraplex.engine.adapters.host_pool import HostPool
+from loraplex.engine.adapters.registry import AdapterRegistry, AdapterState, AdapterVersion
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core_adapters import MAX_COMPOSITION, AdapterOps
 from loraplex.engine.core_steps import Planned, StepOps
 from loraplex.engine.detokenizer import IncrementalDetokenizer
-from loraplex.engine.errors import InvalidRequestError
+from loraplex.engine.errors import AdapterNotFoundError, InvalidRequestError
 from loraplex.engine.executor import StepExecutor, StepRecord
 from loraplex.engine.kv import BlockManager
 from loraplex.engine.loop_lag import LoopLag
-from loraplex.engine.lora.errors import AdapterNotFoundError
-from loraplex.engine.lora.loader import AdapterLoader
-from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion
-from loraplex.engine.lora.pool import HostPool
 from loraplex.engine.mixed_graphs import MixedGraphs
 from loraplex.engine.model.protocol import CausalLM
 from loraplex.engine.model.tp import full_config
@@ -67,8 +66,8 @@ class EngineInternals:
     """
 
     scheduler: Scheduler
-    adapters: AdapterManager
-    loader: AdapterLoader
+    adapters: AdapterRegistry
+    loader: AdapterFetcher
     executor: StepExecutor
 
     @property
@@ -117,11 +116,11 @@ class EngineCore(AdapterOps, StepOps):
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
         self.eos_ids = set(tokenizer.eos_token_ids) if tokenizer else set(cfg.eos_token_ids)
-        self.loader = AdapterLoader(config, cfg, pool=pool)
+        self.loader = AdapterFetcher(config, cfg, pool=pool)
         if tokenizer is not None:  # adapters that add tokens bring their own (added_tokens.py)
             self.loader.base_tokenizer = tokenizer.backend
             self.loader.load_tokenizer = self._adapter_tokenizer
-        self.adapters = AdapterManager(
+        self.adapters = AdapterRegistry(
             max_loras=config.max_loras,
             max_cpu_loras=config.max_cpu_loras,
             loader=self._load_adapter,

@@ -12,14 +12,17 @@ from typing import Any
 
 import structlog
 
+from loraplex.engine.adapters.checks import fold_dora
+from loraplex.engine.adapters.fetch import AdapterFetcher
+from loraplex.engine.adapters.parse import LoRAAdapter, load_magnitudes
+from loraplex.engine.adapters.registry import AdapterRegistry, AdapterState, AdapterVersion
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.errors import AdapterCompositionError, InvalidRequestError
+from loraplex.engine.errors import (
+    AdapterCompositionError,
+    AdapterNotFoundError,
+    InvalidRequestError,
+)
 from loraplex.engine.executor import StepExecutor
-from loraplex.engine.lora.adapter import LoRAAdapter, load_magnitudes
-from loraplex.engine.lora.errors import AdapterNotFoundError
-from loraplex.engine.lora.loader import AdapterLoader
-from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion
-from loraplex.engine.lora.tensor_checks import fold_dora
 from loraplex.engine.model.lora.dora import row_scales
 from loraplex.engine.model.lora.slot_image import packed_for
 from loraplex.engine.model.protocol import CausalLM
@@ -37,8 +40,8 @@ class AdapterOps:
     """``EngineCore``'s adapter methods (see the module docstring)."""
 
     config: EngineConfig
-    adapters: AdapterManager
-    loader: AdapterLoader
+    adapters: AdapterRegistry
+    loader: AdapterFetcher
     executor: StepExecutor
     scheduler: Scheduler
     model: CausalLM

@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from loraplex.engine.adapters.registry import AdapterRegistry
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.executor import InFlightStep, StepExecutor
-from loraplex.engine.lora.manager import AdapterManager
 from loraplex.engine.model_runner import StepItem
 from loraplex.engine.output import append_token
 from loraplex.engine.request import Request
@@ -28,7 +28,7 @@ class StepOps:
     """``EngineCore``'s step methods (see the module docstring)."""
 
     config: EngineConfig
-    adapters: AdapterManager
+    adapters: AdapterRegistry
     executor: StepExecutor
     scheduler: Scheduler
     in_flight: set[Request]

@@ -23,11 +23,11 @@ from typing import Any, NamedTuple
 
 import torch
 
+from loraplex.engine.adapters.host_pool import HostPool
+from loraplex.engine.adapters.registry import AdapterRegistry, AdapterState, AdapterVersion
+from loraplex.engine.adapters.slot_writer import SlotWriter
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.kv import BlockManager
-from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion
-from loraplex.engine.lora.pool import HostPool
-from loraplex.engine.lora.slot_writer import SlotWriter
 from loraplex.engine.mixed_graphs import MixedGraphs
 from loraplex.engine.model.lora.slot_buffers import write_slot
 from loraplex.engine.model.protocol import CausalLM
@@ -94,7 +94,7 @@ class StepExecutor:
         model: CausalLM,
         runner: ModelRunner,
         blocks: BlockManager,
-        adapters: AdapterManager,
+        adapters: AdapterRegistry,
         pool: HostPool | None = None,
         mixed_graphs: MixedGraphs | None = None,
     ) -> None:

@@ -15,8 +15,8 @@ from loraplex.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from loraplex.engine.adapters.version import AdapterVersion
     from loraplex.engine.detokenizer import IncrementalDetokenizer
-    from loraplex.engine.lora.manager import AdapterVersion
     from loraplex.engine.structured.grammars import Guide
 
 __all__ = ["RequestStatus", "RequestOutput", "Request", "TokenLogprob", "Tokens"]

@@ -39,10 +39,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex.engine.adapters.registry import (
+    AdapterRegistry,
+    AdapterState,
+    AdapterVersion,
+    SlotFullError,
+)
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.fair_share import FairShare
 from loraplex.engine.kv import BlockManager
-from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion, SlotFullError
 from loraplex.engine.request import Request, RequestStatus
 
 __all__ = ["Scheduler", "ScheduledChunk", "SchedulerOutput"]
@@ -86,7 +91,7 @@ class Scheduler:
     ``SchedulerOutput.failed`` (the caller fails them).
     """
 
-    def __init__(self, config: EngineConfig, blocks: BlockManager, adapters: AdapterManager):
+    def __init__(self, config: EngineConfig, blocks: BlockManager, adapters: AdapterRegistry):
         self.config = config
         self.blocks = blocks
         self.adapters = adapters

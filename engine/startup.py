@@ -16,9 +16,9 @@ from typing import Any
 import structlog
 import torch
 
+from loraplex.engine.adapters.host_pool import HostPool
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
-from loraplex.engine.lora.pool import HostPool
 from loraplex.engine.mixed_graphs import MixedGraphs
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.kernels.fp8_linear import prepare_fp8_linear

@@ -16,7 +16,7 @@ from typing import Any
 
 import pluggy
 
-from loraplex.engine.lora.errors import AdapterSourceError
+from loraplex.engine.errors import AdapterSourceError
 from loraplex.plugins import hookspecs
 from loraplex.plugins.hookspecs import ENTRY_POINT_GROUP, PROJECT_NAME
 from loraplex.resolvers.base import FetchResult, ProgressCallback, Resolver, ResolverSettings

@@ -1,4 +1,5 @@
-"""Built-in resolver plugins (local, huggingface, s3) and the resolver contract.
+"""Built-in resolver plugins (local, huggingface, s3) and the resolver contract (with the
+typed errors a resolver raises, from ``loraplex.engine.errors``).
 
 The concrete resolvers are imported lazily, through the ``loraplex.plugins`` entry points, so
 importing this package does not pull in huggingface_hub or s3fs. ``fetch_adapter`` belongs to
@@ -11,6 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from loraplex.engine.errors import (
+    AdapterConfigError,
+    AdapterFormatError,
+    AdapterNotFoundError,
+    AdapterPolicyError,
+    AdapterSourceError,
+    AdapterTooLargeError,
+)
 from loraplex.resolvers.base import (
     ADAPTER_FILES,
     TOKENIZER_FILES,
@@ -25,6 +34,13 @@ from loraplex.resolvers.base import (
 from loraplex.resolvers.policy import SourcePolicy, scheme_of
 
 __all__ = [
+    # the errors a resolver raises (the resolver contract names them)
+    "AdapterConfigError",
+    "AdapterFormatError",
+    "AdapterNotFoundError",
+    "AdapterPolicyError",
+    "AdapterSourceError",
+    "AdapterTooLargeError",
     "ADAPTER_FILES",
     "TOKENIZER_FILES",
     "AdapterSource",

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import aiofiles
 import structlog
 
-from loraplex.engine.lora.errors import (
+from loraplex.engine.errors import (
     AdapterConfigError,
     AdapterFormatError,
     AdapterNotFoundError,

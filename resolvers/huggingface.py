@@ -19,7 +19,7 @@ from pathlib import Path
 from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
-from loraplex.engine.lora.errors import AdapterNotFoundError, AdapterSourceError
+from loraplex.engine.errors import AdapterNotFoundError, AdapterSourceError
 from loraplex.plugins import hookimpl
 from loraplex.resolvers.base import (
     AdapterSource,

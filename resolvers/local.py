@@ -29,7 +29,7 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
-from loraplex.engine.lora.errors import (
+from loraplex.engine.errors import (
     AdapterFormatError,
     AdapterNotFoundError,
     AdapterPolicyError,

@@ -23,7 +23,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from loraplex.engine.lora.errors import AdapterPolicyError, AdapterSourceError
+from loraplex.engine.errors import AdapterPolicyError, AdapterSourceError
 
 __all__ = ["SourcePolicy", "scheme_of", "is_local", "local_path_of"]
 

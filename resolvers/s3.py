@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiofiles
 
-from loraplex.engine.lora.errors import AdapterNotFoundError, AdapterSourceError
+from loraplex.engine.errors import AdapterNotFoundError, AdapterSourceError
 from loraplex.plugins import hookimpl
 from loraplex.resolvers.base import AdapterSource, Report, Resolver, ResolverSettings
 

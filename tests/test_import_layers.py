@@ -15,6 +15,7 @@ below. A module's layer is the entry with the longest matching prefix.
 from __future__ import annotations
 
 import ast
+import re
 from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,16 +28,12 @@ TOP = {
 }
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    # typed errors, the frozen engine config and the kernel-backend names it checks: shared
-    # by everything, they import nothing of ours but each other
+    # typed errors (the engine's and every adapter error), the frozen engine config and the
+    # kernel-backend names it checks: shared by everything, they import nothing of ours but
+    # each other
     (
         "leaves",
-        (
-            "loraplex.engine.errors",
-            "loraplex.engine.lora.errors",
-            "loraplex.engine.config",
-            "loraplex.engine.model.backend",
-        ),
+        ("loraplex.engine.errors", "loraplex.engine.config", "loraplex.engine.model.backend"),
     ),
     # the resolver contract (Resolver, ResolverSettings, FetchResult) and the source policy
     ("resolver contract", ("loraplex.resolvers.base", "loraplex.resolvers.policy")),
@@ -44,19 +41,20 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("plugin system", ("loraplex.plugins",)),
     # the built-in resolver plugins (local, huggingface, s3) and the loraplex.resolvers facade
     ("resolver plugins", ("loraplex.resolvers",)),
-    # the model with its LoRA compute (layers, mapping, kernels and twins, the slot image and
-    # the device half of a slot write) and KV blocks: nothing above them
+    # the model with its LoRA compute (model/lora/: layers, mapping, kernels and twins, the slot
+    # image and the device half of a slot write) and KV blocks: nothing above them
     ("model", ("loraplex.engine.model", "loraplex.engine.kv")),
-    # the adapter lifecycle (registry, load pipeline, host pool, slot table and writer)
-    ("lora", ("loraplex.engine.lora",)),
-    # the engine core: AsyncEngine, EngineCore, step, scheduler, requests, runner, demo, ...
+    # the adapter lifecycle: registry and versions, fetch, checks, staging, loader processes,
+    # host pool, slot table and writer
+    ("adapters", ("loraplex.engine.adapters",)),
+    # the engine core: AsyncEngine, EngineCore, executor, scheduler, requests, runner, demo, ...
     ("core", ("loraplex.engine",)),
     # benchmark studies on the engine's API (``loraplex bench``); they never import the server
-    ("bench", ("loraplex.engine.bench",)),
+    ("studies", ("loraplex.engine.bench",)),
     # the HTTP server and the ``loraplex`` command line, which registers the studies
     ("server", ("loraplex.engine.server",)),
     # replicas on Ray Serve: an ingress on the server code, ``loraplex serve-ray``
-    ("serve_ray", ("loraplex.engine.serve_ray",)),
+    ("Ray front", ("loraplex.engine.serve_ray",)),
 ]
 
 # Arrows on an import cycle today ("a -> b", short names without "loraplex."). The test fails
@@ -298,3 +296,31 @@ def test_no_upward_imports() -> None:
     if gone:
         lines.append(_report("no longer upward: remove from KNOWN_UPWARD_ARROWS:", gone))
     assert not new and not gone, "\n".join(lines)
+
+
+def layers_in_docs(path: Path | None = None) -> list[tuple[str, tuple[str, ...]]]:
+    """The "Import layers" table of docs/architecture.md: (layer, its modules' installed
+    names), from the first two columns (backticked paths under engine/, resolvers/,
+    plugins/; a folder is its package, a .py file its module)."""
+    text = (path or ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("## Import layers", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or cells[0] in ("layer", "") or set(cells[0]) <= {"-"}:
+            continue
+        names = []
+        for token in re.findall(r"`([^`]+)`", cells[1]):
+            top, _, rest = token.partition("/")
+            if top not in TOP:
+                continue  # a folder named relative to another (``model/lora/``), a command
+            parts = [p for p in rest.removesuffix(".py").split("/") if p]
+            names.append(".".join([TOP[top], *parts]))
+        rows.append((cells[0], tuple(names)))
+    return rows
+
+
+def test_the_docs_layer_table_is_layers() -> None:
+    """docs/architecture.md's layer table and ``LAYERS`` name the same layers, in the same
+    order, with the same folders and modules."""
+    assert layers_in_docs() == LAYERS

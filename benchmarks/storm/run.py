@@ -292,8 +292,8 @@ def idle_slot_writes(engine: AsyncEngine) -> dict[str, float]:
     """GB/s of whole slot writes (transfer + scatter) with the GPU otherwise idle, for a
     resident all-module adapter (84 MB at the 8B shape, from its host-pool region) and its
     q/k/v/o part (27 MB), next to a plain pinned copy."""
-    from loraplex.engine.lora.adapter import LoRAAdapter
-    from loraplex.engine.lora.slot_timing import measure_slot_write
+    from loraplex.engine.adapters.parse import LoRAAdapter
+    from loraplex.engine.bench.coldload.bandwidth import measure_slot_write
     from loraplex.engine.model.lora.slot_image import pack_adapter, packed_for
 
     internals = engine.testing

@@ -29,8 +29,7 @@ import structlog
 from ray.exceptions import RayError, TaskCancelledError
 
 from loraplex.engine.core import AdapterChoice
-from loraplex.engine.errors import EngineClosedError
-from loraplex.engine.lora.errors import AdapterNotFoundError
+from loraplex.engine.errors import AdapterNotFoundError, EngineClosedError
 from loraplex.engine.request import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.serve_ray.board import Board

@@ -38,7 +38,6 @@ log = structlog.get_logger("loraplex.serve_ray")
 # module named by the wire)
 _ERROR_MODULES = (
     "loraplex.engine.errors",
-    "loraplex.engine.lora.errors",
     "loraplex.engine.tokenizer",
 )
 

@@ -13,7 +13,7 @@ import re
 import structlog
 from aiohttp import web
 
-from loraplex.engine.lora.loader import valid_adapter_name
+from loraplex.engine.adapters.fetch import valid_adapter_name
 from loraplex.engine.server.body import read_json
 from loraplex.engine.server.errors import APIError, from_exception
 from loraplex.engine.server.state import ADMIN_TOKEN_KEY, ENGINE_KEY

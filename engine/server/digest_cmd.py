@@ -30,7 +30,7 @@ def local_folder(source: str) -> Path | None:
 
 
 async def _remote_digest(uri: str, plugins: list[str] | None) -> tuple[str, str]:
-    from loraplex.engine.lora.digest import adapter_digest_async
+    from loraplex.engine.adapters.digest import adapter_digest_async
     from loraplex.plugins.manager import PluginManager
     from loraplex.resolvers import ResolverSettings, SourcePolicy, fetch_adapter
 
@@ -51,8 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from loraplex.engine.adapters.digest import adapter_digest
     from loraplex.engine.logging import configure_logging
-    from loraplex.engine.lora.digest import adapter_digest
 
     configure_logging("warning")  # stdout carries the digest only
 

@@ -19,11 +19,11 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from loraplex.engine.errors import EngineClosedError
-from loraplex.engine.lora.errors import (
+from loraplex.engine.errors import (
     AdapterNotFoundError,
     AdapterPolicyError,
     AdapterTooLargeError,
+    EngineClosedError,
     LoRAError,
 )
 from loraplex.engine.tokenizer import TokenizerError

@@ -53,7 +53,7 @@ def parse_lora_module(text: str) -> LoraModule:
 
 def _named(m: LoraModule) -> LoraModule:
     """The name rule of the admin load route: clients choose adapters by these names."""
-    from loraplex.engine.lora.loader import valid_adapter_name
+    from loraplex.engine.adapters.fetch import valid_adapter_name
 
     if not valid_adapter_name(m.name):
         raise argparse.ArgumentTypeError(

@@ -62,7 +62,7 @@ def s3_cache_dir(bucket: str, prefix: str, download_dir: str | None) -> Path:
 
 
 def _error(e: BaseException, uri: str) -> ModelSourceError:
-    from loraplex.engine.lora.errors import AdapterNotFoundError
+    from loraplex.engine.errors import AdapterNotFoundError
 
     if isinstance(e, ModelSourceError):
         return e

@@ -88,7 +88,7 @@ def parse_model_source(text: str | None, revision: str | None = None) -> ModelSo
             )
         return ModelSource("local", text, path=local)
     if text.startswith("s3://"):
-        from loraplex.engine.lora.errors import AdapterSourceError
+        from loraplex.engine.errors import AdapterSourceError
         from loraplex.resolvers.s3 import parse_s3_uri
 
         if revision:
@@ -98,7 +98,7 @@ def parse_model_source(text: str | None, revision: str | None = None) -> ModelSo
         except AdapterSourceError as e:
             raise ModelSourceError(str(e)) from None
         return ModelSource("s3", text, bucket=bucket, prefix=prefix)
-    from loraplex.engine.lora.errors import AdapterSourceError
+    from loraplex.engine.errors import AdapterSourceError
     from loraplex.resolvers.huggingface import parse_hf_uri
 
     uri = text if text.startswith("hf://") else f"hf://{text}"

@@ -184,7 +184,7 @@ def _common(body: dict[str, Any], limits: ServerLimits) -> GenerationRequest:
 
 MAX_COMPOSED_ADAPTERS = 16
 # |weight| of one composed adapter. The engine multiplies each B (LoRA scale folded in) by its
-# weight and refuses a folded entry above 1e4 (lora/tensor_checks.py: MAX_ADAPTER_WEIGHT, below
+# weight and refuses a folded entry above 1e4 (adapters/checks.py: MAX_ADAPTER_WEIGHT, below
 # float16's 65504). Trained B entries are O(0.01-1), so weights up to 100 stay far inside that
 # and finite in float16 / bfloat16; a delta scaled past 100x its trained size only breaks the
 # model, and larger weights made the engine's check fail as if the adapter file were bad.

@@ -128,7 +128,7 @@ def test_quick_build_runs(tmp_path: Path) -> None:
     assert read_json(out / "config.json") == build.MODEL_CONFIG
     import torch
 
-    from loraplex.engine.lora.adapter import load_adapter
+    from loraplex.engine.adapters.parse import load_adapter
     from loraplex.engine.model.config import ModelConfig
     from loraplex.engine.model.loader import load_model
 

@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 import torch
 
+from loraplex.engine.adapters.digest import adapter_digest
 from loraplex.engine.demo import demo_adapters
-from loraplex.engine.lora.digest import adapter_digest
 from loraplex.engine.server.cli import build_parser
 from tests.demo.readme_blocks import Block, localize, parse_blocks
 

@@ -10,8 +10,7 @@ import pytest
 from safetensors.torch import load_file
 
 from loraplex.engine import AsyncEngine, SamplingParams
-from loraplex.engine.errors import AdapterCompositionError
-from loraplex.engine.lora.errors import AdapterFormatError
+from loraplex.engine.errors import AdapterCompositionError, AdapterFormatError
 from tests.engine.hf_reference import HFReference, compare
 from tests.engine.test_async_engine import assert_idle, collect, config, register
 from tests.helpers.models import copy_adapter

@@ -1,4 +1,4 @@
-"""Adapters that added tokens (``lora_extra_vocab_size``, lora/added_tokens.py) through
+"""Adapters that added tokens (``lora_extra_vocab_size``, adapters/added_tokens.py) through
 AsyncEngine and the HTTP server: text prompts with the added tokens tokenized and outputs
 detokenized with the adapter's tokenizer, next to base and plain LoRA requests, greedy tokens
 as PEFT on the resized base; typed refusals that leave nothing loaded."""
@@ -12,8 +12,7 @@ import aiohttp
 import pytest
 
 from loraplex.engine import AsyncEngine, SamplingParams
-from loraplex.engine.errors import InvalidRequestError
-from loraplex.engine.lora.errors import AdapterConfigError, AdapterShapeError
+from loraplex.engine.errors import AdapterConfigError, AdapterShapeError, InvalidRequestError
 from loraplex.engine.server import create_app, start_server
 from loraplex.engine.structured.spec import StructuredOutput
 from loraplex.engine.tokenizer import Tokenizer

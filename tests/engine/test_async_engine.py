@@ -8,8 +8,7 @@ import random
 import pytest
 
 from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
-from loraplex.engine.errors import InvalidRequestError
-from loraplex.engine.lora.errors import AdapterDigestError, AdapterNotFoundError
+from loraplex.engine.errors import AdapterDigestError, AdapterNotFoundError, InvalidRequestError
 from tests.engine.hf_reference import HFReference, compare
 
 
@@ -250,7 +249,7 @@ async def test_static_sources_do_not_widen_runtime_loads(tiny, tmp_path):
         with pytest.raises(AdapterDigestError):
             await engine.add_adapter("bad", uri, sha256="0" * 64)
         # a static source (even one whose registration failed) is no runtime (untrusted) source
-        from loraplex.engine.lora.errors import AdapterPolicyError
+        from loraplex.engine.errors import AdapterPolicyError
 
         with pytest.raises(AdapterPolicyError):
             await engine.add_adapter("sneaky", uri, trusted=False)

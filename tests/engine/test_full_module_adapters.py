@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from loraplex.engine import AsyncEngine, SamplingParams
-from loraplex.engine.lora.errors import AdapterConfigError
+from loraplex.engine.errors import AdapterConfigError
 from loraplex.engine.server import create_app, start_server
 from tests.engine.hf_reference import HFReference, compare, http_greedy_ids
 from tests.engine.test_async_engine import assert_idle, collect, config, register

@@ -8,9 +8,8 @@ import shutil
 
 import pytest
 
-from loraplex.engine import AsyncEngine, SamplingParams
+from loraplex.engine import AsyncEngine, SamplingParams, errors
 from loraplex.engine.errors import InvalidRequestError
-from loraplex.engine.lora import errors
 from tests.engine.hf_reference import HFReference, compare
 from tests.engine.lifecycle_helpers import (
     BROKEN,

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from loraplex.engine import AsyncEngine, SamplingParams
-from loraplex.engine.lora.manager import AdapterState
+from loraplex.engine.adapters.registry import AdapterState
 from tests.engine.hf_reference import HFReference, compare
 from tests.engine.lifecycle_helpers import (
     HeldPlugin,

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from loraplex.engine import AsyncEngine, SamplingParams
-from loraplex.engine.lora.manager import SlotFullError
+from loraplex.engine.adapters.registry import SlotFullError
 from tests.engine.hf_reference import HFReference, compare
 from tests.engine.lifecycle_helpers import (
     StepGate,

@@ -12,7 +12,7 @@ import boto3
 import pytest
 
 from loraplex.engine import AsyncEngine, SamplingParams
-from loraplex.engine.lora.errors import AdapterNotFoundError, AdapterPolicyError
+from loraplex.engine.errors import AdapterNotFoundError, AdapterPolicyError
 from tests.engine.hf_reference import HFReference, compare
 from tests.engine.lifecycle_helpers import assert_idle, collect, config
 from tests.resolvers.test_huggingface import (

@@ -1,12 +1,12 @@
-"""The loader helper's own loop (lora/loader_helper.py), without a process: every job it is
+"""The loader helper's own loop (adapters/loader_proc_main.py), without a process: every job it is
 sent gets exactly one reply, also one cancelled before its task first ran."""
 
 from __future__ import annotations
 
 import asyncio
 
-from loraplex.engine.lora.loader_helper import _Helper
-from loraplex.engine.lora.loader_process import LoaderInit
+from loraplex.engine.adapters.loader_proc_main import _Helper
+from loraplex.engine.adapters.loader_procs import LoaderInit
 from loraplex.resolvers import ResolverSettings
 
 

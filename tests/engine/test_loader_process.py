@@ -19,10 +19,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraplex.engine import AsyncEngine, SamplingParams
-from loraplex.engine.lora import loader_process
-from loraplex.engine.lora.errors import AdapterDigestError, AdapterFormatError, AdapterValueError
-from loraplex.engine.lora.loader_process import LoaderProcessError
-from loraplex.engine.lora.manager import AdapterState
+from loraplex.engine.adapters import loader_procs as loader_process
+from loraplex.engine.adapters.registry import AdapterState
+from loraplex.engine.errors import (
+    AdapterDigestError,
+    AdapterFormatError,
+    AdapterValueError,
+    LoaderProcessError,
+)
 from tests.engine.hf_reference import HFReference, compare
 from tests.engine.lifecycle_helpers import (
     assert_idle,
@@ -243,7 +247,7 @@ async def test_shared_fields_reach_each_helper_once_per_change():
     gives every job its whole payload back."""
     import pickle
 
-    from loraplex.engine.lora.loader_process import LoaderProcesses, _Proc, resolve_shared
+    from loraplex.engine.adapters.loader_procs import LoaderProcesses, _Proc, resolve_shared
     from loraplex.resolvers import SourcePolicy
 
     class Conn:

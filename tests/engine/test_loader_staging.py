@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from loraplex.engine import AsyncEngine
-from loraplex.engine.lora import loader_process
-from loraplex.engine.lora.manager import AdapterState
+from loraplex.engine.adapters import loader_procs as loader_process
+from loraplex.engine.adapters.registry import AdapterState
 from loraplex.plugins import hookimpl
 from loraplex.resolvers import AdapterSource, Report, Resolver, ResolverSettings, copy_file
 from tests.engine.lifecycle_helpers import (

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from loraplex.engine import AsyncEngine, SamplingParams
-from loraplex.engine.lora.errors import AdapterConfigError, AdapterTargetError
+from loraplex.engine.errors import AdapterConfigError, AdapterTargetError
 from tests.engine.hf_reference import HFReference, compare
 from tests.engine.lifecycle_helpers import config
 from tests.engine.test_async_engine import assert_idle, collect, register

@@ -10,8 +10,8 @@ import random
 import pytest
 
 from loraplex.engine import AsyncEngine, SamplingParams
+from loraplex.engine.adapters.registry import AdapterRegistry
 from loraplex.engine.kv import BlockManager
-from loraplex.engine.lora.manager import AdapterManager
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.scheduler import Scheduler
 from tests.engine.test_async_engine import assert_idle, collect, config, register
@@ -138,7 +138,7 @@ async def test_abort_while_pipelined_leaks_nothing(tiny):
 def make_scheduler(**kw) -> tuple[Scheduler, BlockManager]:
     cfg = config("unused", max_num_seqs=kw.pop("max_num_seqs", 8), **kw)
     blocks = BlockManager(kw.get("num_kv_blocks", 8), cfg.block_size, True)
-    adapters = AdapterManager(max_loras=2, max_cpu_loras=2, loader=None, on_change=lambda: None)
+    adapters = AdapterRegistry(max_loras=2, max_cpu_loras=2, loader=None, on_change=lambda: None)
     return Scheduler(cfg, blocks, adapters), blocks
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from loraplex.engine.lora.manager import AdapterState, SlotFullError
+from loraplex.engine.adapters.registry import AdapterState, SlotFullError
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
 from tests.engine.test_scheduler_unit import check_references, make, rows, run_step, submit

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.engine.lora.manager import AdapterState, SlotFullError
+from loraplex.engine.adapters.registry import AdapterState, SlotFullError
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import ScheduledChunk, SchedulerOutput

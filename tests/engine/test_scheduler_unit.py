@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from loraplex.engine.adapters.registry import AdapterRegistry, AdapterState, AdapterVersion
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.lora.manager import AdapterManager, AdapterState, AdapterVersion
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
@@ -74,7 +74,7 @@ def make(
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 64,
     slot_write_join_bytes: int = 128 << 20,
-) -> tuple[Scheduler, FakeBlocks, AdapterManager, FakeLoader]:
+) -> tuple[Scheduler, FakeBlocks, AdapterRegistry, FakeLoader]:
     cfg = EngineConfig(
         slot_write_join_bytes=slot_write_join_bytes,
         max_loras=max_loras,
@@ -85,7 +85,7 @@ def make(
         starvation_timeout_s=10.0,
     )
     loader = FakeLoader()
-    adapters = AdapterManager(max_loras=max_loras, max_cpu_loras=max_cpu_loras, loader=loader)
+    adapters = AdapterRegistry(max_loras=max_loras, max_cpu_loras=max_cpu_loras, loader=loader)
     blocks = FakeBlocks(num_blocks)
     return Scheduler(cfg, blocks, adapters), blocks, adapters, loader
 

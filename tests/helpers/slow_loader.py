@@ -29,7 +29,7 @@ def command(*, delay: float = 0.0, stage_hold: float = 0.0) -> Callable[[], list
 
 
 def main() -> None:
-    from loraplex.engine.lora import loader_helper
+    from loraplex.engine.adapters import loader_proc_main as loader_helper
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--delay", type=float, default=0.0)

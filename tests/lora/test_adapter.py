@@ -13,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from loraplex.engine.lora.adapter import base_module_name, load_adapter
-from loraplex.engine.lora.errors import (
+from loraplex.engine.adapters.parse import base_module_name, load_adapter
+from loraplex.engine.adapters.peft_config import parse_peft_config
+from loraplex.engine.errors import (
     AdapterConfigError,
     AdapterFormatError,
     AdapterNotFoundError,
@@ -22,7 +23,6 @@ from loraplex.engine.lora.errors import (
     AdapterShapeError,
     AdapterTargetError,
 )
-from loraplex.engine.lora.peft_config import parse_peft_config
 from loraplex.engine.model.config import LORA_MODULES, ModelConfig
 from tests.helpers.models import (
     ALL_MODULES,

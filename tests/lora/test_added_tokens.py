@@ -1,5 +1,5 @@
 """Adapters that added tokens (full embed_tokens / lm_head tables of V + k rows, served with
-``lora_extra_vocab_size`` E >= k, lora/added_tokens.py) against PEFT on a resized base: logits
+``lora_extra_vocab_size`` E >= k, adapters/added_tokens.py) against PEFT on a resized base: logits
 of a mixed batch (base rows, a plain LoRA, full tables without added tokens, the adapter's rows
 with added ids in their prompts) within 1e-4 in float32, V + E wide with -inf where a row's
 tokenizer has no id; the widened head through its Triton kernel; typed refusals."""
@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraplex.engine.lora.adapter import load_adapter
-from loraplex.engine.lora.added_tokens import check_adapter_vocab
-from loraplex.engine.lora.errors import AdapterConfigError, AdapterShapeError, AdapterTargetError
-from loraplex.engine.lora.preflight import preflight
+from loraplex.engine.adapters.added_tokens import check_adapter_vocab
+from loraplex.engine.adapters.parse import load_adapter
+from loraplex.engine.adapters.preflight import preflight
+from loraplex.engine.errors import AdapterConfigError, AdapterShapeError, AdapterTargetError
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.lora.full import FullModules

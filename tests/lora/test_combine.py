@@ -11,9 +11,9 @@ import random
 import pytest
 import torch
 
-from loraplex.engine.lora.adapter import load_adapter
-from loraplex.engine.lora.combine import combine_adapters
-from loraplex.engine.lora.errors import AdapterRankError, AdapterValueError
+from loraplex.engine.adapters.combine import combine_adapters
+from loraplex.engine.adapters.parse import load_adapter
+from loraplex.engine.errors import AdapterRankError, AdapterValueError
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.loader import load_model
 from tests.helpers.models import make_peft_adapter, make_tiny_model

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.engine.lora.adapter import load_adapter
-from loraplex.engine.lora.errors import AdapterConfigError, AdapterFormatError
-from loraplex.engine.lora.peft_config import parse_peft_config, parse_peft_config_json
-from loraplex.engine.lora.preflight import preflight, read_safetensors_header
+from loraplex.engine.adapters.parse import load_adapter
+from loraplex.engine.adapters.peft_config import parse_peft_config, parse_peft_config_json
+from loraplex.engine.adapters.preflight import preflight, read_safetensors_header
+from loraplex.engine.errors import AdapterConfigError, AdapterFormatError
 from tests.resolvers.tiny_adapter import tiny_model_config, write_adapter
 
 MC = tiny_model_config()

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.engine.lora.digest import (
+from loraplex.engine.adapters.digest import (
     adapter_digest,
     adapter_digest_async,
     check_digest,
     file_sha256,
     sha256sum_text,
 )
-from loraplex.engine.lora.errors import AdapterDigestError, AdapterFormatError
+from loraplex.engine.errors import AdapterDigestError, AdapterFormatError
 from tests.resolvers.tiny_adapter import write_adapter
 
 needs_sha256sum = pytest.mark.skipif(shutil.which("sha256sum") is None, reason="no sha256sum")

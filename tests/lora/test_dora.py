@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from loraplex.engine.lora.adapter import load_adapter, load_magnitudes
-from loraplex.engine.lora.errors import AdapterConfigError, AdapterFormatError, AdapterShapeError
-from loraplex.engine.lora.preflight import preflight
-from loraplex.engine.lora.tensor_checks import fold_dora
+from loraplex.engine.adapters.checks import fold_dora
+from loraplex.engine.adapters.parse import load_adapter, load_magnitudes
+from loraplex.engine.adapters.preflight import preflight
+from loraplex.engine.errors import AdapterConfigError, AdapterFormatError, AdapterShapeError
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.loader import load_model

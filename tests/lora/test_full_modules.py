@@ -13,17 +13,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from loraplex.engine.lora.adapter import load_adapter, load_full_tables
-from loraplex.engine.lora.combine import combine_adapters
-from loraplex.engine.lora.errors import (
+from loraplex.engine.adapters.combine import combine_adapters
+from loraplex.engine.adapters.parse import load_adapter, load_full_tables
+from loraplex.engine.adapters.preflight import preflight
+from loraplex.engine.adapters.registry import AdapterRegistry, AdapterState
+from loraplex.engine.adapters.staging import stage_packed
+from loraplex.engine.errors import (
     AdapterConfigError,
     AdapterFormatError,
     AdapterShapeError,
     AdapterTargetError,
 )
-from loraplex.engine.lora.manager import AdapterManager, AdapterState
-from loraplex.engine.lora.preflight import preflight
-from loraplex.engine.lora.staging import stage_packed
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.loader import load_model
@@ -296,14 +296,14 @@ def test_header_only_load_then_tables(setup):
     assert whole.nbytes == lean.nbytes + sum(t.nbytes for t in tables.values())
 
 
-def _version(m: AdapterManager, name: str, full: bool):
+def _version(m: AdapterRegistry, name: str, full: bool):
     v = m.new_version(name, f"file:///{name}")
     v.digest, v.state, v.full = name, AdapterState.CPU, full
     return m.register(v)
 
 
 def test_manager_gives_full_adapters_only_full_slots():
-    m = AdapterManager(max_loras=3, max_cpu_loras=6, loader=None, max_full=1)  # type: ignore[arg-type]
+    m = AdapterRegistry(max_loras=3, max_cpu_loras=6, loader=None, max_full=1)  # type: ignore[arg-type]
     plain = [_version(m, f"p{i}", False) for i in range(3)]
     # plain adapters take the slots without full storage first
     assert [m.assign_slot(v) for v in plain[:2]] == [1, 2]

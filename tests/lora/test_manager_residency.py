@@ -1,14 +1,11 @@
-"""AdapterManager's residency on its own (fakes of test_manager_unit.py): the CPU tier (LRU
+"""AdapterRegistry's residency on its own (fakes of test_manager_unit.py): the CPU tier (LRU
 over idle versions) and GPU slot assignment, pins and eviction."""
 
 from __future__ import annotations
 
 import pytest
 
-from loraplex.engine.lora.manager import (
-    AdapterState,
-    SlotFullError,
-)
+from loraplex.engine.adapters.registry import AdapterState, SlotFullError
 from tests.lora.test_manager_unit import (
     FakeLoader,
     in_slot,

@@ -1,4 +1,4 @@
-"""AdapterManager on its own: a fake loader, no model, no engine.
+"""AdapterRegistry on its own: a fake loader, no model, no engine.
 
 Covers single-flight loads, user and slot reference counts, failed / cancelled loads and the
 registry; the CPU tier and GPU slots: test_manager_residency.py (same fakes).
@@ -11,12 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from loraplex.engine.lora.errors import AdapterNotFoundError
-from loraplex.engine.lora.manager import (
-    AdapterManager,
-    AdapterState,
-    AdapterVersion,
-)
+from loraplex.engine.adapters.registry import AdapterRegistry, AdapterState, AdapterVersion
+from loraplex.engine.errors import AdapterNotFoundError
 
 
 class FakeLoader:
@@ -52,18 +48,18 @@ async def settle(task: asyncio.Task) -> None:
     assert task.done(), "the load task is still running"
 
 
-def make_manager(max_loras: int = 2, max_cpu_loras: int = 3, **kw) -> AdapterManager:
+def make_manager(max_loras: int = 2, max_cpu_loras: int = 3, **kw) -> AdapterRegistry:
     kw.setdefault("loader", FakeLoader())
-    return AdapterManager(max_loras=max_loras, max_cpu_loras=max_cpu_loras, **kw)
+    return AdapterRegistry(max_loras=max_loras, max_cpu_loras=max_cpu_loras, **kw)
 
 
-def register(m: AdapterManager, name: str, digest: str | None = None, **kw) -> AdapterVersion:
+def register(m: AdapterRegistry, name: str, digest: str | None = None, **kw) -> AdapterVersion:
     v = m.new_version(name, f"file:///adapters/{name}", **kw)
     v.digest = digest or f"sha-{name}"
     return m.register(v)
 
 
-def loaded(m: AdapterManager, name: str, *, last_used: float = 0.0, **kw) -> AdapterVersion:
+def loaded(m: AdapterRegistry, name: str, *, last_used: float = 0.0, **kw) -> AdapterVersion:
     """A registered version already in the CPU tier (as a finished load leaves it)."""
     v = register(m, name, **kw)
     v.state = AdapterState.CPU
@@ -72,7 +68,7 @@ def loaded(m: AdapterManager, name: str, *, last_used: float = 0.0, **kw) -> Ada
     return v
 
 
-def in_slot(m: AdapterManager, name: str, *, last_used: float = 0.0, **kw) -> AdapterVersion:
+def in_slot(m: AdapterRegistry, name: str, *, last_used: float = 0.0, **kw) -> AdapterVersion:
     """A CPU-tier version whose slot write has landed (what the engine's poll does)."""
     v = loaded(m, name, **kw)
     assert m.assign_slot(v) is not None

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from loraplex.engine.lora.errors import (
+from loraplex.engine.adapters.preflight import preflight
+from loraplex.engine.errors import (
     AdapterFormatError,
     AdapterRankError,
     AdapterShapeError,
@@ -18,7 +19,6 @@ from loraplex.engine.lora.errors import (
     AdapterTooLargeError,
     LoRAError,
 )
-from loraplex.engine.lora.preflight import preflight
 from tests.resolvers.tiny_adapter import tiny_model_config, write_adapter, write_raw_safetensors
 
 MC = tiny_model_config()  # hidden 16, q 16, kv 8, intermediate 32, 2 layers
@@ -238,8 +238,8 @@ def test_a_magnitude_on_the_lm_head_is_refused_at_preflight_and_by_the_parser(
     typed refusal in both."""
     from safetensors.torch import load_file
 
-    from loraplex.engine.lora.adapter import load_adapter
-    from loraplex.engine.lora.errors import AdapterConfigError, AdapterFormatError
+    from loraplex.engine.adapters.parse import load_adapter
+    from loraplex.engine.errors import AdapterConfigError, AdapterFormatError
     from tests.resolvers.tiny_adapter import tiny_model_config, write_adapter
 
     mc = tiny_model_config()

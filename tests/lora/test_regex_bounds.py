@@ -13,15 +13,15 @@ from typing import Any
 
 import pytest
 
-from loraplex.engine.lora.adapter import base_module_name, load_adapter
-from loraplex.engine.lora.errors import AdapterConfigError
-from loraplex.engine.lora.peft_config import (
+from loraplex.engine.adapters.parse import base_module_name, load_adapter
+from loraplex.engine.adapters.peft_config import (
     MAX_MODULE_NAME_CHARS,
     MAX_REGEX_STEPS,
     parse_peft_config,
     regex_work,
 )
-from loraplex.engine.lora.preflight import preflight
+from loraplex.engine.adapters.preflight import preflight
+from loraplex.engine.errors import AdapterConfigError
 from loraplex.engine.model.config import LORA_MODULES
 from tests.resolvers.tiny_adapter import tiny_model_config, write_adapter
 

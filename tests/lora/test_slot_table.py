@@ -1,4 +1,4 @@
-"""SlotTable (lora/slot_table.py) on its own: free slots first (full-table slots last for
+"""SlotTable (adapters/slot_store.py) on its own: free slots first (full-table slots last for
 plain adapters, only those for adapters with full tables), then the least recently used idle
 owner; busy, pinned, unwritten and waited-for owners keep their slot; all pinned is an error."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.engine.lora.slot_table import SlotFullError, SlotTable
-from loraplex.engine.lora.version import AdapterState, AdapterVersion
+from loraplex.engine.adapters.slot_store import SlotFullError, SlotTable
+from loraplex.engine.adapters.version import AdapterState, AdapterVersion
 
 
 def _v(name: str, *, full: bool = False) -> AdapterVersion:

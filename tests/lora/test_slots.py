@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.engine.lora.adapter import LoRAAdapter, load_adapter
-from loraplex.engine.lora.slot_timing import measure_slot_write
-from loraplex.engine.lora.staging import stage_packed
+from loraplex.engine.adapters.parse import LoRAAdapter, load_adapter
+from loraplex.engine.adapters.staging import stage_packed
+from loraplex.engine.bench.coldload.bandwidth import measure_slot_write
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.llama import LlamaForCausalLM
 from loraplex.engine.model.loader import load_model

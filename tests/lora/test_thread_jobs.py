@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.engine.lora.staging import stage_file
-from loraplex.engine.lora.thread_jobs import StageStopped, run_to_end
+from loraplex.engine.adapters.staging import stage_file
+from loraplex.engine.adapters.thread_jobs import StageStopped, run_to_end
 from tests.resolvers.tiny_adapter import tiny_model_config, write_adapter
 
 
@@ -62,7 +62,7 @@ def test_stage_file_stops_before_writing_when_asked(tmp_path: Path) -> None:
 
 
 def test_priority_gate_lets_one_in_and_urgent_waiters_first() -> None:
-    from loraplex.engine.lora.thread_jobs import PriorityGate
+    from loraplex.engine.adapters.loader_proc_main import PriorityGate
 
     gate, order, inside = PriorityGate(), [], []
     first_in = threading.Event()

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from loraplex.engine.lora.adapter import load_adapter
-from loraplex.engine.lora.combine import combine_adapters
-from loraplex.engine.lora.errors import AdapterConfigError, AdapterShapeError, AdapterTargetError
-from loraplex.engine.lora.preflight import preflight
-from loraplex.engine.lora.staging import stage_packed
+from loraplex.engine.adapters.combine import combine_adapters
+from loraplex.engine.adapters.parse import load_adapter
+from loraplex.engine.adapters.preflight import preflight
+from loraplex.engine.adapters.staging import stage_packed
+from loraplex.engine.errors import AdapterConfigError, AdapterShapeError, AdapterTargetError
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.config import VOCAB_LAYER, ModelConfig
 from loraplex.engine.model.loader import load_model

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from loraplex.engine.lora.adapter import MAX_ADAPTER_WEIGHT, check_weight_values, load_adapter
-from loraplex.engine.lora.errors import AdapterFormatError, AdapterValueError
+from loraplex.engine.adapters.parse import MAX_ADAPTER_WEIGHT, check_weight_values, load_adapter
+from loraplex.engine.errors import AdapterFormatError, AdapterValueError
 from tests.resolvers.tiny_adapter import tiny_model_config, write_adapter
 
 W = "adapter_model.safetensors"
@@ -100,7 +100,7 @@ def test_check_is_one_reduction_on_good_tensors(monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.parametrize("src", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("dst", [torch.bfloat16, torch.float16, torch.float32])
 def test_fold_scale_and_folded_check_match_the_float32_fold_bit_for_bit(src, dst) -> None:
-    from loraplex.engine.lora.tensor_checks import check_folded_values, fold_scale_into
+    from loraplex.engine.adapters.checks import check_folded_values, fold_scale_into
 
     g = torch.Generator().manual_seed(0)
     b = (torch.randn(512, 16, generator=g) * torch.logspace(-8, 2, 16)).to(src)
@@ -119,7 +119,7 @@ def test_fold_scale_and_folded_check_match_the_float32_fold_bit_for_bit(src, dst
 
 
 def test_folded_check_refuses_nan_inf_and_the_scale_that_crosses_the_bound() -> None:
-    from loraplex.engine.lora.tensor_checks import check_folded_values
+    from loraplex.engine.adapters.checks import check_folded_values
 
     b = torch.full((8, 4), 5e3, dtype=torch.bfloat16)
     check_folded_values(b, "k", 2.0)  # 1e4: at the bound
@@ -140,7 +140,7 @@ def test_stage_file_packs_the_same_image_as_load_then_pack(
     """The loader's stage writes each tensor from the file straight into the slot image; the
     image must equal, bit for bit, parsing the adapter and packing it (the path the CPU oracle
     tests cover), for a scale that is not a power of two and a rank below the slots'."""
-    from loraplex.engine.lora.staging import stage_file
+    from loraplex.engine.adapters.staging import stage_file
     from loraplex.engine.model.lora.slot_image import pack_adapter, packed_for
 
     config = {"r": 4, "lora_alpha": 7, "target_modules": ["q_proj", "v_proj", "down_proj"]}
@@ -160,7 +160,7 @@ def test_stage_file_packs_the_same_image_as_load_then_pack(
 
 
 def test_stage_file_refuses_a_poisoned_file_like_the_parser(tmp_path: Path) -> None:
-    from loraplex.engine.lora.staging import stage_file
+    from loraplex.engine.adapters.staging import stage_file
 
     out = torch.zeros(1 << 16)
     for which in ("A", "B"):
@@ -174,7 +174,7 @@ def test_the_parser_reads_only_the_lora_tensors_of_a_file(tmp_path: Path) -> Non
     modules_to_save embedding of ~1 GB at 8B scale) is never read with them."""
     from safetensors.torch import save_file
 
-    from loraplex.engine.lora.adapter_files import FileTensors, read_safetensors_header
+    from loraplex.engine.adapters.files import FileTensors, read_safetensors_header
 
     tensors = {
         "a1": torch.randn(4, 16),
@@ -195,7 +195,7 @@ def test_file_tensors_views_keep_their_buffer_and_misaligned_ones_are_copied(
 ) -> None:
     import gc
 
-    from loraplex.engine.lora.adapter_files import FileTensors, read_safetensors_header
+    from loraplex.engine.adapters.files import FileTensors, read_safetensors_header
     from tests.resolvers.tiny_adapter import write_raw_safetensors
 
     # bf16 "a" (3 values, 6 bytes) first: the float32 "b" after it starts 2 bytes off alignment

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from loraplex.engine.lora.adapter import load_adapter
+from loraplex.engine.adapters.parse import load_adapter
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.loader import load_model
 from loraplex.engine.model.lora.slot_buffers import write_slot

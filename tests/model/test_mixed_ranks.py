@@ -181,7 +181,7 @@ def _graphs_against_peft_and_eager(setup, dtype, *, from_step=0, before_graphs=N
 def test_rank_buckets_are_captured_and_picked_gpu(tmp_path):
     """A rank-64 engine captures decode graphs for rank buckets 8 / 16 / 32 / 64 (never
     above), all writing one logits buffer; a step takes the bucket of its largest rank."""
-    from loraplex.engine.lora.adapter import load_adapter
+    from loraplex.engine.adapters.parse import load_adapter
     from loraplex.engine.model.loader import load_model
     from loraplex.engine.model_runner import ModelRunner, StepItem
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from loraplex.engine.lora.adapter import load_adapter
+from loraplex.engine.adapters.parse import load_adapter
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.loader import load_model
 from loraplex.engine.model.lora.full import attach_full_modules

@@ -21,7 +21,7 @@ def run(
 ) -> None:
     """Entry point of a spawned rank (``size`` 1: no process group). ``fused``: the GPU
     forward (fused.py) with the epilogues' torch twins, else the reference forward."""
-    from loraplex.engine.lora.adapter import load_adapter
+    from loraplex.engine.adapters.parse import load_adapter
     from loraplex.engine.model.backend import KernelBackend
     from loraplex.engine.model.config import ModelConfig
     from loraplex.engine.model.loader import load_model

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.engine.lora.digest import adapter_digest
-from loraplex.engine.lora.errors import AdapterNotFoundError, AdapterPolicyError
+from loraplex.engine.adapters.digest import adapter_digest
+from loraplex.engine.errors import AdapterNotFoundError, AdapterPolicyError
 from loraplex.plugins import ENTRY_POINT_GROUP, PluginManager
 from loraplex.resolvers import ResolverSettings, SourcePolicy, fetch_adapter
 from tests.resolvers.tiny_adapter import write_adapter

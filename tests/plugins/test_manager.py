@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.engine.lora.errors import AdapterSourceError
+from loraplex.engine.errors import AdapterSourceError
 from loraplex.plugins import (
     BUILTIN_PLUGINS,
     ENTRY_POINT_GROUP,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from loraplex.engine.lora.errors import (
+from loraplex.engine.errors import (
     AdapterConfigError,
     AdapterFormatError,
     AdapterNotFoundError,

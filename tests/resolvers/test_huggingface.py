@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from loraplex.engine.lora.digest import adapter_digest
-from loraplex.engine.lora.errors import (
+from loraplex.engine.adapters.digest import adapter_digest
+from loraplex.engine.errors import (
     AdapterFormatError,
     AdapterNotFoundError,
     AdapterSourceError,

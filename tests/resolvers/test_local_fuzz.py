@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loraplex.engine.lora.digest import adapter_digest
-from loraplex.engine.lora.errors import LoRAError
+from loraplex.engine.adapters.digest import adapter_digest
+from loraplex.engine.errors import LoRAError
 from loraplex.resolvers import ResolverSettings, SourcePolicy
 from loraplex.resolvers.local import LocalResolver
 from tests.resolvers.tiny_adapter import write_adapter

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.engine.lora.digest import adapter_digest
-from loraplex.engine.lora.errors import AdapterPolicyError, AdapterSourceError, LoRAError
+from loraplex.engine.adapters.digest import adapter_digest
+from loraplex.engine.errors import AdapterPolicyError, AdapterSourceError, LoRAError
 from loraplex.resolvers import ResolverSettings, SourcePolicy
 from loraplex.resolvers.base import AdapterSource
 from loraplex.resolvers.local import LocalResolver

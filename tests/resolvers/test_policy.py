@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.engine.lora.errors import AdapterPolicyError, AdapterSourceError
+from loraplex.engine.errors import AdapterPolicyError, AdapterSourceError
 from loraplex.resolvers import SourcePolicy, scheme_of
 from loraplex.resolvers import policy as policy_module
 

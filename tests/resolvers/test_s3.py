@@ -9,8 +9,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from loraplex.engine.lora.digest import adapter_digest
-from loraplex.engine.lora.errors import (
+from loraplex.engine.adapters.digest import adapter_digest
+from loraplex.engine.errors import (
     AdapterFormatError,
     AdapterNotFoundError,
     AdapterPolicyError,

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from loraplex.engine.lora.adapter import load_adapter
-from loraplex.engine.lora.errors import LoRAError
-from loraplex.engine.lora.preflight import preflight
+from loraplex.engine.adapters.parse import load_adapter
+from loraplex.engine.adapters.preflight import preflight
+from loraplex.engine.errors import LoRAError
 from tests.resolvers.tiny_adapter import tiny_model_config
 
 MC = tiny_model_config()  # hidden 16, q 16, kv 8, intermediate 32, 2 layers

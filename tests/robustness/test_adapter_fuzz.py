@@ -23,8 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loraplex.engine.lora.errors import AdapterConfigError
-from loraplex.engine.lora.peft_config import parse_peft_config_json
+from loraplex.engine.adapters.peft_config import parse_peft_config_json
+from loraplex.engine.errors import AdapterConfigError
 from tests.robustness.adapter_fixtures import GOOD_CONFIG, KEYS, _pack, _run, _valid, _valid_file
 
 FUZZ = settings(

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from loraplex.engine.lora import errors
-from loraplex.engine.lora.errors import (
+from loraplex.engine import errors
+from loraplex.engine.errors import (
     AdapterFormatError,
     AdapterShapeError,
     AdapterValueError,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import subprocess
 
-from loraplex.engine.lora.loader_process import LoaderProcesses, _Proc
+from loraplex.engine.adapters.loader_procs import LoaderProcesses, _Proc
 from loraplex.engine.structured.sandbox import GrammarSandbox, _Helper
 
 

@@ -9,8 +9,13 @@ from collections import Counter
 
 import pytest
 
-from loraplex.engine.errors import EngineClosedError, InvalidRequestError
-from loraplex.engine.lora.errors import AdapterNotFoundError, AdapterPolicyError, SlotFullError
+from loraplex.engine.errors import (
+    AdapterNotFoundError,
+    AdapterPolicyError,
+    EngineClosedError,
+    InvalidRequestError,
+    SlotFullError,
+)
 from loraplex.engine.serve_ray.routing import ReplicaView, rank_replicas, residency_key
 from loraplex.engine.server.errors import from_exception
 
@@ -68,7 +73,7 @@ def test_cold_adapters_spread_over_equally_loaded_replicas_and_stick():
 
 
 def test_a_composition_routes_by_its_combination_name():
-    from loraplex.engine.lora.manager import combination_name
+    from loraplex.engine.adapters.registry import combination_name
 
     parts = [("sql", 0.7), ("pirate", 0.3)]
     assert residency_key(parts) == combination_name(parts) == "sql*0.7+pirate*0.3"

@@ -6,7 +6,7 @@ import aiohttp
 import openai
 import pytest
 
-from loraplex.engine.lora.digest import adapter_digest
+from loraplex.engine.adapters.digest import adapter_digest
 from tests.helpers.models import copy_adapter
 from tests.server.conftest import serve
 

@@ -14,8 +14,8 @@ import urllib.request
 
 import pytest
 
+from loraplex.engine.adapters.digest import adapter_digest
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.lora.digest import adapter_digest
 from loraplex.engine.server.cli import build_parser
 from loraplex.engine.server.launch import LoraModule, config_from_args, parse_lora_module
 

@@ -1,19 +1,30 @@
-"""Host->device bandwidth references measured in the same run (CUDA only; None on CPU).
+"""Host->device bandwidth references measured in the same run (CUDA only; None on CPU), and
+the timing of slot writes.
 
 - ``pinned_gbps``: one 256 MiB pinned->device copy on a side stream (best of a few), the
   ceiling a slot write can reach.
 - ``write_slot_gbps``: the engine's own ``write_slot`` of a resident adapter into its own
   slot (same bytes, so nothing changes), timed with CUDA events on a side stream: the copy
   path alone, without the step it waits for or the loop noticing it finished.
+- ``measure_slot_write``: GB/s of ``write_slot`` over wall time (benchmarks, the storm's
+  idle-write line).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["pinned_gbps", "write_slot_gbps"]
+from loraplex.engine.model.lora.slot_buffers import forget_slot_contents, write_slot
+
+if TYPE_CHECKING:
+    from loraplex.engine.model.lora.slot_image import PackedAdapter
+    from loraplex.engine.model.protocol import CausalLM
+
+__all__ = ["pinned_gbps", "write_slot_gbps", "measure_slot_write"]
+
 
 PINNED_BYTES = 256 << 20
 
@@ -63,3 +74,35 @@ def write_slot_gbps(engine: Any) -> float | None:
     stream = torch.cuda.Stream(model.device)
     secs = _timed(lambda: write_slot(model, slot, adapter), stream, 5)
     return adapter.nbytes / secs / 1e9
+
+
+def measure_slot_write(
+    model: CausalLM,
+    packed: PackedAdapter,
+    repeats: int = 10,
+    *,
+    slot: int = 0,
+    zero_fill: bool = False,
+) -> float:
+    """GB/s of ``write_slot`` (H2D bytes of ``packed`` over wall time); overwrites ``slot``.
+    Rewrites of one layout skip the zero-fill of the rest; ``zero_fill``: every write does it
+    (as a write into a slot that held another layout)."""
+    cuda = model.device.type == "cuda"
+
+    def write() -> None:
+        if zero_fill:
+            forget_slot_contents(model, slot)
+        write_slot(model, slot, packed)
+
+    # warm-up: the staging allocation, and the scatter plan of the timed writes (the first
+    # write into a slot of another layout zero-fills: a plan of its own)
+    write_slot(model, slot, packed)
+    write()
+    if cuda:
+        torch.cuda.synchronize(model.device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        write()
+    if cuda:
+        torch.cuda.synchronize(model.device)
+    return packed.nbytes * repeats / (time.perf_counter() - t0) / 1e9

@@ -7,7 +7,7 @@ PEFT computes, per targeted module with base W (out, in), LoRA scale s, magnitud
 (the norm over each output row, i.e. over ``in``). g depends on the base weights and the
 adapter only, so it is computed once per adapter load against the model's own W
 (``row_scales``, off the step path: a worker thread, on CUDA its own stream; the adapter
-lifecycle checks it and folds it, lora/tensor_checks.py ``fold_dora``), and kept twice:
+lifecycle checks it and folds it, adapters/checks.py ``fold_dora``), and kept twice:
 
 - folded into B (B <- g * B, rows), like the LoRA scale: every delta kernel is unchanged;
 - as ``LoRALinear.dora_scale[slot]`` (out,) for the base part, ``ops.dora.apply_dora`` on the base

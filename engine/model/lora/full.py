@@ -14,7 +14,7 @@ head (``ops/full_head.py``). Both read only device tensors (CUDA graphs); with F
 has this module and the step path is what it was. The tables are independent of each other and
 of the base tying: on a tied model an adapter may replace only one of them, as in PEFT.
 
-With ``extra`` = E > 0 (``lora_extra_vocab_size``, lora/added_tokens.py) the tables are
+With ``extra`` = E > 0 (``lora_extra_vocab_size``, adapters/added_tokens.py) the tables are
 (F, V + E, H): an adapter that added k <= E tokens holds V + k rows (the rest zero) and
 ``limit[f]`` = V + k. Ids up to V + E - 1 then reach the model: the base embedding and its
 LoRA read them clamped to V - 1 (``base_ids``; only that adapter's rows carry such ids, and

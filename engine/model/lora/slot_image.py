@@ -14,7 +14,7 @@ engine moves rank-8 bytes). Modules the adapter does not target are not in the b
 their slot regions are zero-filled (see slot_buffers.py).
 
 The format is the contract of the device write (this process and tensor-parallel workers);
-parsing a file into it is the adapter lifecycle's stage step (lora/staging.py).
+parsing a file into it is the adapter lifecycle's stage step (adapters/staging.py).
 """
 
 from __future__ import annotations

@@ -12,9 +12,16 @@ import os
 import re
 from pathlib import Path
 
-from loraplex.engine.lora.errors import AdapterNotFoundError, AdapterSourceError
 from loraplex.plugins import hookimpl
-from loraplex.resolvers import AdapterSource, Report, Resolver, ResolverSettings, copy_file
+from loraplex.resolvers import (
+    AdapterNotFoundError,
+    AdapterSource,
+    AdapterSourceError,
+    Report,
+    Resolver,
+    ResolverSettings,
+    copy_file,
+)
 
 __all__ = ["DemoResolver", "demo_root", "loraplex_resolvers", "loraplex_resolve_adapter_name"]
 

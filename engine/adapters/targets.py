@@ -1,5 +1,5 @@
 """Which base modules a LoRA adapter may target: PEFT-style module names and the target check
-shared by the adapter parser (adapter.py) and the header-only preflight (preflight.py).
+shared by the adapter parser (parse.py) and the header-only preflight (preflight.py).
 
 Per decoder layer the projections of ``LORA_MODULES``; at model level the input embedding
 (``model.embed_tokens``, PEFT's ``lora_embedding_A`` / ``lora_embedding_B``) and the LM head
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from loraplex.engine.lora.errors import AdapterConfigError, AdapterTargetError
+from loraplex.engine.errors import AdapterConfigError, AdapterTargetError
 from loraplex.engine.model.config import LORA_MODULES, VOCAB_LAYER, VOCAB_LORA_MODULES
 
 if TYPE_CHECKING:
-    from loraplex.engine.lora.peft_config import PeftLoRAConfig
+    from loraplex.engine.adapters.peft_config import PeftLoRAConfig
     from loraplex.engine.model.config import ModelConfig
 
 __all__ = ["PARENT", "VOCAB_NAMES", "base_module_name", "check_targets", "vocab_module"]

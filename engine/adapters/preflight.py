@@ -12,7 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.engine.lora.adapter_files import (
+from loraplex.engine.adapters.checks import (
+    check_added_rows,
+    check_dora_pair,
+    check_full_modules_allowed,
+    check_full_table,
+    check_full_tables_present,
+    check_table_copy,
+    is_table_copy,
+    parse_key,
+)
+from loraplex.engine.adapters.files import (
     CONFIG_FILE,
     DEFAULT_MAX_HEADER_BYTES,
     WEIGHTS_FILE,
@@ -20,7 +30,9 @@ from loraplex.engine.lora.adapter_files import (
     TensorEntry,
     read_safetensors_header,
 )
-from loraplex.engine.lora.errors import (
+from loraplex.engine.adapters.peft_config import PeftLoRAConfig, parse_peft_config_json
+from loraplex.engine.adapters.targets import base_module_name, check_targets
+from loraplex.engine.errors import (
     AdapterConfigError,
     AdapterFormatError,
     AdapterNotFoundError,
@@ -29,18 +41,6 @@ from loraplex.engine.lora.errors import (
     AdapterTargetError,
     AdapterTooLargeError,
 )
-from loraplex.engine.lora.peft_config import PeftLoRAConfig, parse_peft_config_json
-from loraplex.engine.lora.preflight_checks import (
-    check_added_rows,
-    check_dora_pair,
-    check_full_modules_allowed,
-    check_full_table,
-    check_full_tables_present,
-    check_table_copy,
-    is_table_copy,
-)
-from loraplex.engine.lora.targets import base_module_name, check_targets
-from loraplex.engine.lora.tensor_checks import parse_key
 from loraplex.engine.model.config import (
     ModelConfig,
 )

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.engine.lora.adapter import LoRAAdapter, check_weight_values
-from loraplex.engine.lora.errors import AdapterConfigError, AdapterRankError
+from loraplex.engine.adapters.parse import LoRAAdapter, check_weight_values
+from loraplex.engine.errors import AdapterConfigError, AdapterRankError
 from loraplex.engine.model.config import MODULE_ORDER
 from loraplex.engine.model.lora.weights import LoRAWeights
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from loraplex.engine.lora.errors import AdapterFormatError, AdapterShapeError
+from loraplex.engine.errors import AdapterFormatError, AdapterShapeError
 
 __all__ = [
     "CONFIG_FILE",

@@ -1,5 +1,5 @@
 """An adapter version as the registry tracks it (identity, state, residency, references), and
-the identity of a combination (per-request composition); ``manager.py`` holds the registry."""
+the identity of a combination (per-request composition); ``registry.py`` holds the registry."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loraplex.engine.lora.adapter import LoRAAdapter
+from loraplex.engine.adapters.parse import LoRAAdapter
 
 __all__ = ["AdapterState", "AdapterVersion", "combination_name"]
 
@@ -51,7 +51,7 @@ class AdapterVersion:
     last_used: float = field(default_factory=time.monotonic)
     timings: dict[str, float] = field(default_factory=dict)
     load_task: asyncio.Task | None = None
-    region: Any = None  # host-pool Region holding the CPU-tier tensors (pool.py)
+    region: Any = None  # host-pool Region holding the CPU-tier tensors (host_pool.py)
     region_event: Any = None  # torch.cuda.Event after the last slot write out of the region
     lora_rank: int = 0  # largest module rank, from the preflight (0: not fetched yet)
     dora: bool = False  # a DoRA adapter (preflight)

@@ -1,12 +1,16 @@
-"""The stage step of a cold load: an adapter version's fetched files (loader.py) parsed into
-the CPU tensors the engine copies into a GPU slot.
+"""The stage step of a cold load: an adapter version's fetched files (fetch.py) parsed into
+one slot image (model/lora/slot_image.py) in host memory, the CPU-tier tensors the engine
+copies into a GPU slot.
 
-The tensors are one contiguous slot image (model/lora/slot_image.py, packed by staging.py) written into a region of the engine's
-host pool (pinned, shared memory, pool.py) when it has one, else into a fresh buffer. With
-loader processes (``loader_process.py``) a helper parses and packs straight into the region and
-this process adopts it; otherwise a thread of this process does, and a cancelled stage stops
-that thread and waits for it before the region goes back to the pool (thread_jobs.py).
-Combinations (combine.py) are always made here, from their components' files.
+The image is written into a region of the engine's host pool (pinned, shared memory,
+host_pool.py) when it has one, else into a fresh buffer. With loader processes
+(``loader_procs.py``) a helper parses and packs straight into the region and this process
+adopts it (``adopt_packed``); otherwise a thread of this process does (``stage_file``: each
+module from the file into the image, the parser's checks, one pass per tensor), and a cancelled
+stage stops that thread and waits for it before the region goes back to the pool
+(thread_jobs.py). Combinations (combine.py) are always made here, from their components' files
+(``stage_packed``: an adapter already in memory packed). Either way the adapter's weights
+become views of its image, made on access.
 """
 
 from __future__ import annotations
@@ -18,19 +22,33 @@ from collections.abc import Callable
 
 import torch
 
+from loraplex.engine.adapters.checks import fold_scale_into
+from loraplex.engine.adapters.combine import combine_adapters
+from loraplex.engine.adapters.host_pool import HostPool, Region
+from loraplex.engine.adapters.loader_procs import LoaderProcesses
+from loraplex.engine.adapters.parse import (
+    LoRAAdapter,
+    ModuleDims,
+    PairSink,
+    load_adapter,
+    load_full_tables,
+)
+from loraplex.engine.adapters.thread_jobs import StageStopped, run_to_end
+from loraplex.engine.adapters.version import AdapterVersion
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.lora.adapter import LoRAAdapter, load_adapter, load_full_tables
-from loraplex.engine.lora.combine import combine_adapters
-from loraplex.engine.lora.errors import AdapterNotFoundError
-from loraplex.engine.lora.loader_process import LoaderProcesses
-from loraplex.engine.lora.manager import AdapterVersion
-from loraplex.engine.lora.pool import HostPool, Region
-from loraplex.engine.lora.staging import adopt_packed, stage_file, stage_packed
-from loraplex.engine.lora.thread_jobs import run_to_end
+from loraplex.engine.errors import AdapterNotFoundError
 from loraplex.engine.model.config import ModelConfig
-from loraplex.engine.model.lora.slot_image import PackedAdapter, PackEntry
+from loraplex.engine.model.lora.slot_image import (
+    PackedAdapter,
+    PackedWeights,
+    PackEntry,
+    attach_packed,
+    layout_of,
+    new_buffer,
+    pack_adapter,
+)
 
-__all__ = ["AdapterStager"]
+__all__ = ["AdapterStager", "stage_packed", "stage_file", "adopt_packed"]
 
 
 class AdapterStager:
@@ -38,7 +56,7 @@ class AdapterStager:
         self, config: EngineConfig, model_config: ModelConfig, pool: HostPool | None
     ) -> None:
         self.config = config
-        self.model_config = model_config  # the adapter checks' (loader.py)
+        self.model_config = model_config  # the adapter checks' (fetch.py)
         self.pool = pool  # regions the stage step packs into (None: a fresh buffer per load)
         self.procs: LoaderProcesses | None = None  # set once the loader started its helpers
         self.make_room: Callable[[], bool] = lambda: False  # evict one idle CPU-tier version
@@ -182,3 +200,63 @@ class AdapterStager:
                 continue
             await asyncio.sleep(0.002)  # a copy out of a released region is landing, or
             # every region is held by an adapter in use: one frees as requests finish
+
+
+def stage_packed(
+    adapter: LoRAAdapter, max_rank: int, *, pin: bool, out: torch.Tensor | None = None
+) -> PackedAdapter:
+    """Pack (pinned if ``pin``), point ``adapter.weights`` at views of the packed buffer (one
+    copy of the data in host memory: the tensors' values are unchanged, B becomes the (out, r)
+    transposed view of its (r, out) block) and attach the packed form to the adapter."""
+    packed = pack_adapter(adapter, max_rank, pin=pin, out=out)
+    adopt_packed(adapter, packed)
+    return packed
+
+
+@torch.no_grad()
+def stage_file(
+    path: str,
+    model_config: ModelConfig,
+    max_rank: int,
+    *,
+    dtype: torch.dtype,
+    name: str | None = None,
+    full_modules: bool = False,
+    read_full: bool = True,
+    pin: bool = False,
+    out: torch.Tensor | None = None,
+    stop: threading.Event | None = None,
+) -> LoRAAdapter:
+    """``stage_packed(load_adapter(path, ...))`` without the adapter's own tensors: every
+    check of ``load_adapter``, then each module's A and scaled B written straight from the
+    file's bytes into the slot image (one pass per tensor, the same values bit for bit).
+    ``stop``: checked before each module is written; set, the stage raises StageStopped."""
+    made: list[PackedAdapter] = []
+
+    def sink_for(dims: ModuleDims) -> PairSink:
+        entries, numel = layout_of(dims, max_rank)
+        made.append(PackedAdapter(new_buffer(numel, dtype, pin, out), entries, max_rank))
+        packed = made[0]
+
+        def put(key: tuple[int, str], a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+            if stop is not None and stop.is_set():
+                raise StageStopped(f"staging {name or path!r} stopped: its load was cancelled")
+            e = entries[key]
+            packed.a(e).copy_(a)
+            fold_scale_into(packed.b(e), b, scale)
+
+        return put
+
+    adapter = load_adapter(
+        path, model_config, max_lora_rank=max_rank, name=name, dtype=dtype,
+        full_modules=full_modules, read_full=read_full, sink_for=sink_for,
+    )  # fmt: skip
+    adopt_packed(adapter, made[0])
+    return adapter
+
+
+def adopt_packed(adapter: LoRAAdapter, packed: PackedAdapter) -> None:
+    """Point ``adapter.weights`` at views of ``packed`` (made on access) and attach it (see
+    ``stage_packed``)."""
+    adapter.weights = PackedWeights(packed)
+    attach_packed(adapter, packed)

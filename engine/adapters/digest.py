@@ -12,11 +12,7 @@ import asyncio
 import hashlib
 from pathlib import Path
 
-from loraplex.engine.lora.errors import (
-    AdapterConfigError,
-    AdapterDigestError,
-    AdapterFormatError,
-)
+from loraplex.engine.errors import AdapterConfigError, AdapterDigestError, AdapterFormatError
 
 __all__ = [
     "DIGEST_FILES",

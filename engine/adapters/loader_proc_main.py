@@ -1,9 +1,11 @@
-"""A loader helper process: serves the engine's prepare / stage jobs (see loader_process.py).
+"""What runs inside one loader process: serves the engine's prepare / stage jobs (the other
+end of loader_procs.py's channel).
 
-Started by ``LoaderProcesses`` as ``python -m loraplex.engine.lora.loader_helper --conn-fd N
-[--pool-fd M]``; the first message on the connection is the ``LoaderInit``. Jobs run as tasks
-of the helper's own event loop (fetch is async I/O; hashing, parsing and packing go to its
-threads); every reply is ``(done | error | cancelled, job id, data)``.
+Started by ``LoaderProcesses`` as ``python -m loraplex.engine.adapters.loader_proc_main
+--conn-fd N [--pool-fd M]``; the first message on the connection is the ``LoaderInit``. Jobs
+run as tasks of the helper's own event loop (fetch is async I/O; hashing, parsing and packing
+go to its threads); every reply is ``(done | error | cancelled, job id, data)``. Its GIL-bound
+work takes turns through a ``PriorityGate``.
 """
 
 from __future__ import annotations
@@ -15,21 +17,18 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from loraplex.engine.lora.loader_process import (
-    LoaderInit,
-    LoaderProcessError,
-    describe_error,
-    resolve_shared,
-)
-from loraplex.engine.lora.thread_jobs import PriorityGate, run_to_end
+from loraplex.engine.adapters.loader_procs import LoaderInit, describe_error, resolve_shared
+from loraplex.engine.adapters.thread_jobs import run_to_end
+from loraplex.engine.errors import LoaderProcessError
 
-__all__ = ["main"]
+__all__ = ["PriorityGate", "main"]
 
 
 def _helper_main(conn: Connection, init: LoaderInit, fd: int | None) -> None:
@@ -46,7 +45,7 @@ def _helper_main(conn: Connection, init: LoaderInit, fd: int | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m loraplex.engine.lora.loader_helper --conn-fd N [--pool-fd M]``: started by
+    """``python -m loraplex.engine.adapters.loader_proc_main --conn-fd N [--pool-fd M]``: started by
     ``LoaderProcesses`` (not by multiprocessing's spawn, which would re-import the embedding
     application's ``__main__``). The first message on the connection is the LoaderInit."""
     import argparse
@@ -133,7 +132,7 @@ class _Helper:
             self.tasks.pop(jid, None)
 
     async def _prepare(self, p: dict) -> dict:
-        from loraplex.engine.lora.prepare import fetch_and_check
+        from loraplex.engine.adapters.fetch import fetch_and_check
 
         os.environ.update(p["env"])  # HF_* / AWS_* as the engine sees them now
         t0 = time.perf_counter()
@@ -173,7 +172,7 @@ class _Helper:
     def _stage_sync(self, p: dict, stop: threading.Event) -> dict:
         import torch
 
-        from loraplex.engine.lora.staging import stage_file
+        from loraplex.engine.adapters.staging import stage_file
         from loraplex.engine.model.lora.slot_image import packed_for
 
         t0 = time.perf_counter()
@@ -195,6 +194,33 @@ class _Helper:
             "entries": [tuple(vars(e).values()) for e in packed.entries.values()],
             "stage_s": time.perf_counter() - t0,
         }
+
+
+class PriorityGate:
+    """One holder at a time; waiting urgent holders go before waiting others. A loader
+    helper's GIL-bound work: a stage (a request waits on it) before registration checks."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = False
+        self._urgent = 0  # urgent holders waiting
+
+    @contextlib.contextmanager
+    def hold(self, *, urgent: bool) -> Iterator[None]:
+        with self._cond:
+            self._urgent += urgent
+            try:
+                while self._busy or (not urgent and self._urgent):
+                    self._cond.wait()
+            finally:
+                self._urgent -= urgent
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
 
 
 if __name__ == "__main__":

@@ -22,8 +22,7 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplex.engine.lora.errors import AdapterConfigError
-from loraplex.engine.lora.regex_bounds import (
+from loraplex.engine.adapters.regex_bounds import (
     MAX_MODULE_NAME_CHARS,
     MAX_REGEX_CHARS,
     MAX_REGEX_GROUPS,
@@ -32,6 +31,7 @@ from loraplex.engine.lora.regex_bounds import (
     fullmatch,
     regex_work,
 )
+from loraplex.engine.errors import AdapterConfigError
 
 __all__ = [
     "ALL_LINEAR",

@@ -9,7 +9,7 @@ already holding the old version finish on it. Tiers:
                                     only ones an adapter with modules_to_save tables takes
 
 A version in a GPU slot stays in the CPU tier. A slot is reassigned only when no running
-request references it (``slot_refs == 0``); which slot a version takes is slot_table.py's.
+request references it (``slot_refs == 0``); which slot a version takes is slot_store.py's.
 
 A combination (per-request composition, ``combination``) is a version of its own whose
 ``parts`` are (component version, weight) pairs: identity = names + digests + weights, one
@@ -27,17 +27,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from loraplex.engine.lora.errors import AdapterNotFoundError
-from loraplex.engine.lora.slot_table import SlotFullError, SlotTable
-from loraplex.engine.lora.version import (
+from loraplex.engine.adapters.slot_store import SlotFullError, SlotTable
+from loraplex.engine.adapters.version import (
     AdapterState,
     AdapterVersion,
     _combination_digest,
     combination_name,
 )
+from loraplex.engine.errors import AdapterNotFoundError
 
 __all__ = [
-    "AdapterManager",
+    "AdapterRegistry",
     "AdapterVersion",
     "AdapterState",
     "SlotFullError",
@@ -53,7 +53,7 @@ MAX_COMBINATIONS = 64
 Loader = Callable[[AdapterVersion], "Any"]  # async: fills version.adapter (and timings)
 
 
-class AdapterManager:
+class AdapterRegistry:
     """Versions, their CPU-tier residency, GPU slots and references (event loop only).
 
     The engine core calls: ``new_version`` / ``register`` / ``unregister`` / ``forget`` /
@@ -89,7 +89,7 @@ class AdapterManager:
         self._on_unload = on_unload
         self._current: dict[str, AdapterVersion] = {}
         self._versions: list[AdapterVersion] = []  # every version still alive
-        self.slots = SlotTable(max_loras, max_full, self._pinned)  # slot_table.py
+        self.slots = SlotTable(max_loras, max_full, self._pinned)  # slot_store.py
         self._combos: dict[str, AdapterVersion] = {}  # digest -> combination version
         self._counter = itertools.count(1)
         self.stats = {
@@ -329,7 +329,7 @@ class AdapterManager:
             if v.dynamic:
                 self.forget(v)
 
-    # -- GPU slots (slot_table.py) ----------------------------------------------------------------
+    # -- GPU slots (slot_store.py) ----------------------------------------------------------------
 
     def assign_slot(self, v: AdapterVersion, *, force: bool = False) -> int | None:
         """Give ``v`` a slot (a write must follow); None if no slot can be taken now.

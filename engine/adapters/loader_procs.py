@@ -22,7 +22,7 @@ had in flight is retried once on a fresh helper; a second death fails that job w
 by the engine is cancelled in the helper; its region is released only once the helper says the
 job ended (it may still be writing into it). Errors raised in a helper come back as the same
 typed ``LoRAError`` subclass with message and field. This module is the engine's side; a
-helper runs ``loader_helper.py``.
+helper runs ``loader_proc_main.py``.
 """
 
 from __future__ import annotations
@@ -41,24 +41,19 @@ from typing import Any
 
 import structlog
 
-from loraplex.engine.lora import errors as lora_errors
-from loraplex.engine.lora.errors import LoRAError
+from loraplex.engine import errors
+from loraplex.engine.errors import LoaderProcessError, LoRAError
 
 __all__ = [
     "LoaderInit",
     "LoaderProcesses",
-    "LoaderProcessError",
     "helper_command",
     "resolve_shared",
 ]
 
-HELPER_MODULE = "loraplex.engine.lora.loader_helper"  # what each helper process runs
+HELPER_MODULE = "loraplex.engine.adapters.loader_proc_main"  # what each helper process runs
 
 log = structlog.get_logger("loraplex.loader")
-
-
-class LoaderProcessError(LoRAError):
-    """A loader process died (twice) while it handled this adapter's load, or broke."""
 
 
 @dataclass(frozen=True)
@@ -84,13 +79,12 @@ def describe_error(e: BaseException) -> tuple[str, str, str, str | None]:
 
 
 def _rebuild(desc: tuple[str, str, str, str | None]) -> LoRAError:
-    """The helper's error as the same typed error here (LoRAError subclasses only)."""
+    """The helper's error as the same typed error here (LoRAError subclasses of
+    ``loraplex.engine.errors`` only, LoaderProcessError among them)."""
     module, name, message, fld = desc
-    cls = getattr(lora_errors, name, None)
+    cls = getattr(errors, name, None)
     if module == LoRAError.__module__ and isinstance(cls, type) and issubclass(cls, LoRAError):
         return cls(message, field=fld)
-    if name == LoaderProcessError.__name__:
-        return LoaderProcessError(message, field=fld)
     return LoaderProcessError(f"the adapter loader failed: {name}: {message}", field=fld)
 
 

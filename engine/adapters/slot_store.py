@@ -6,7 +6,7 @@ only when the owner is idle: no running request reads it (``slot_refs == 0``), i
 completed, no operator pin holds it, and (unless ``force``: a starved request needs a slot) no
 request waits for it; among idle owners the least recently used loses its slot.
 
-``AdapterManager`` (manager.py) owns the table and does the bookkeeping around it (statistics,
+``AdapterRegistry`` (registry.py) owns the table and does the bookkeeping around it (statistics,
 the CPU tier); the table itself knows only versions and slots.
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from loraplex.engine.lora.errors import SlotFullError
-from loraplex.engine.lora.version import AdapterState, AdapterVersion, _has_full
+from loraplex.engine.adapters.version import AdapterState, AdapterVersion, _has_full
+from loraplex.engine.errors import SlotFullError
 
 __all__ = ["SlotTable", "SlotFullError"]
 

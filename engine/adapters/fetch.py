@@ -1,15 +1,20 @@
-"""The cold-load pipeline of one adapter version, stage by stage:
+"""Getting an adapter version's files: sources, fetch, verify, preflight, value checks and the
+staging directory, the first half of a cold load:
 
     resolve (plugin, cheap) -> fetch (async I/O into a staging dir) -> verify (sha256 digest)
-    -> preflight (config + safetensors header) -> stage (stager.py: parse and pack into one
-    host-pool region: pinned, shared memory; modules_to_save tables, model/lora/full.py, are not in
-    the region: plain CPU tensors of the adapter, read in this process)
+    -> preflight (config + safetensors header) -> value check of every weight
+    -> stage (staging.py: parse and pack into one host-pool region: pinned, shared memory;
+    modules_to_save tables, model/lora/full.py, are not in the region: plain CPU tensors of the
+    adapter, read in this process)
 
-This module owns sources, fetch / verify / preflight and the staging directory; the stage
-step is ``AdapterLoader.stager`` (stager.py).
+``AdapterFetcher`` owns sources and the staging directory; ``fetch_and_check`` is the checks
+every fetched adapter passes before it is registered, in the engine process or in a loader
+process alike (fetch into a fresh folder, sha256 digest against the configured one and, for a
+re-fetch, the version's own, header preflight, value check). The stage step is
+``AdapterFetcher.stager`` (staging.py).
 
 Where the work runs: with ``loader_processes`` > 0 (the default on CUDA) fetch, verify,
-preflight and stage run in helper processes (``loader_process.py``), so the engine's GIL stays
+preflight and stage run in helper processes (``loader_procs.py``), so the engine's GIL stays
 with the step thread and the event loop; otherwise in threads of this process. The H2D copy
 into a GPU slot is the engine's (side stream). Each stage's seconds land in
 ``version.timings``. Sources are operator configuration: static URIs are allowed one by one,
@@ -18,35 +23,43 @@ dynamic names go through plugins / the name template and the allowlist policy.
 The staging directory keeps each version's fetched files so a CPU-tier eviction costs no
 re-fetch; ``adapter_cache_bytes`` bounds it (LRU over versions no request is using; an evicted
 version is fetched again from its pinned source when it is needed again).
+
+One concept (getting the files), ~370 lines: the sources' policy, the two places the checks
+run and the staging directory's quota are read together whenever one of them changes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from loraplex.engine.adapters.added_tokens import check_adapter_vocab
+from loraplex.engine.adapters.digest import adapter_digest
+from loraplex.engine.adapters.host_pool import HostPool
+from loraplex.engine.adapters.loader_procs import LoaderInit, LoaderProcesses
+from loraplex.engine.adapters.parse import check_adapter_values
+from loraplex.engine.adapters.preflight import PreflightReport, preflight
+from loraplex.engine.adapters.staging import AdapterStager
+from loraplex.engine.adapters.version import AdapterVersion
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.lora.added_tokens import check_adapter_vocab
-from loraplex.engine.lora.errors import AdapterConfigError
-from loraplex.engine.lora.loader_process import LoaderInit, LoaderProcesses
-from loraplex.engine.lora.manager import AdapterVersion
-from loraplex.engine.lora.pool import HostPool
-from loraplex.engine.lora.prepare import fetch_and_check
-from loraplex.engine.lora.stager import AdapterStager
+from loraplex.engine.errors import AdapterConfigError, AdapterDigestError
 from loraplex.engine.model.config import ModelConfig
 from loraplex.plugins import PluginManager
 from loraplex.resolvers import TOKENIZER_FILES, ResolverSettings, SourcePolicy
 from loraplex.resolvers.policy import is_local
 
-__all__ = ["AdapterLoader", "valid_adapter_name"]
+__all__ = ["AdapterFetcher", "valid_adapter_name", "fetch_and_check"]
+
 
 _ENV_PREFIXES = ("HF_", "AWS_", "HUGGING")  # what resolvers read at fetch time
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -57,7 +70,7 @@ def valid_adapter_name(name: str) -> bool:
     return bool(_NAME.match(name)) and ".." not in name and len(name) <= 200
 
 
-class AdapterLoader:
+class AdapterFetcher:
     def __init__(
         self,
         config: EngineConfig,
@@ -280,3 +293,67 @@ class AdapterLoader:
                 asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, path, True)
             except RuntimeError:
                 shutil.rmtree(path, ignore_errors=True)
+
+
+async def fetch_and_check(
+    resolver: Any,
+    uri: str,
+    dest: Path,
+    *,
+    name: str,
+    shown_uri: str,
+    sha256: str | None,
+    expect_digest: str,
+    model_config: Any,
+    max_lora_rank: int,
+    max_bytes: int,
+    progress: Any = None,
+    full_modules: bool = False,
+    extra_files: tuple[str, ...] = (),
+    cpu_gate: AbstractContextManager[Any] | None = None,
+) -> tuple[Any, str, dict[str, float], PreflightReport]:
+    """Fetch ``uri`` into ``dest`` (removed again on any failure) and check it; returns the
+    resolver's FetchResult, the digest, the seconds of fetch / verify / preflight and the
+    preflight's report (rank, config). ``full_modules``: modules_to_save tables are served;
+    ``extra_files``: optional files fetched too (an adapter's tokenizer, added_tokens.py);
+    ``cpu_gate``: held around the header and value checks (a loader helper's one-at-a-time
+    gate for GIL-bound work)."""
+    t1 = time.perf_counter()
+    try:
+        more = {"extra_files": extra_files} if extra_files else {}  # (plugin resolvers)
+        result = await resolver.fetch(uri, dest, progress, max_bytes=max_bytes, **more)
+        t2 = time.perf_counter()
+        digest = await asyncio.to_thread(adapter_digest, result.local_dir)
+        if sha256 is not None and sha256.lower().removeprefix("sha256:") != digest:
+            raise AdapterDigestError(
+                f"sha256 mismatch for adapter {name!r} from {shown_uri!r}: configured "
+                f"{sha256.lower()}, content has {digest}",
+                field="sha256",
+            )
+        if expect_digest and expect_digest != digest:
+            raise AdapterDigestError(
+                f"adapter {name!r} at {shown_uri!r} changed: digest {digest[:12]}..., "
+                f"expected {expect_digest[:12]}...",
+                field="sha256",
+            )
+        t3 = time.perf_counter()
+
+        def checks() -> PreflightReport:
+            with cpu_gate or contextlib.nullcontext():
+                report = preflight(
+                    result.local_dir, model_config, max_lora_rank=max_lora_rank,
+                    max_bytes=max_bytes, full_modules=full_modules,
+                )  # fmt: skip
+                check_adapter_values(
+                    result.local_dir, model_config, max_lora_rank=max_lora_rank,
+                    full_modules=full_modules,
+                )  # fmt: skip
+            return report
+
+        report = await asyncio.to_thread(checks)
+        t4 = time.perf_counter()
+    except BaseException:
+        await asyncio.to_thread(shutil.rmtree, dest, True)
+        raise
+    stages = {"fetch": t2 - t1, "verify": t3 - t2, "preflight": t4 - t3}
+    return result, digest, stages, report

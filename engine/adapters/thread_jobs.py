@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["PriorityGate", "StageStopped", "run_to_end"]
+__all__ = ["StageStopped", "run_to_end"]
 
 T = TypeVar("T")
 
@@ -39,30 +39,3 @@ async def run_to_end(fn: Callable[[threading.Event], T]) -> T:
         if not fut.cancelled():
             fut.exception()  # retrieved: the work's own error (StageStopped) is not news
         raise
-
-
-class PriorityGate:
-    """One holder at a time; waiting urgent holders go before waiting others. A loader
-    helper's GIL-bound work: a stage (a request waits on it) before registration checks."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._busy = False
-        self._urgent = 0  # urgent holders waiting
-
-    @contextlib.contextmanager
-    def hold(self, *, urgent: bool) -> Iterator[None]:
-        with self._cond:
-            self._urgent += urgent
-            try:
-                while self._busy or (not urgent and self._urgent):
-                    self._cond.wait()
-            finally:
-                self._urgent -= urgent
-            self._busy = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()

@@ -17,7 +17,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from loraplex.engine.lora.errors import AdapterConfigError, AdapterShapeError
+from loraplex.engine.errors import AdapterConfigError, AdapterShapeError
 
 __all__ = ["TOKENIZER_FILE", "check_adapter_vocab"]
 

@@ -12,7 +12,21 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from loraplex.engine.lora.adapter_files import (
+from loraplex.engine.adapters.checks import (
+    MAX_ADAPTER_WEIGHT,
+    check_added_rows,
+    check_dora_pair,
+    check_folded_values,
+    check_full_modules_allowed,
+    check_full_table,
+    check_full_tables_present,
+    check_table_copy,
+    check_weight_values,
+    fold_scale_into,
+    is_table_copy,
+    parse_key,
+)
+from loraplex.engine.adapters.files import (
     CONFIG_FILE,
     DEFAULT_MAX_HEADER_BYTES,
     TORCH_DTYPES,
@@ -20,31 +34,15 @@ from loraplex.engine.lora.adapter_files import (
     FileTensors,
     read_safetensors_header,
 )
-from loraplex.engine.lora.errors import (
+from loraplex.engine.adapters.peft_config import PeftLoRAConfig, parse_peft_config_json
+from loraplex.engine.adapters.targets import base_module_name, check_targets
+from loraplex.engine.errors import (
     AdapterConfigError,
     AdapterFormatError,
     AdapterNotFoundError,
     AdapterRankError,
     AdapterShapeError,
     AdapterTargetError,
-)
-from loraplex.engine.lora.peft_config import PeftLoRAConfig, parse_peft_config_json
-from loraplex.engine.lora.preflight_checks import (
-    check_added_rows,
-    check_dora_pair,
-    check_full_modules_allowed,
-    check_full_table,
-    check_full_tables_present,
-    check_table_copy,
-    is_table_copy,
-)
-from loraplex.engine.lora.targets import base_module_name, check_targets
-from loraplex.engine.lora.tensor_checks import (
-    MAX_ADAPTER_WEIGHT,
-    check_folded_values,
-    check_weight_values,
-    fold_scale_into,
-    parse_key,
 )
 from loraplex.engine.model.config import (
     MODULE_ORDER,
