@@ -146,9 +146,8 @@ async def coldload(engine, args, names, rows):
     loads = [v for v in engine.testing.adapters.versions() if v.name == "cold"]
     t = loads[0].timings if loads else {}
     from loraplex.engine.bench.coldload.bandwidth import measure_slot_write
-    from loraplex.engine.model.lora.slot_image import packed_for
 
-    packed = packed_for(loads[0].adapter) if loads and loads[0].adapter is not None else None
+    packed = loads[0].adapter.image if loads and loads[0].adapter is not None else None
     model = engine.testing.executor.model
     slot_gbs = measure_slot_write(model, packed, 10) if packed is not None else float("nan")
     pinned = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()

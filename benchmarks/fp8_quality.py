@@ -110,7 +110,7 @@ def runner_for(
     if adapter is not None:
         lora = load_adapter(adapter, model.cfg, max_lora_rank=rank, name="a0", dtype=dtype)
         write_slot(model, 0, lora)
-        runner.slot_ranks[0] = lora.rank
+        runner.slot_ranks.set(0, lora.rank)
     return runner
 
 

@@ -126,7 +126,7 @@ def run_case(model, runner, batch: int, n: int, args, bw: float) -> dict:
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
     slots = [i % n if n else -1 for i in range(batch)]
     for s in range(n):
-        runner.slot_ranks[s] = RANK
+        runner.slot_ranks.set(s, RANK)
     g = torch.Generator().manual_seed(batch)
     vocab = model.cfg.vocab_size
 

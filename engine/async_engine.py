@@ -167,6 +167,13 @@ class AsyncEngine:
     def list_adapters(self) -> list[dict[str, Any]]:
         return self._core().list_adapters()
 
+    def adapter_residency(self) -> list[dict[str, Any]]:
+        """Every adapter version in memory (a GPU slot or the CPU tier): ``name``, ``digest``,
+        ``tier`` ("gpu": holds a GPU slot, and stays in the CPU tier; "cpu"), ``pinned``,
+        ``rank``, ``nbytes`` (its LoRA tensors in host memory) and ``current`` (the current
+        version of its name). Read on the engine's loop (``/metrics``)."""
+        return self._core().adapter_residency()
+
     # -- requests -------------------------------------------------------------------------------
 
     async def generate(

@@ -18,10 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+import torch
 
 from loraplex.engine.adapters.fetch import AdapterFetcher
 from loraplex.engine.adapters.host_pool import HostPool
 from loraplex.engine.adapters.registry import AdapterRegistry, AdapterState, AdapterVersion
+from loraplex.engine.adapters.slot_store import SlotStore
+from loraplex.engine.adapters.slot_writer import InlineWriter, SlotWriter, ThreadWriter
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core_adapters import MAX_COMPOSITION, AdapterOps
 from loraplex.engine.core_steps import Planned, StepOps
@@ -43,7 +46,7 @@ from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.structured.grammars import GrammarCache, Guide
 from loraplex.engine.structured.spec import StructuredOutput
 from loraplex.engine.tokenizer import Tokenizer
-from loraplex.engine.warmup import COMPILES
+from loraplex.engine.warmup import COMPILES, warm_slot_writes
 
 __all__ = ["EngineCore", "EngineInternals", "Planned", "AdapterChoice", "MAX_COMPOSITION"]
 
@@ -52,6 +55,18 @@ __all__ = ["EngineCore", "EngineInternals", "Planned", "AdapterChoice", "MAX_COM
 AdapterChoice = str | Sequence[tuple[str, float]] | None
 
 log = structlog.get_logger("loraplex.engine")
+
+
+def slot_writer(config: EngineConfig, runner: ModelRunner, pool: HostPool | None) -> SlotWriter:
+    """The engine's slot writer (adapters/slot_writer.py): a thread and side stream on CUDA
+    with one rank and a host pool (warmed now: one full-size write and a clear), else writes
+    inline in the step thread (the CPU, tensor parallelism)."""
+    device = runner.device
+    if device.type == "cuda" and runner.tp_size == 1 and pool is not None and config.max_loras:
+        stream = torch.cuda.Stream(device)
+        warm_slot_writes(runner.slot_buffers, pool, stream)
+        return ThreadWriter(runner.write_slot, stream, pool)
+    return InlineWriter(runner.write_slot, pool)
 
 
 @dataclass(frozen=True)
@@ -120,6 +135,14 @@ class EngineCore(AdapterOps, StepOps):
         if tokenizer is not None:  # adapters that add tokens bring their own (added_tokens.py)
             self.loader.base_tokenizer = tokenizer.backend
             self.loader.load_tokenizer = self._adapter_tokenizer
+        self.slots = SlotStore(
+            config.max_loras,
+            config.max_full_module_loras,
+            writer=slot_writer(config, runner, pool),
+            ranks=runner.slot_ranks,
+            pool=pool,
+            generation=runner.slot_buffers.generation,
+        )
         self.adapters = AdapterRegistry(
             max_loras=config.max_loras,
             max_cpu_loras=config.max_cpu_loras,
@@ -128,16 +151,16 @@ class EngineCore(AdapterOps, StepOps):
             on_change=wake,
             on_drop=self.loader.discard,
             on_unload=self.loader.stager.release,
+            slots=self.slots,
         )
         self.loader.stager.make_room = self.adapters.make_room
         self.blocks = BlockManager(
             runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config, self.blocks, self.adapters)
+        self.scheduler = Scheduler(config, self.blocks, self.adapters, self.slots)
         self.executor = StepExecutor(
-            config, model, runner, self.blocks, self.adapters, pool, mixed_graphs
+            config, model, runner, self.blocks, self.slots, self.adapters.any_loading, mixed_graphs
         )
-        self._sync_slot_writes = self.executor.side_stream is None  # they land at the step's end
         self.in_flight: set[Request] = set()  # requests of launched, not yet applied steps
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0, "steps": 0}
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
@@ -193,6 +216,7 @@ class EngineCore(AdapterOps, StepOps):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.to_thread(self.slots.close)  # (the slot writer's thread first)
         await asyncio.to_thread(self.executor.close)
         if self.grammars is not None:
             await asyncio.to_thread(self.grammars.close)
@@ -347,6 +371,28 @@ class EngineCore(AdapterOps, StepOps):
 
     # -- introspection --------------------------------------------------------------------------
 
+    def adapter_residency(self) -> list[dict[str, Any]]:
+        """``AsyncEngine.adapter_residency``: versions in a GPU slot or the CPU tier."""
+        registry = self.adapters
+        current = {id(registry.get(n)) for n in registry.names()}
+        rows = []
+        for v in registry.versions():
+            gpu = self.slots.slot_of(v) is not None
+            if not gpu and v.state is not AdapterState.CPU:
+                continue  # (a version in a GPU slot stays in the CPU tier)
+            rows.append(
+                {
+                    "name": v.name,
+                    "digest": v.digest,
+                    "tier": "gpu" if gpu else "cpu",
+                    "pinned": bool(v.pinned),
+                    "rank": int(v.lora_rank or v.rank),
+                    "nbytes": int(getattr(v.adapter, "nbytes", 0) or v.nbytes),
+                    "current": id(v) in current,
+                }
+            )
+        return rows
+
     def stats(self) -> dict[str, Any]:
         """Counters for tests, metrics and studies (read on the event loop)."""
         b = self.blocks
@@ -356,7 +402,7 @@ class EngineCore(AdapterOps, StepOps):
             "max_loras": self.config.max_loras,
             "running_adapters": sorted({r.adapter.name for r in sched.running if r.adapter}),
             "waiting_adapters": sorted({r.adapter.name for r in sched.waiting if r.adapter}),
-            "gpu_resident": [v.name for v in adapters.resident],
+            "gpu_resident": [v.name for v in self.slots.resident],
             "cpu_resident": [v.name for v in adapters.versions() if v.state is AdapterState.CPU],
             "num_blocks": b.num_blocks,
             "num_free_blocks": b.num_free_blocks,
@@ -369,8 +415,8 @@ class EngineCore(AdapterOps, StepOps):
             "adapter_refs": {
                 f"{v.name}@{v.digest[:12]}#{v.version}": {  # unique: digests may be pending
                     "users": v.users,
-                    "slot_refs": v.slot_refs,
-                    "slot": v.slot,
+                    "slot_refs": self.slots.refs(v),
+                    "slot": self.slots.slot_of(v),
                 }
                 for v in adapters.versions()
             },

@@ -16,6 +16,7 @@ from loraplex.engine.adapters.checks import fold_dora
 from loraplex.engine.adapters.fetch import AdapterFetcher
 from loraplex.engine.adapters.parse import LoRAAdapter, load_magnitudes
 from loraplex.engine.adapters.registry import AdapterRegistry, AdapterState, AdapterVersion
+from loraplex.engine.adapters.slot_store import SlotStore
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.errors import (
     AdapterCompositionError,
@@ -24,7 +25,6 @@ from loraplex.engine.errors import (
 )
 from loraplex.engine.executor import StepExecutor
 from loraplex.engine.model.lora.dora import row_scales
-from loraplex.engine.model.lora.slot_image import packed_for
 from loraplex.engine.model.protocol import CausalLM
 from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
@@ -41,6 +41,7 @@ class AdapterOps:
 
     config: EngineConfig
     adapters: AdapterRegistry
+    slots: SlotStore
     loader: AdapterFetcher
     executor: StepExecutor
     scheduler: Scheduler
@@ -275,29 +276,16 @@ class AdapterOps:
         return out
 
     def _poll_slot_events(self) -> None:
-        for v in self.adapters.resident:
-            if not v.slot_ready and v.slot_event is not None and v.slot_event.query():
-                self._slot_landed(v)
+        """Slot writes that landed: their versions' requests may run (``slot_write`` events)."""
+        for w in self.slots.poll():
+            v = w.version
+            v.timings["h2d"] = w.h2d_s
+            nbytes = v.adapter.nbytes if v.adapter is not None else 0
+            self.emit(
+                "slot_write", name=v.name, digest=v.digest, slot=w.slot, h2d_s=w.h2d_s,
+                nbytes=nbytes, copy_bytes=w.copy_bytes, h2d_gpu_s=w.gpu_s, h2d_copy_s=w.copy_s,
+            )  # fmt: skip
 
     def pending_slot_writes(self) -> bool:
         """A slot was handed out and its write has not landed (or not been issued) yet."""
-        return any(not v.slot_ready and v.adapter is not None for v in self.adapters.resident)
-
-    def _slot_landed(self, v: AdapterVersion) -> None:
-        gpu_s = copy_s = None
-        if v.slot_timing is not None and v.slot_event is not None:
-            start, copied = v.slot_timing
-            gpu_s = start.elapsed_time(v.slot_event) / 1e3  # transfer + on-device scatter
-            copy_s = start.elapsed_time(copied) / 1e3  # the host -> device transfer alone
-        v.slot_ready, v.slot_event, v.slot_timing = True, None, None
-        dora = v.adapter is not None and v.adapter.dora is not None
-        self.executor.set_slot_rank(v.slot, v.rank, dora=dora)
-        h2d = time.perf_counter() - v.timings.get("h2d_start", time.perf_counter())
-        v.timings["h2d"] = h2d
-        nbytes = v.adapter.nbytes if v.adapter is not None else 0
-        packed = packed_for(v.adapter) if v.adapter is not None else None
-        self.emit(
-            "slot_write", name=v.name, digest=v.digest, slot=v.slot, h2d_s=h2d, nbytes=nbytes,
-            copy_bytes=packed.nbytes if packed is not None else nbytes, h2d_gpu_s=gpu_s,
-            h2d_copy_s=copy_s,
-        )  # fmt: skip
+        return self.slots.pending()

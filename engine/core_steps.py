@@ -35,13 +35,11 @@ class StepOps:
     max_model_len: int
     counters: Any
     device: Any
-    _sync_slot_writes: bool
     fail: Callable[[Request, BaseException], None]  # EngineCore.fail
     finish: Callable[..., None]  # EngineCore.finish
     _log: Callable[[Request], None]  # EngineCore._log
     _poll_slot_events: Callable[[], None]  # AdapterOps
     _drain_failed_adapters: Callable[[], list[tuple[Request, BaseException]]]  # AdapterOps
-    _slot_landed: Callable[[Any], None]  # AdapterOps
 
     def plan(self) -> Planned | None:
         """The next step (its requests are in flight from here), or None: nothing can run.
@@ -110,10 +108,6 @@ class StepOps:
 
     def _postprocess(self, plan: SchedulerOutput, result: SamplerOutput | None) -> None:
         self.counters["steps"] += 1
-        if self._sync_slot_writes:
-            for v, slot, _ in plan.slot_jobs:
-                if v.slot == slot and self.adapters.slot_owner(slot) is v:  # not dropped meanwhile
-                    self._slot_landed(v)
         row = -1
         now = time.monotonic()
         for chunk in plan.chunks:

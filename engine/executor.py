@@ -23,20 +23,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-from loraplex.engine.adapters.host_pool import HostPool
-from loraplex.engine.adapters.registry import AdapterRegistry, AdapterState, AdapterVersion
-from loraplex.engine.adapters.slot_writer import SlotWriter
+from loraplex.engine.adapters.slot_store import SlotJob, SlotStore
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.kv import BlockManager
 from loraplex.engine.mixed_graphs import MixedGraphs
-from loraplex.engine.model.lora.slot_buffers import write_slot
 from loraplex.engine.model.protocol import CausalLM
 from loraplex.engine.model_runner import ModelRunner, StepItem
 from loraplex.engine.request import Request
 from loraplex.engine.sampler import PendingSample, Sampler, SamplerOutput, min_tokens_banned_ids
 from loraplex.engine.scheduler import SchedulerOutput
 from loraplex.engine.structured.bitmask import fill_masks
-from loraplex.engine.warmup import warm_slot_writes
 
 __all__ = ["InFlightStep", "StepExecutor", "StepRecord"]
 
@@ -81,11 +77,12 @@ class InFlightStep:
 
 
 class StepExecutor:
-    """Owns what runs a step: the model runner, the mixed-step CUDA graphs, the sampler, the
-    side stream and slot writer of slot writes, and the step log (``StepRecord`` per step).
+    """Owns what runs a step: the model runner, the mixed-step CUDA graphs, the sampler and
+    the step log (``StepRecord`` per step).
 
-    It reads, never changes, the KV block tables (``blocks``) and the adapters' slot owners
-    and states (``adapters``): the engine core owns those.
+    It reads, never changes, the KV block tables (``blocks``); a step's slot writes go
+    through the slot store (``slots``: planned in ``prepare``, issued in ``launch``, done in
+    ``collect``); ``loading``: whether an adapter load is in flight (the step log's).
     """
 
     def __init__(
@@ -94,22 +91,17 @@ class StepExecutor:
         model: CausalLM,
         runner: ModelRunner,
         blocks: BlockManager,
-        adapters: AdapterRegistry,
-        pool: HostPool | None = None,
+        slots: SlotStore,
+        loading: Callable[[], bool] = lambda: False,
         mixed_graphs: MixedGraphs | None = None,
     ) -> None:
         self.model = model
         self.runner = runner
         self.device = model.device
         self.blocks = blocks
-        self.adapters = adapters
+        self.slots = slots
+        self.loading = loading
         self.sampler = Sampler(seed=config.seed)
-        cuda = self.device.type == "cuda" and runner.tp_size == 1  # TP: writes in the runner
-        self.side_stream = torch.cuda.Stream(self.device) if cuda else None
-        self.slot_writer: SlotWriter | None = None
-        if self.side_stream is not None and pool is not None and config.max_loras:
-            warm_slot_writes(model, pool, self.side_stream)
-            self.slot_writer = SlotWriter(model, self.side_stream)
         self.mixed_graphs = mixed_graphs  # decode + short prefill steps as graphs (CUDA)
         self.last_step_event: Any = None
         self.last_result_time = 0.0  # perf_counter when the last step's tokens reached the host
@@ -117,22 +109,10 @@ class StepExecutor:
         self._fills: ThreadPoolExecutor | None = None  # masks of pipelined steps (``launch``)
 
     def close(self) -> None:
-        """Blocking: stop the slot writer's thread, the mask thread and what the runner
-        started."""
-        if self.slot_writer is not None:
-            self.slot_writer.close()
+        """Blocking: stop the mask thread and what the runner started."""
         if self._fills is not None:
             self._fills.shutdown(wait=True)
         self.runner.close()
-
-    def set_slot_rank(self, slot: int, rank: int, *, dora: bool = False) -> None:
-        """Loop: the adapter written into ``slot`` has rank ``rank`` (its write landed);
-        ``dora``: it is a DoRA adapter (its rows get the DoRA row scale)."""
-        self.runner.slot_ranks[slot] = rank
-        if dora:
-            self.runner.dora_slots.add(slot)
-        else:
-            self.runner.dora_slots.discard(slot)
 
     def prepare(self, plan: SchedulerOutput, prev: InFlightStep | None = None) -> list[StepItem]:
         """Loop: step items of ``plan``; ``prev``: the step in flight that ``feed`` chunks read."""
@@ -141,7 +121,7 @@ class StepExecutor:
         for c in plan.chunks:
             r = c.req
             table = self.blocks.block_table(r.request_id)
-            slot = r.adapter.slot if r.adapter is not None else -1
+            slot = r.slot
             if c.feed:  # the token at position num_tokens is being sampled by ``prev``
                 items.append(StepItem([0], r.num_tokens, table, slot, True, row_of[id(r)]))
                 continue
@@ -158,19 +138,10 @@ class StepExecutor:
         # slot its version owns and whose write completed; a slot being written has no reader.
         # A row may read a slot written in this very step only as its owner (it joined the
         # step: ``launch`` makes the forward wait for the write; later steps run behind it).
-        readers = {id(c.req.adapter) for c in plan.chunks if c.req.adapter is not None}
-        for v in plan.slot_writes:
-            assert v.adapter is not None and v.slot is not None
-            v.slot_event = None
-            v.slot_joined = id(v) in readers
-            # (no row reads the slot before the write; joined rows read it behind it)
-            self.set_slot_rank(v.slot, v.rank, dora=v.adapter.dora is not None)
-        for c in plan.chunks:
-            v = c.req.adapter
-            if v is not None:
-                assert v.slot is not None and self.adapters.slot_owner(v.slot) is v
-                assert v.slot_ready or v.slot_joined, f"slot {v.slot} read before its write"
-        plan.slot_jobs = [(v, v.slot, v.adapter) for v in plan.slot_writes]
+        readers = {c.req.adapter: c.req.slot for c in plan.chunks if c.req.adapter is not None}
+        plan.slot_jobs = self.slots.begin(plan.slot_writes, set(readers))
+        for v, slot in readers.items():
+            assert slot >= 0 and self.slots.readable(v, slot), f"slot {slot} read before its write"
         return items
 
     def launch(
@@ -185,10 +156,10 @@ class StepExecutor:
         returned with its forward queued and its sampling queued later by ``finish``."""
         if prev is not None:
             self.finish(prev)  # (this step's forward reads its sampled tokens)
-        read = {it.lora_slot for it in items}
-        joined = self._write_slots(plan.slot_jobs, prev, read)
-        for event in joined:  # rows that joined their slot's write read it after it lands
-            torch.cuda.current_stream(self.device).wait_event(event)
+        if plan.slot_jobs:
+            for event in self._issue_slot_writes(plan.slot_jobs, items, prev):
+                # rows that joined their slot's write read it after it lands
+                torch.cuda.current_stream(self.device).wait_event(event)
         t0 = time.perf_counter()
         if not items:
             return InFlightStep(plan, items, [], None, t0, t0, None, False)
@@ -213,7 +184,7 @@ class StepExecutor:
                 for r, c in zip(rows, chunks, strict=True)
             ],
         )
-        loading = any(v.state is AdapterState.LOADING for v in self.adapters.versions())
+        loading = self.loading()
         step = InFlightStep(plan, items, rows, None, t0, t_launched, events, loading, guided)
         if guided and prev is not None and not prev.collected:
             step.deferred = self._defer(args, rows, prev)
@@ -224,6 +195,18 @@ class StepExecutor:
             self.last_step_event = torch.cuda.Event()
             self.last_step_event.record()
         return step
+
+    def _issue_slot_writes(
+        self, jobs: list[SlotJob], items: list[StepItem], prev: InFlightStep | None
+    ) -> list[Any]:
+        """Step thread: a step's slot writes to the store's writer. A write waits for the step
+        in flight only when a row of it reads the slot (``prev``: the one step in flight when a
+        step is pipelined behind it; every earlier step was collected), e.g. a request aborted
+        after ``prev`` was planned, whose slot went back; rows of this step that read a slot
+        (they joined its write) wait for the returned events."""
+        busy = {it.lora_slot for it in prev.items} if prev is not None else set()
+        read = {it.lora_slot for it in items}
+        return self.slots.issue(jobs, after=self.last_step_event, busy=busy, read=read)
 
     def finish(self, step: InFlightStep) -> None:
         """Step thread: queue ``step``'s deferred sampling (waits for its masks' fill)."""
@@ -282,6 +265,8 @@ class StepExecutor:
             return step.result  # collected early, for the masks of the step behind it
         self.finish(step)
         step.collected = True
+        if step.plan.slot_jobs:
+            self.slots.collected(step.plan.slot_jobs)  # (inline writes are done with it)
         if step.sample is None:
             return None
         out = step.sample.fetch()
@@ -316,57 +301,3 @@ class StepExecutor:
     def execute(self, plan: SchedulerOutput, items: list[StepItem]) -> SamplerOutput | None:
         """Step thread: launch and collect one step (no pipelining)."""
         return self.collect(self.launch(plan, items))
-
-    def _write_slots(
-        self,
-        jobs: list[tuple[AdapterVersion, int, Any]],
-        prev: InFlightStep | None,
-        read: set[int] = frozenset(),  # type: ignore[assignment]
-    ) -> list[Any]:
-        """Step thread. Uses the (slot, adapter) snapshot of ``prepare``, never the version's
-        live fields: the loop may drop the version meanwhile (its slot is then written for
-        nothing and the next owner's write, issued later on the same stream, replaces it).
-
-        A write waits for the last step launched only when that step may still read the slot:
-        ``prev`` (the one step in flight when a step is pipelined behind it; every earlier step
-        was collected) has a row on it, e.g. of a request aborted after ``prev`` was planned,
-        whose slot went back to the pool. Otherwise it starts at once and overlaps ``prev``.
-
-        Slots in ``read`` (rows of this step joined their write) are written unpaced and
-        their completion events returned, for the step to wait on; the other writes' rows
-        join a later step once the engine sees their event.
-        """
-        busy = {it.lora_slot for it in prev.items} if prev is not None else set()
-        joined: list[tuple[AdapterVersion, Any]] = []
-        for v, slot, adapter in jobs:
-            v.timings["h2d_start"] = time.perf_counter()
-            if self.side_stream is None:
-                self.runner.write_slot(slot, adapter)
-                continue
-            after = self.last_step_event if slot in busy else None
-            if self.slot_writer is not None:  # its own thread, paced chunks (slot_writer.py)
-                issued = self.slot_writer.submit(v, slot, adapter, after, paced=slot not in read)
-                if slot in read:
-                    joined.append((v, issued))
-                continue
-            with torch.cuda.stream(self.side_stream):
-                if after is not None:
-                    self.side_stream.wait_event(after)
-                start = torch.cuda.Event(enable_timing=True)
-                start.record(self.side_stream)
-                copied = torch.cuda.Event(enable_timing=True)
-                write_slot(self.model, slot, adapter, h2d_done=copied)
-                event = torch.cuda.Event(enable_timing=True)
-                event.record(self.side_stream)
-            v.slot_event = v.region_event = event  # the region is reused after this copy
-            v.slot_timing = (start, copied)
-            if slot in read:
-                joined.append((v, None))
-        events = []
-        for v, issued in joined:
-            if issued is not None and not issued.wait(timeout=30.0):
-                raise RuntimeError(f"the slot write of {v.name!r} was not issued in 30 s")
-            if v.slot_event is None:
-                raise RuntimeError(f"the slot write of {v.name!r} failed (see the log)")
-            events.append(v.slot_event)
-        return events

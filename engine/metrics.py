@@ -70,9 +70,9 @@ class AdapterLabels:
 def read_residency(engine: Any, stats: dict[str, Any]) -> Residency:
     """Adapter residency of ``engine`` (``stats``: its ``stats()`` of this scrape).
 
-    The one place that reads the adapter registry: when the registry moves, only this
-    function follows it. An ``AsyncEngine`` lists its versions through its internals hook; any
-    other engine (the Ray ingress's ``ClusterEngine``) has only its stats: counts, no versions.
+    The one place metrics read adapter residency: an ``AsyncEngine`` lists its versions
+    (``adapter_residency``); any other engine (the Ray ingress's ``ClusterEngine``) has only
+    its stats: counts, no versions.
     """
     loaded = {
         "gpu": len(stats.get("gpu_resident") or ()),
@@ -84,25 +84,8 @@ def read_residency(engine: Any, stats: dict[str, Any]) -> Residency:
         return Residency(None, loaded, capacity, counters)
     cfg = engine.config
     capacity["cpu"] = max(cfg.max_cpu_loras, cfg.max_loras)  # (as the adapter manager holds it)
-    manager = engine.testing.adapters
-    current = {id(manager.get(n)) for n in manager.names()}
-    rows = []
-    for v in manager.versions():
-        in_cpu = v.state.value == "cpu"  # a version in a GPU slot stays in the CPU tier
-        if v.slot is None and not in_cpu:
-            continue
-        rows.append(
-            ResidentAdapter(
-                name=v.name,
-                digest=v.digest,
-                tier="gpu" if v.slot is not None else "cpu",
-                pinned=bool(v.pinned),
-                rank=int(v.lora_rank or v.rank),
-                nbytes=int(getattr(v.adapter, "nbytes", 0) or v.nbytes),
-                current=id(v) in current,
-            )
-        )
-    return Residency(tuple(rows), loaded, capacity, counters)
+    rows = tuple(ResidentAdapter(**row) for row in engine.adapter_residency())
+    return Residency(rows, loaded, capacity, counters)
 
 
 def _cache_config(engine: Any, stats: dict[str, Any]) -> Metric:

@@ -1,6 +1,8 @@
 """Model runner: turns scheduled sequence chunks into tensors, runs the model, returns logits.
 
-It owns the model, the paged KV cache and the slot -> rank table that LoRA mappings need.
+It owns the model, the paged KV cache, the slot -> rank table that LoRA mappings need
+(``slot_ranks``, set by the adapters' slot store) and the device half of slot writes
+(``slot_buffers``).
 It knows nothing of requests or queues (that is the scheduler's job). Its kernel backend
 (``model/backend.py``) is fixed at construction: the fused GPU forward or the reference one,
 LoRA kernels in Triton or as torch twins.
@@ -18,8 +20,8 @@ from loraplex.engine.model.attention import AttentionMetadata
 from loraplex.engine.model.backend import KernelBackend, resolve_kernel_backend
 from loraplex.engine.model.fused import fused_forward
 from loraplex.engine.model.lora.mapping import LoRAMapping
-from loraplex.engine.model.lora.ranks import adapter_rank, step_rank
-from loraplex.engine.model.lora.slot_buffers import write_slot
+from loraplex.engine.model.lora.ranks import SlotRanks, step_rank
+from loraplex.engine.model.lora.slot_buffers import SlotBuffers
 from loraplex.engine.model.protocol import CausalLM
 
 __all__ = ["StepItem", "ModelRunner"]
@@ -76,8 +78,8 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
-        self.slot_ranks: list[int] = [0] * model.max_loras
-        self.dora_slots: set[int] = set()  # slots holding a DoRA adapter (model/lora/dora.py)
+        self.slot_ranks = SlotRanks(model.max_loras)  # (DoRA slots: model/lora/dora.py)
+        self.slot_buffers = SlotBuffers(model)
         self.graphs: DecodeGraphs | None = None
         self.last_was_graph = False
         self.last_events: tuple | None = None  # CUDA events around the last graph replay
@@ -92,12 +94,11 @@ class ModelRunner:
                 sizes=graph_sizes,
             )
 
-    def write_slot(self, slot: int, adapter: Any) -> None:
-        """Write ``adapter`` into ``slot`` now, on the current stream (the synchronous path;
-        CUDA engines of one rank write on a side stream, executor.py)."""
-        write_slot(self.model, slot, adapter)
-        # NOTE: the graphs' rank bucket of a step reads this (model/lora/ranks.py): never too low
-        self.slot_ranks[slot] = adapter_rank(adapter)
+    def write_slot(self, slot: int, adapter: Any, **decisions: Any) -> None:
+        """Write ``adapter`` into ``slot`` now, on the current stream: the target of the
+        adapters' slot writer (``decisions``: ``SlotBuffers.write``'s ``zero_rest``,
+        ``had_dora``, ``h2d_done``, ``chunk_bytes``, ``pace``)."""
+        self.slot_buffers.write(slot, adapter, **decisions)
 
     def close(self) -> None:
         """Release what the runner started (nothing here; worker processes under TP)."""
@@ -145,10 +146,10 @@ class ModelRunner:
         mapping = (  # NOTE: the fused path reads token slots directly, no segments
             LoRAMapping.build(
                 token_slots,
-                self.slot_ranks,
+                self.slot_ranks.ranks,
                 dev,
                 triton=self.backend.triton,
-                dora_slots=self.dora_slots,
+                dora_slots=self.slot_ranks.dora,
             )  # fmt: skip
             if not self.fused and any(s >= 0 for s in token_slots)
             else None
@@ -225,7 +226,8 @@ class ModelRunner:
     def has_dora(self, items: list[StepItem]) -> bool:
         """Some row's slot holds a DoRA adapter: an eager step applies the row scales (the
         graphs always do; no cost while none is resident)."""
-        return bool(self.dora_slots) and any(it.lora_slot in self.dora_slots for it in items)
+        dora = self.slot_ranks.dora
+        return bool(dora) and any(it.lora_slot in dora for it in items)
 
     def _graphable(self, items: list[StepItem]) -> bool:
         assert self.graphs is not None
@@ -248,7 +250,7 @@ class ModelRunner:
             token_slots=[it.lora_slot for it in items],
             src=[it.feed_row for it in items],
             feed=feed,
-            rank=step_rank((it.lora_slot for it in items), self.slot_ranks),  # its rank bucket
+            rank=step_rank((it.lora_slot for it in items), self.slot_ranks.ranks),  # rank bucket
         )
         self.last_events = self.graphs.last_events
         return logits

@@ -115,7 +115,9 @@ class Request:
     num_computed: int = 0  # tokens whose KV is in the cache
     num_cached: int = 0  # prefix-cache hit tokens at the last admission
     status: RequestStatus = RequestStatus.WAITING
-    holds_slot: bool = False  # holds a GPU-slot reference on its adapter
+    # the GPU slot it reads while running (a reference on its adapter's slot, taken by the
+    # scheduler from the slot store); -1: none
+    slot: int = -1
     aborted: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -131,6 +133,11 @@ class Request:
     # the requests of one API request (its n choices, its prompts) share a group: they share
     # max_num_seqs fairly with other groups (fair_share.py); "": a group of its own
     group: str = ""
+
+    @property
+    def holds_slot(self) -> bool:
+        """It holds a reference on its adapter's GPU slot (it is running on it)."""
+        return self.slot >= 0
 
     def __post_init__(self) -> None:
         if not self.group:

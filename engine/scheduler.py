@@ -37,15 +37,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
-from loraplex.engine.adapters.registry import (
-    AdapterRegistry,
-    AdapterState,
-    AdapterVersion,
-    SlotFullError,
-)
+from loraplex.engine.adapters.registry import AdapterRegistry, AdapterState, AdapterVersion
+from loraplex.engine.adapters.slot_store import SlotJob, SlotStore
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.errors import SlotFullError
 from loraplex.engine.fair_share import FairShare
 from loraplex.engine.kv import BlockManager
 from loraplex.engine.request import Request, RequestStatus
@@ -70,9 +66,10 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     slot_writes: list[AdapterVersion] = field(default_factory=list)
-    # (version, slot, adapter) of each write, taken on the event loop before the step thread
-    # runs: a version dropped meanwhile (its last request cancelled) loses its slot and tensors
-    slot_jobs: list[tuple[AdapterVersion, int, Any]] = field(default_factory=list)
+    # each write's job (slot_store.py), taken on the event loop before the step thread runs
+    # (``StepExecutor.prepare``): a version dropped meanwhile (its last request cancelled)
+    # loses its slot and tensors, the job keeps what it writes
+    slot_jobs: list[SlotJob] = field(default_factory=list)
     failed: list[tuple[Request, BaseException]] = field(default_factory=list)
 
     @property
@@ -86,15 +83,23 @@ class Scheduler:
     The engine core calls ``add`` (a new request), ``schedule`` (the next step), ``chain``
     (the next decode step while one is in flight), ``mark_computed`` (after a step) and
     ``finish`` (end, abort or failure), and may read ``has_work``, ``waiting``, ``running``
-    and ``num_preemptions``. KV blocks come from ``blocks``, slot assignment and
-    references from ``adapters``; requests failed on their adapter are handed back in
-    ``SchedulerOutput.failed`` (the caller fails them).
+    and ``num_preemptions``. KV blocks come from ``blocks``, loads and users from the adapter
+    registry ``adapters``, slot assignment and references from the slot store ``slots``;
+    requests failed on their adapter are handed back in ``SchedulerOutput.failed`` (the
+    caller fails them).
     """
 
-    def __init__(self, config: EngineConfig, blocks: BlockManager, adapters: AdapterRegistry):
+    def __init__(
+        self,
+        config: EngineConfig,
+        blocks: BlockManager,
+        adapters: AdapterRegistry,
+        slots: SlotStore | None = None,
+    ):
         self.config = config
         self.blocks = blocks
         self.adapters = adapters
+        self.slots = slots if slots is not None else adapters.slots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -220,8 +225,7 @@ class Scheduler:
         if req.scheduled_time is None:
             req.scheduled_time = time.monotonic()
         if req.adapter is not None:
-            self.adapters.acquire_slot(req.adapter)
-            req.holds_slot = True
+            req.slot = self.slots.acquire(req.adapter)
         out.chunks.append(ScheduledChunk(req, n, cached + n == req.num_tokens))
         return True
 
@@ -288,10 +292,10 @@ class Scheduler:
         order = ([head] if head else []) + [r for r in self.waiting if r is not head]
         for req in order:
             v = req.adapter
-            if v is None or v.state is not AdapterState.CPU or v.slot is not None:
+            if v is None or v.state is not AdapterState.CPU or self.slots.slot_of(v) is not None:
                 continue
             try:
-                slot = self.adapters.assign_slot(v, force=req is head)
+                slot = self.slots.assign(v, force=req is head)
             except SlotFullError as e:
                 out.failed.append((req, e))
                 continue
@@ -307,8 +311,7 @@ class Scheduler:
         budget = self.config.slot_write_join_bytes
         if not out.slot_writes or budget <= 0:
             return set()
-        issued = {id(v) for v in out.slot_writes}
-        if any(not v.slot_ready and id(v) not in issued for v in self.adapters.resident):
+        if self.slots.landing_besides(out.slot_writes):
             return set()
         joinable = set()
         for v in out.slot_writes:
@@ -327,9 +330,9 @@ class Scheduler:
         ``schedule`` and ``chain`` (through ``_admit``) both decide on it."""
         state = v.state
         if state is AdapterState.CPU:
-            if v.slot is None:
+            if self.slots.slot_of(v) is None:
                 return _NO_SLOT
-            return _READY if v.slot_ready else _WRITING
+            return _READY if self.slots.is_ready(v) else _WRITING
         if state is AdapterState.FAILED:
             return _FAILED
         if state is not AdapterState.LOADING:
@@ -358,9 +361,9 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         if req.request_id in self.blocks:
             self.blocks.free(req.request_id)
-        if req.holds_slot and req.adapter is not None:
-            self.adapters.release_slot(req.adapter)
-            req.holds_slot = False
+        if req.slot >= 0 and req.adapter is not None:
+            self.slots.release(req.adapter)
+            req.slot = -1
 
     # -- after the step -------------------------------------------------------------------------
 

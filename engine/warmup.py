@@ -73,7 +73,7 @@ def warm_eager_steps(runner: ModelRunner, max_tokens: int, max_seqs: int, max_le
     """Run the eager forward once per shape of ``eager_shapes`` (start-up only: it writes
     garbage into KV blocks no request owns yet). Returns the number of steps run."""
     bs = runner.block_size
-    num_slots = len(runner.slot_ranks)
+    num_slots = len(runner.slot_ranks.ranks)
     shapes = eager_shapes(max_tokens, max_seqs, bs, max_len, runner.num_blocks)
     t0 = time.perf_counter()
     for k, step in enumerate(shapes):
@@ -95,18 +95,14 @@ def warm_eager_steps(runner: ModelRunner, max_tokens: int, max_seqs: int, max_le
 
 
 @torch.no_grad()
-def warm_slot_writes(model: Any, pool: Any, stream: Any) -> None:
+def warm_slot_writes(buffers: Any, pool: Any, stream: Any) -> None:
     """One full-size slot write on ``stream`` (the side stream of cold loads) out of a host-pool
-    region, then the slot cleared: allocates the write's device staging buffer, loads its
-    kernels and makes the full layout's scatter plans now rather than on the first cold
-    loads."""
-    from loraplex.engine.model.lora.slot_buffers import (
-        clear_slot,
-        prepare_scatter_plans,
-        write_slot,
-    )
+    region, then the slot cleared (``buffers``: the runner's ``SlotBuffers``): allocates the
+    write's device staging buffer, loads its kernels and makes the full layout's scatter plans
+    now rather than on the first cold loads."""
     from loraplex.engine.model.lora.slot_image import PackedAdapter, full_layout
 
+    model = buffers.model
     region = pool.acquire()
     if region is None:
         return
@@ -115,10 +111,10 @@ def warm_slot_writes(model: Any, pool: Any, stream: Any) -> None:
         buf = pool.view(region, model.dtype, numel)
         buf.zero_()
         packed = PackedAdapter(buf, entries, model.layers[0].qkv_proj.max_rank)
-        prepare_scatter_plans(model, packed)  # (rewrites of this layout skip the zero-fill)
+        buffers.prepare_plans(packed)  # (rewrites of this layout skip the zero-fill)
         with torch.cuda.stream(stream):
-            write_slot(model, 0, packed)
-            clear_slot(model, 0)
+            buffers.write(0, packed)
+            buffers.clear(0)
         stream.synchronize()
     finally:
         pool.release(region)

@@ -294,16 +294,17 @@ def idle_slot_writes(engine: AsyncEngine) -> dict[str, float]:
     q/k/v/o part (27 MB), next to a plain pinned copy."""
     from loraplex.engine.adapters.parse import LoRAAdapter
     from loraplex.engine.bench.coldload.bandwidth import measure_slot_write
-    from loraplex.engine.model.lora.slot_image import pack_adapter, packed_for
+    from loraplex.engine.model.lora.slot_image import pack_adapter
 
     internals = engine.testing
     model = internals.executor.model
     torch.cuda.synchronize()
-    resident = internals.adapters.resident
-    v = next((x for x in resident if x.slot_ready and x.adapter is not None), None)
+    slots = internals.adapters.slots
+    v = next((x for x in slots.resident if slots.is_ready(x) and x.adapter is not None), None)
     if v is None:
         return {}
-    full = packed_for(v.adapter)
+    slot = slots.slot_of(v)
+    full = v.adapter.image
     attn = LoRAAdapter(
         v.name, "", v.adapter.config,
         {k: w for k, w in v.adapter.weights.items() if k[1] in ("q_proj", "k_proj", "v_proj", "o_proj")},
@@ -321,12 +322,12 @@ def idle_slot_writes(engine: AsyncEngine) -> dict[str, float]:
     out = {
         "pinned_gbps": pinned,
         "full_mb": full.nbytes / 1e6,
-        "full_gbps": measure_slot_write(model, full, slot=v.slot),
+        "full_gbps": measure_slot_write(model, full, slot=slot),
         "qkvo_mb": small.nbytes / 1e6,
-        "qkvo_gbps": measure_slot_write(model, small, slot=v.slot),
+        "qkvo_gbps": measure_slot_write(model, small, slot=slot),
         # into a slot that held another layout: the MLP regions zero-filled as well
-        "qkvo_fill_gbps": measure_slot_write(model, small, slot=v.slot, zero_fill=True),
+        "qkvo_fill_gbps": measure_slot_write(model, small, slot=slot, zero_fill=True),
     }
-    measure_slot_write(model, full, repeats=1, slot=v.slot)  # (its own content back)
+    measure_slot_write(model, full, repeats=1, slot=slot)  # (its own content back)
     torch.cuda.synchronize()
     return out

@@ -9,9 +9,12 @@ Why not ``torch.empty(pin_memory=True)`` per load: a new 84 MB pinned allocation
 (cudaHostAlloc) takes ~70 ms and stalls other threads' CUDA calls for as long, a cudaFreeHost
 ~12 ms (``benchmarks/host_memory.py``). Nothing here allocates while serving.
 
-A region is reused only after the last host -> device copy out of it completed: ``release``
-takes the CUDA event recorded after that copy, and ``acquire`` hands out a region only once
-its event has completed. Thread-safe (adapters may be dropped on the step thread).
+A region is reused only after every host -> device copy out of it completed: a slot write
+holds its region from when it is planned (``hold``) until its copy is issued, then drops the
+hold with the CUDA event recorded after that copy (``unhold``); ``acquire`` hands out a
+released region only once no hold remains and every such event has completed. So a region is
+never refilled while a copy out of it is queued or in flight, whether or not its adapter is
+still in the CPU tier. Thread-safe (holds are dropped on the slot writer's thread).
 """
 
 from __future__ import annotations
@@ -57,8 +60,10 @@ class HostPool:
             self._registered = True
         self._lock = threading.Lock()
         self._free: list[int] = list(range(count))
-        self._draining: list[tuple[int, Any]] = []  # (index, event of the last copy out of it)
+        self._draining: list[int] = []  # released, waiting for its copies out of it
         self._used: set[int] = set()
+        self._holds: dict[int, int] = {}  # index -> slot writes planned, copy not issued yet
+        self._events: dict[int, list[Any]] = {}  # index -> events of copies out of it
 
     @property
     def free_count(self) -> int:
@@ -77,10 +82,10 @@ class HostPool:
         return self.tensor[region.offset : region.offset + n * elem].view(dtype)
 
     def acquire(self) -> Region | None:
-        """A free region whose last copy-out completed, or None."""
+        """A free region no copy out of it is queued for or still reads, or None."""
         with self._lock:
-            for i, (index, event) in enumerate(self._draining):
-                if event is None or event.query():
+            for i, index in enumerate(self._draining):
+                if self._idle(index):
                     del self._draining[i]
                     self._free.append(index)
                     break
@@ -90,13 +95,49 @@ class HostPool:
             self._used.add(index)
             return self.region(index)
 
-    def release(self, region: Region, event: Any = None) -> None:
-        """Give ``region`` back; ``event``: recorded after the last copy out of it, if any."""
+    def _idle(self, index: int) -> bool:
+        """(lock held) No slot write holds ``index`` and every copy out of it completed."""
+        if self._holds.get(index, 0):
+            return False
+        events = self._events.get(index)
+        if events:
+            events[:] = [e for e in events if not e.query()]
+            if events:
+                return False
+        return True
+
+    def hold(self, region: Region) -> None:
+        """A slot write out of ``region`` is planned: the region is not reused until the write
+        drops this hold (``unhold``) and its copy completed."""
+        with self._lock:
+            self._holds[region.index] = self._holds.get(region.index, 0) + 1
+
+    def unhold(self, region: Region, event: Any = None) -> None:
+        """The planned write's copy out of ``region`` is issued; ``event``: recorded after it
+        (None: it completed already, or never ran)."""
+        with self._lock:
+            n = self._holds.get(region.index, 0)
+            if n <= 0:
+                raise ValueError(f"region {region.index} is not held")
+            self._holds[region.index] = n - 1
+            if event is not None:
+                events = self._events.setdefault(region.index, [])
+                events[:] = [e for e in events if not e.query()]  # (an adapter written often)
+                events.append(event)
+
+    def holds(self, region: Region) -> int:
+        """Slot writes planned out of ``region`` whose copy is not issued yet."""
+        with self._lock:
+            return self._holds.get(region.index, 0)
+
+    def release(self, region: Region) -> None:
+        """Give ``region`` back (its adapter left the CPU tier): reusable once no write holds
+        it and every copy out of it completed."""
         with self._lock:
             if region.index not in self._used:
                 raise ValueError(f"region {region.index} is not in use")
             self._used.discard(region.index)
-            self._draining.append((region.index, event))
+            self._draining.append(region.index)
 
     def in_use(self) -> int:
         with self._lock:

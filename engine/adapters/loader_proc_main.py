@@ -173,7 +173,6 @@ class _Helper:
         import torch
 
         from loraplex.engine.adapters.staging import stage_file
-        from loraplex.engine.model.lora.slot_image import packed_for
 
         t0 = time.perf_counter()
         dtype = getattr(torch, p["dtype"])
@@ -185,7 +184,7 @@ class _Helper:
                 read_full=False,  # the engine reads the full tables (not in the region)
                 out=self.pool[offset : offset + nbytes].view(dtype), stop=stop,
             )  # fmt: skip
-        packed = packed_for(adapter)
+        packed = adapter.image
         assert packed is not None
         return {
             "config": adapter.config,

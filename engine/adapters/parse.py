@@ -48,6 +48,7 @@ from loraplex.engine.model.config import (
     MODULE_ORDER,
     ModelConfig,
 )
+from loraplex.engine.model.lora.slot_image import PackedAdapter
 from loraplex.engine.model.lora.weights import LoRAWeights, WeightsView
 
 __all__ = [
@@ -87,6 +88,10 @@ class LoRAAdapter:
     # modules_to_save: "embed_tokens" / "lm_head" -> the full (vocab, hidden) table that
     # replaces the base's for this adapter's rows (model/lora/full.py); empty for most adapters
     full: dict[str, torch.Tensor] = field(default_factory=dict)
+    # its slot image (model/lora/slot_image.py; ``weights`` are views of it), once staged; and
+    # under tensor parallelism every rank's packed shard (ParallelRunner.prepare_adapter)
+    image: PackedAdapter | None = None
+    shard_images: tuple[PackedAdapter, ...] | None = None
 
     @property
     def rank(self) -> int:

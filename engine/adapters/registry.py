@@ -1,4 +1,4 @@
-"""Adapter registry and residency: versions, the CPU tier, GPU slots and their references.
+"""Adapter registry and residency: versions, the CPU tier, and who may take GPU slots.
 
 Identity is (name, digest). Re-adding a name with new content makes a new version; requests
 already holding the old version finish on it. Tiers:
@@ -8,15 +8,15 @@ already holding the old version finish on it. Tiers:
                                     0..max_full-1 also hold full tables (model/lora/full.py), the
                                     only ones an adapter with modules_to_save tables takes
 
-A version in a GPU slot stays in the CPU tier. A slot is reassigned only when no running
-request references it (``slot_refs == 0``); which slot a version takes is slot_store.py's.
+A version in a GPU slot stays in the CPU tier. The slots themselves (which version holds
+which, references, writes) are the slot store's (slot_store.py), which the registry holds:
+it frees a forgotten version's slot, skips slot holders when it trims the CPU tier, and
+counts an eviction when the store takes a slot from one version for another.
 
 A combination (per-request composition, ``combination``) is a version of its own whose
 ``parts`` are (component version, weight) pairs: identity = names + digests + weights, one
 slot of the summed rank, cached while every component is the current version of its name
-(at most ``MAX_COMBINATIONS`` idle ones are kept); it is never listed under a name. Slot
-writes are handed to the step thread, which issues them on a side stream; requests of that
-adapter are admitted once the write completed.
+(at most ``MAX_COMBINATIONS`` idle ones are kept); it is never listed under a name.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from loraplex.engine.adapters.slot_store import SlotFullError, SlotTable
+from loraplex.engine.adapters.slot_store import SlotFullError, SlotStore
 from loraplex.engine.adapters.version import (
     AdapterState,
     AdapterVersion,
@@ -54,17 +54,17 @@ Loader = Callable[[AdapterVersion], "Any"]  # async: fills version.adapter (and 
 
 
 class AdapterRegistry:
-    """Versions, their CPU-tier residency, GPU slots and references (event loop only).
+    """Versions and their CPU-tier residency (event loop only); ``slots``: the GPU slots.
 
     The engine core calls: ``new_version`` / ``register`` / ``unregister`` / ``forget`` /
     ``pin`` / ``get`` / ``names`` / ``versions`` (registry); ``add_user`` (a request starts
     using a version; starts its load if needed); ``make_room`` (the loader needs host
-    memory) and ``reset_failed`` (after a failed load's waiters were failed); ``slot_owner``
-    / ``resident`` (slot writes and their completion). The scheduler calls ``ensure_loaded``,
-    ``assign_slot`` / ``can_assign_slot``, ``acquire_slot`` / ``release_slot`` (a running
-    request's reference on its slot) and ``drop_user`` (the request ended). ``loader`` is the async
-    load itself; ``on_change`` is called when a load ends (either way), ``on_drop`` when a
-    version is forgotten, ``on_unload`` when its CPU-tier tensors are dropped.
+    memory) and ``reset_failed`` (after a failed load's waiters were failed). The scheduler
+    calls ``ensure_loaded`` and ``drop_user`` (the request ended), and the slot store for
+    slots. ``loader`` is the async load itself; ``on_change`` is called when a load ends
+    (either way), ``on_drop`` when a version is forgotten, ``on_unload`` when its CPU-tier
+    tensors are dropped. ``slots``: the engine's slot store (default: one of ``max_loras``
+    slots that cannot write, for tests of the registry alone).
     """
 
     def __init__(
@@ -77,6 +77,7 @@ class AdapterRegistry:
         on_change: Callable[[], None] = lambda: None,
         on_drop: Callable[[AdapterVersion], None] = lambda v: None,
         on_unload: Callable[[AdapterVersion], None] = lambda v: None,
+        slots: SlotStore | None = None,
     ) -> None:
         self.max_loras = max_loras
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
@@ -89,7 +90,8 @@ class AdapterRegistry:
         self._on_unload = on_unload
         self._current: dict[str, AdapterVersion] = {}
         self._versions: list[AdapterVersion] = []  # every version still alive
-        self.slots = SlotTable(max_loras, max_full, self._pinned)  # slot_store.py
+        self.slots = slots if slots is not None else SlotStore(max_loras, max_full)
+        self.slots.pinned, self.slots.on_taken = self._pinned, self._taken
         self._combos: dict[str, AdapterVersion] = {}  # digest -> combination version
         self._counter = itertools.count(1)
         self.stats = {
@@ -186,7 +188,9 @@ class AdapterRegistry:
             (
                 c
                 for c in ok
-                if c.users == 0 and c.slot is None and c.state is not AdapterState.LOADING
+                if c.users == 0
+                and self.slots.slot_of(c) is None
+                and c.state is not AdapterState.LOADING
             ),
             key=lambda c: c.last_used,
         )
@@ -197,7 +201,7 @@ class AdapterRegistry:
         """Forget superseded versions nobody uses any more (their slot becomes free)."""
         live = set(map(id, self._current.values())) | self._live_combos()
         for v in list(self._versions):
-            if id(v) not in live and v.users == 0 and v.slot_refs == 0:
+            if id(v) not in live and v.users == 0 and self.slots.refs(v) == 0:
                 if v.parts:
                     self._combos.pop(v.digest, None)
                 if v.load_task is not None and v.load_task is not asyncio.current_task():
@@ -217,7 +221,7 @@ class AdapterRegistry:
             v.cold_pending = False
             tier = "cold"
         elif v.state is AdapterState.CPU:
-            tier = "gpu" if v.slot is not None and v.slot_ready else "cpu"
+            tier = "gpu" if self.slots.is_ready(v) else "cpu"
         else:
             tier = "cold"
         self.stats[{"gpu": "gpu_hits", "cpu": "cpu_hits", "cold": "misses"}[tier]] += 1
@@ -238,18 +242,6 @@ class AdapterRegistry:
         if v.users == 0 and v.state is AdapterState.LOADING and v.load_task is not None:
             v.load_task.cancel()  # nobody waits for it any more
         self._collect()
-
-    def acquire_slot(self, v: AdapterVersion) -> None:
-        """A request starts running on ``v``'s slot (written, or written in the step the
-        request joins); the slot is not reassigned while such references remain."""
-        assert self.slots.check(v)
-        v.slot_refs += 1
-        v.last_used = time.monotonic()
-
-    def release_slot(self, v: AdapterVersion) -> None:
-        """A running request on ``v``'s slot finished or was preempted."""
-        assert v.slot_refs > 0, f"slot refcount of {v.key} would go negative"
-        v.slot_refs -= 1
 
     # -- CPU tier -------------------------------------------------------------------------------
 
@@ -309,7 +301,9 @@ class AdapterRegistry:
             excess = len(loaded) - self.max_cpu_loras
         if excess <= 0:
             return 0
-        idle = [v for v in loaded if v is not keep and v.slot is None and v.users == 0]
+        idle = [
+            v for v in loaded if v is not keep and self.slots.slot_of(v) is None and v.users == 0
+        ]
         victims = sorted(idle, key=lambda v: v.last_used)[:excess]
         for v in victims:
             self._unload(v)
@@ -331,33 +325,17 @@ class AdapterRegistry:
 
     # -- GPU slots (slot_store.py) ----------------------------------------------------------------
 
-    def assign_slot(self, v: AdapterVersion, *, force: bool = False) -> int | None:
-        """Give ``v`` a slot (a write must follow); None if no slot can be taken now.
-
-        A slot is taken from an idle version (no running reader, write complete) that no
-        request is waiting for; with ``force`` (a starved request) also from one that has
-        waiting requests. The version that lost its slot may leave the CPU tier next.
-        """
-        slot, old = self.slots.assign(v, force=force)
-        if old is not None:
-            self.stats["gpu_evictions"] += 1
-            self._evict_cpu(keep=v)
-        return slot
-
-    def can_assign_slot(self, v: AdapterVersion | None = None, *, force: bool = False) -> bool:
-        """Whether ``assign_slot`` would find a slot now (no side effects)."""
-        return self.slots.can_assign(v, force=force)
+    def _taken(self, old: AdapterVersion, new: AdapterVersion) -> None:
+        """The slot store gave ``old``'s slot to ``new``: a GPU eviction; ``old`` may leave the
+        CPU tier next."""
+        self.stats["gpu_evictions"] += 1
+        self._evict_cpu(keep=new)
 
     def _pinned(self, v: AdapterVersion) -> bool:
         """A pin holds for the current version of its name; a superseded version that is
         draining keeps its slot only while it is referenced."""
         return v.pinned and self._current.get(v.name) is v
 
-    def slot_owner(self, slot: int) -> AdapterVersion | None:
-        """The version ``slot`` is assigned to, if any."""
-        return self.slots.owner(slot)
-
-    @property
-    def resident(self) -> list[AdapterVersion]:
-        """Versions holding a GPU slot (their write may still be pending)."""
-        return self.slots.resident
+    def any_loading(self) -> bool:
+        """Some version's load is in flight (the step log records it)."""
+        return any(v.state is AdapterState.LOADING for v in self._versions)

@@ -42,7 +42,6 @@ from loraplex.engine.model.lora.slot_image import (
     PackedAdapter,
     PackedWeights,
     PackEntry,
-    attach_packed,
     layout_of,
     new_buffer,
     pack_adapter,
@@ -66,11 +65,11 @@ class AdapterStager:
             self.pool.close()
 
     def release(self, v: AdapterVersion) -> None:
-        """``v``'s CPU-tier tensors are gone: its host-pool region is free once the last slot
-        write out of it has landed."""
+        """``v``'s CPU-tier tensors are gone: its host-pool region is reused once no slot write
+        out of it is queued or in flight (host_pool.py)."""
         if v.region is not None and self.pool is not None:
-            self.pool.release(v.region, v.region_event)
-        v.region, v.region_event = None, None
+            self.pool.release(v.region)
+        v.region = None
 
     async def stage(self, v: AdapterVersion, dtype: torch.dtype, *, pin: bool) -> LoRAAdapter:
         """Parse the staged files into CPU tensors: into a host-pool region (pinned, shared)
@@ -259,4 +258,4 @@ def adopt_packed(adapter: LoRAAdapter, packed: PackedAdapter) -> None:
     """Point ``adapter.weights`` at views of ``packed`` (made on access) and attach it (see
     ``stage_packed``)."""
     adapter.weights = PackedWeights(packed)
-    attach_packed(adapter, packed)
+    adapter.image = packed

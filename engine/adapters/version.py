@@ -1,5 +1,7 @@
-"""An adapter version as the registry tracks it (identity, state, residency, references), and
-the identity of a combination (per-request composition); ``registry.py`` holds the registry."""
+"""An adapter version as the registry tracks it: identity and host-side state (load state, the
+CPU tier's tensors and region, users), and the identity of a combination (per-request
+composition); ``registry.py`` holds the registry. Which GPU slot a version holds, and
+everything about that slot, is the slot store's (slot_store.py)."""
 
 from __future__ import annotations
 
@@ -33,16 +35,8 @@ class AdapterVersion:
     state: AdapterState = AdapterState.REGISTERED
     adapter: LoRAAdapter | None = None
     error: BaseException | None = None
-    slot: int | None = None
-    slot_ready: bool = False
-    # rows joined the step that issued the slot write (that step waits for it on the device,
-    # later steps run behind it): its rows may read the slot before ``slot_ready``
-    slot_joined: bool = False
-    slot_event: Any = None  # torch.cuda.Event of the pending slot write
-    slot_timing: Any = None  # (start, host->device copy done) events of that write
-    slot_refs: int = 0  # running requests reading the slot
     users: int = 0  # requests in flight (waiting or running) on this version
-    pinned: bool = False  # operator pin: never evicted from its slot
+    pinned: bool = False  # operator pin: never evicted from its GPU slot
     dynamic: bool = False  # resolved from a name at request time (forgotten if its load fails)
     trusted: bool = False  # an operator-configured source (a fetch again uses the same policy)
     pinned_uri: str | None = None  # the source at the exact revision fetched
@@ -52,7 +46,6 @@ class AdapterVersion:
     timings: dict[str, float] = field(default_factory=dict)
     load_task: asyncio.Task | None = None
     region: Any = None  # host-pool Region holding the CPU-tier tensors (host_pool.py)
-    region_event: Any = None  # torch.cuda.Event after the last slot write out of the region
     lora_rank: int = 0  # largest module rank, from the preflight (0: not fetched yet)
     dora: bool = False  # a DoRA adapter (preflight)
     full: bool = False  # carries modules_to_save tables (preflight): a full-table slot only

@@ -10,9 +10,10 @@ logits on every rank.
 
 Slot writes: the loader stages each adapter whole (full-model layout, the CPU tier); when its
 load ends, every rank's shard (``tp.shard_adapter``) is packed once, off the step thread
-(``prepare_adapter``, called by the core). A slot write sends each worker its packed shard
-as one raw buffer, in order with the steps, and writes rank 0's. Writes are synchronous on the
-compute stream (no side stream under TP yet).
+(``prepare_adapter``, called by the core; kept on the adapter as ``shard_images``). A slot
+write sends each worker its packed shard as one raw buffer with the slot store's decisions,
+in order with the steps, and writes rank 0's. Writes are synchronous on the compute stream
+(no side stream under TP yet: the slot store's inline writer).
 
 Any exception in a step fails the group (``WorkerGroup.failure``): after a collective broke
 the ranks cannot be brought back in step, so every later step raises the same typed error.
@@ -21,13 +22,11 @@ the ranks cannot be brought back in step, so every later step raises the same ty
 from __future__ import annotations
 
 import pickle
-import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from loraplex.engine.model.lora.slot_buffers import write_slot
 from loraplex.engine.model.lora.slot_image import PackedAdapter, pack_adapter
 from loraplex.engine.model.protocol import CausalLM
 from loraplex.engine.model.tp import TPShard, shard_adapter
@@ -47,7 +46,6 @@ class ParallelRunner(ModelRunner):
         super().__init__(model, **kw)
         self.group = group
         self.tp_size = group.size
-        self._shards: dict[int, list[PackedAdapter]] = {}  # id(adapter) -> packed per rank
         group.send_all(("runner", kw))
         group.wait_all("ready")
 
@@ -61,7 +59,8 @@ class ParallelRunner(ModelRunner):
             (it.token_ids, it.start_pos, it.block_table, it.lora_slot, it.need_logits, it.feed_row)
             for it in items
         ]
-        g.send_all(data=pickle.dumps(("step", rows, self.slot_ranks, list(self.dora_slots), n)))
+        ranks = self.slot_ranks
+        g.send_all(data=pickle.dumps(("step", rows, ranks.ranks, list(ranks.dora), n)))
         try:
             if feed is not None:
                 dist.broadcast(feed.to(torch.int64).contiguous(), 0)
@@ -70,29 +69,34 @@ class ParallelRunner(ModelRunner):
             raise g.failure(e) from e
 
     @torch.no_grad()
-    def prepare_adapter(self, adapter: Any) -> list[PackedAdapter]:
-        """Every rank's packed shard of ``adapter`` (blocking: the load's worker thread, once
-        per load; kept while the adapter lives, i.e. while it is in the CPU tier)."""
-        key = id(adapter)
-        shards = self._shards.get(key)
+    def prepare_adapter(self, adapter: Any) -> tuple[PackedAdapter, ...]:
+        """Every rank's packed shard of ``adapter``, kept on it as ``shard_images`` (blocking:
+        the load's worker thread, once per load; they live as long as the adapter, i.e. while
+        it is in the CPU tier)."""
+        shards = getattr(adapter, "shard_images", None)
         if shards is None:
             g, r_max, dtype = self.group, self.model.max_lora_rank, self.model.dtype
             cuts = [shard_adapter(adapter, g.cfg, TPShard(rank, g.size)) for rank in range(g.size)]
-            shards = [pack_adapter(cut, r_max, dtype=dtype) for cut in cuts]
-            weakref.finalize(adapter, self._shards.pop, key, None)
-            self._shards[key] = shards
+            shards = tuple(pack_adapter(cut, r_max, dtype=dtype) for cut in cuts)
+            adapter.shard_images = shards
         return shards
 
     @torch.no_grad()
-    def write_slot(self, slot: int, adapter: Any) -> None:
+    def write_slot(
+        self, slot: int, adapter: Any, *, zero_rest: bool = True, had_dora: bool = True, **_: Any
+    ) -> None:
+        """Each worker its shard of ``adapter`` with the decisions (in order with the steps),
+        then rank 0's (timing arguments of the side-stream writer do not apply here)."""
         g = self.group
         g.check()
-        shards = self.prepare_adapter(adapter)  # (made at load time: a dict look-up)
+        shards = self.prepare_adapter(adapter)  # (made at load time: an attribute read)
+        decisions = {"zero_rest": zero_rest, "had_dora": had_dora}
         for rank in range(1, g.size):
             packed = shards[rank]
             raw = packed.buffer.view(torch.uint8).numpy()
-            g.send(rank, ("write", slot, packed.entries, packed.max_rank, packed.dtype), raw)
-        write_slot(self.model, slot, shards[0])
+            msg = ("write", slot, packed.entries, packed.max_rank, packed.dtype, decisions)
+            g.send(rank, msg, raw)
+        self.slot_buffers.write(slot, shards[0], **decisions)
 
     def close(self) -> None:
         self.group.close()

@@ -6,7 +6,9 @@ shard of the checkpoint, builds the same ``ModelRunner`` as rank 0 (same KV bloc
 heads), then serves messages in order until ``stop`` or until the connection closes:
 
     ("runner", kwargs)                        build the runner; reply ("ready",)
-    ("write", slot, entries, max_rank, dtype) + raw bytes: this rank's packed slot image
+    ("write", slot, entries, max_rank, dtype, decisions) + raw bytes: this rank's packed
+                                              slot image, written with rank 0's decisions
+                                              (``zero_rest``, ``had_dora``)
     ("step", rows, slot_ranks, dora_slots, n) run the step (rows: ``StepItem`` fields as
                                               tuples); n >= 0: the feed (rank 0's last sampled
                                               ids, n of them) arrives by broadcast
@@ -38,7 +40,6 @@ def _serve(conn: Connection, init: Any) -> None:
 
     from loraplex.engine.model.config import ModelConfig
     from loraplex.engine.model.loader import load_model
-    from loraplex.engine.model.lora.slot_buffers import write_slot
     from loraplex.engine.model.lora.slot_image import PackedAdapter
     from loraplex.engine.model.tp import TensorParallel, TPShard
     from loraplex.engine.model_runner import ModelRunner, StepItem
@@ -76,18 +77,18 @@ def _serve(conn: Connection, init: Any) -> None:
                 _, rows, ranks, dora, n = msg
                 items = [StepItem(*row) for row in rows]
                 assert runner is not None
-                runner.slot_ranks[:] = ranks
-                runner.dora_slots = set(dora)
+                runner.slot_ranks.load(ranks, dora)
                 feed = None
                 if n >= 0:
                     feed = torch.empty(n, dtype=torch.int64, device=device)
                     dist.broadcast(feed, 0)
                 runner.execute(items, feed)
             elif kind == "write":
-                _, slot, entries, max_rank, dtype = msg
+                _, slot, entries, max_rank, dtype, decisions = msg
                 raw = bytearray(conn.recv_bytes())
                 buf = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
-                write_slot(model, slot, PackedAdapter(buf, entries, max_rank))
+                assert runner is not None
+                runner.write_slot(slot, PackedAdapter(buf, entries, max_rank), **decisions)
             elif kind == "runner":
                 runner = ModelRunner(model, **msg[1])
                 conn.send(("ready",))

@@ -117,7 +117,9 @@ async def test_cancelling_every_waiter_mid_load_leaks_nothing(tiny, tmp_path):
         await asyncio.wait({load}, timeout=30)
         assert load.cancelled()
         assert plugin.cancelled == 1 and plugin.waiting == 0
-        assert v.users == 0 and v.slot_refs == 0 and v.slot is None and v.adapter is None
+        slots = engine.testing.adapters.slots
+        assert v.users == 0 and slots.refs(v) == 0 and slots.slot_of(v) is None
+        assert v.adapter is None
         assert "chat" not in engine.testing.adapters.names()  # the dynamic name is forgotten
         stats = engine.stats()
         assert stats["num_used_blocks"] == 0 and stats["aborted"] == 20

@@ -26,32 +26,34 @@ PROMPT = [4, 61, 23, 8, 190, 33]
 
 
 def watch_slots(engine):
-    """Wrap assign_slot and prepare: every slot taken from an owner is unreferenced, and count
-    the steps in which a slot is written while other rows read LoRA slots."""
+    """Wrap the slot store's assign and prepare: every slot taken from an owner is
+    unreferenced, and count the steps in which a slot is written while other rows read LoRA
+    slots."""
     internals = engine.testing
-    adapters, executor = internals.adapters, internals.executor
+    slots, executor = internals.adapters.slots, internals.executor
     seen = {"evictions": 0, "mixed_steps": 0, "writes": 0}
-    assign, prepare = adapters.assign_slot, executor.prepare
+    assign, prepare = slots.assign, executor.prepare
 
     def checked_assign(v, *, force=False):
-        owners = {i: adapters.slot_owner(i) for i in range(adapters.max_loras)}
+        owners = {i: slots.owner(i) for i in range(slots.num_slots)}
+        refs = {i: slots.refs(o) for i, o in owners.items() if o is not None}
         slot = assign(v, force=force)
         old = owners.get(slot) if slot is not None else None
         if old is not None and old is not v:
             seen["evictions"] += 1
-            assert old.slot_refs == 0, f"slot {slot} taken from {old.key} with readers"
+            assert refs[slot] == 0, f"slot {slot} taken from {old.key} with readers"
             assert not any(r.adapter is old for r in internals.scheduler.running), old.key
         return slot
 
     def checked_prepare(plan, prev=None):
-        read = {c.req.adapter.slot for c in plan.chunks if c.req.adapter is not None}
+        read = {c.req.slot for c in plan.chunks if c.req.adapter is not None}
         if plan.slot_writes:
             seen["writes"] += len(plan.slot_writes)
             if read:
                 seen["mixed_steps"] += 1
         return prepare(plan, prev)  # asserts the engine's own slot-safety invariants
 
-    adapters.assign_slot = checked_assign
+    slots.assign = checked_assign
     executor.prepare = checked_prepare
     return seen
 

@@ -146,7 +146,8 @@ async def test_refetch_reads_the_pinned_revision(tiny, lib, tmp_path):
         for name in ("sql", "math"):
             await engine.add_adapter(name, str(lib[name]))
             await collect(engine, PROMPT, GREEDY, adapter=name)
-        assert v.local_dir is None and v.adapter is None and v.slot is None
+        assert v.local_dir is None and v.adapter is None
+        assert engine.testing.adapters.slots.slot_of(v) is None
         again, _, _ = await collect(engine, PROMPT, GREEDY, adapter="poem")
         assert plugin.opened[-1] == "rev://lib/poem@0"
         assert again == first and v.digest == info["digest"]

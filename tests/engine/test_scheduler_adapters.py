@@ -14,6 +14,7 @@ from loraplex.engine.adapters.registry import AdapterState, SlotFullError
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
 from tests.engine.test_scheduler_unit import check_references, make, rows, run_step, submit
+from tests.helpers.slots import land
 from tests.lora.test_manager_unit import in_slot, loaded, register
 
 # -- loads and slot writes ----------------------------------------------------------------------
@@ -56,13 +57,13 @@ async def test_loaded_adapter_gets_a_slot_write_then_its_requests_run():
     await loader.finish(v)
     plan = s.schedule()
     assert plan.slot_writes == [v] and not plan.chunks  # the write joins this step
-    assert v.slot == 0 and not v.slot_ready and m.slot_owner(0) is v
+    assert s.slots.slot_of(v) == 0 and not s.slots.is_ready(v) and s.slots.owner(0) is v
     plan = s.schedule()  # the write has not landed: still waiting, no second write
     assert plan.empty and list(s.waiting) == [r1, r2]
-    v.slot_ready = True  # the engine saw the write's event
+    land(s.slots, v)  # the engine saw the write's event
     plan = s.schedule()
     assert rows(plan) == [("a", 3, True), ("b", 5, True)] and not plan.slot_writes
-    assert v.slot_refs == 2 and r1.holds_slot and r2.holds_slot
+    assert s.slots.refs(v) == 2 and r1.holds_slot and r2.holds_slot
     assert blocks.keys == {"a": v.key, "b": v.key}  # prefix cache keyed by the version
     check_references(s, blocks)
 
@@ -83,7 +84,7 @@ def test_adapter_in_a_ready_slot_is_admitted_at_once():
     r = submit(s, "a", 3, v)
     plan = s.schedule()
     assert rows(plan) == [("a", 3, True)] and not plan.slot_writes
-    assert v.slot_refs == 1 and r.holds_slot and v.users == 1
+    assert s.slots.refs(v) == 1 and r.holds_slot and v.users == 1
     check_references(s, blocks)
 
 
@@ -99,11 +100,11 @@ def test_no_free_slot_waits_until_a_slot_is_unreferenced():
     b = submit(s, "b", 3, v)
     plan = s.schedule()
     assert rows(plan) == [("a", 1, True)]
-    assert not plan.slot_writes and v.slot is None and list(s.waiting) == [b]
+    assert not plan.slot_writes and s.slots.slot_of(v) is None and list(s.waiting) == [b]
     s.finish(a, "stop")
-    assert old.slot_refs == 0 and old.users == 0
+    assert s.slots.refs(old) == 0 and old.users == 0
     plan = s.schedule()
-    assert plan.slot_writes == [v] and v.slot == 0 and old.slot is None
+    assert plan.slot_writes == [v] and s.slots.slot_of(v) == 0 and s.slots.slot_of(old) is None
     assert m.stats["gpu_evictions"] == 1
 
 
@@ -117,8 +118,8 @@ def test_slot_eviction_takes_the_lru_unreferenced_slot():
     v = loaded(m, "new")
     submit(s, "b", 3, v)
     plan = s.schedule()
-    assert plan.slot_writes == [v] and v.slot == 1 and lru.slot is None
-    assert busy.slot == 0 and mru.slot == 2
+    assert plan.slot_writes == [v] and s.slots.slot_of(v) == 1 and s.slots.slot_of(lru) is None
+    assert s.slots.slot_of(busy) == 0 and s.slots.slot_of(mru) == 2
 
 
 def test_a_slot_that_requests_wait_for_is_kept_unless_one_starves():
@@ -127,10 +128,12 @@ def test_a_slot_that_requests_wait_for_is_kept_unless_one_starves():
     m.add_user(held)  # a request of it waits (e.g. for KV blocks)
     v = loaded(m, "new")
     submit(s, "b", 3, v)
-    assert s.schedule().empty and v.slot is None
+    assert s.schedule().empty and s.slots.slot_of(v) is None
     submit(s, "c", 3, v, starved=True)
     plan = s.schedule()
-    assert plan.slot_writes == [v] and held.slot is None  # forced for the starved request
+    assert (
+        plan.slot_writes == [v] and s.slots.slot_of(held) is None
+    )  # forced for the starved request
 
 
 def test_starved_request_held_back_stops_later_admissions():

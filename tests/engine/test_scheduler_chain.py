@@ -84,7 +84,7 @@ def test_chain_admits_a_waiting_request_whose_slot_is_written():
     v = in_slot(m, "sql")
     w = submit(s, "w", 3, v)
     nxt = s.chain(plan, max_model_len=100)
-    assert nxt is not None and nxt.chunks[-1].req is w and w.holds_slot and v.slot_refs == 1
+    assert nxt is not None and nxt.chunks[-1].req is w and w.holds_slot and s.slots.refs(v) == 1
 
 
 def test_chain_refuses_when_a_waiting_request_is_starved():
@@ -122,7 +122,7 @@ def test_chain_gives_a_loaded_adapter_its_slot(join):
     v = loaded(m, "sql")  # loaded, a slot is free
     w = submit(s, "w", 3, v)
     nxt = s.chain(plan, max_model_len=100)
-    assert nxt is not None and nxt.slot_writes == [v] and v.slot is not None
+    assert nxt is not None and nxt.slot_writes == [v] and s.slots.slot_of(v) is not None
     if join:  # its prefill rides in the step that writes the slot
         assert [c.req for c in nxt.chunks] == [*reqs, w] and not s.waiting
     else:  # it runs once the write landed
@@ -152,7 +152,7 @@ async def test_chain_goes_on_while_a_waiting_adapter_loads():
 def test_chain_goes_on_while_a_waiting_adapter_slot_is_written():
     s, blocks, m, _, reqs, plan = steady()
     v = loaded(m, "sql")
-    m.assign_slot(v)  # its write is in flight
+    s.slots.assign(v)  # its write is in flight
     submit(s, "w", 3, v)
     assert s.chain(plan, max_model_len=100) is not None
 
@@ -215,7 +215,7 @@ def test_chain_refuses_without_free_blocks_and_takes_none():
 def test_no_join_while_an_earlier_write_lands_or_over_the_byte_budget():
     s, _, m, _, reqs, plan = steady()
     u = loaded(m, "u")
-    u.slot = m.assign_slot(u)  # its write was issued earlier and has not landed
+    s.slots.assign(u)  # its write was issued earlier and has not landed
     w = submit(s, "w", 3, loaded(m, "sql"))
     nxt = s.chain(plan, max_model_len=100)
     assert nxt is not None and [c.req for c in nxt.chunks] == reqs and list(s.waiting) == [w]

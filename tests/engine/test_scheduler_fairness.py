@@ -14,6 +14,7 @@ from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.engine.server import create_app, start_server
 from tests.engine.lifecycle_helpers import wait_until
 from tests.engine.test_scheduler_unit import check_references, make, run_step, submit
+from tests.helpers.slots import land
 from tests.lora.test_manager_unit import register
 
 NO_LIMIT = 10_000  # max_tokens of a request sent without one (the context length's worth)
@@ -110,7 +111,7 @@ async def test_no_seat_is_taken_for_a_request_whose_adapter_is_not_in_a_slot_yet
     await loader.finish(v)
     plan = step(s)  # its slot write is issued: still no seat taken for it
     assert plan.slot_writes == [v] and s.num_preemptions == 0 and len(plan.chunks) == 8
-    v.slot_ready = True  # the write landed
+    land(s.slots, v)  # the write landed
     step(s)
     assert plain.status is RequestStatus.RUNNING and s.num_preemptions == 1
 

@@ -11,10 +11,12 @@ import asyncio
 import time
 
 from loraplex.engine.adapters.registry import AdapterRegistry, AdapterState, AdapterVersion
+from loraplex.engine.adapters.slot_store import SlotStore
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+from tests.helpers.slots import FakeWriter
 from tests.lora.test_manager_unit import FakeLoader, in_slot, register, settle
 
 BLOCK = 4  # tokens per KV block
@@ -85,7 +87,10 @@ def make(
         starvation_timeout_s=10.0,
     )
     loader = FakeLoader()
-    adapters = AdapterRegistry(max_loras=max_loras, max_cpu_loras=max_cpu_loras, loader=loader)
+    slots = SlotStore(max_loras, writer=FakeWriter())
+    adapters = AdapterRegistry(
+        max_loras=max_loras, max_cpu_loras=max_cpu_loras, loader=loader, slots=slots
+    )
     blocks = FakeBlocks(num_blocks)
     return Scheduler(cfg, blocks, adapters), blocks, adapters, loader
 
@@ -137,7 +142,7 @@ def check_references(s: Scheduler, blocks: FakeBlocks) -> None:
     for r in s.waiting:
         assert r.status is RequestStatus.WAITING and not r.holds_slot
     for v in s.adapters.versions():
-        assert v.slot_refs == refs.get(id(v), 0), v.name
+        assert s.slots.refs(v) == refs.get(id(v), 0), v.name
 
 
 # -- admission ----------------------------------------------------------------------------------
@@ -219,7 +224,7 @@ def test_preemption_by_recompute_youngest_first():
     a, b = submit(s, "a", 4), submit(s, "b", 4)
     c = submit(s, "c", 4, v)
     run_step(s, s.schedule())  # each holds its one full block, and samples a 5th token
-    assert blocks.num_free_blocks == 0 and v.slot_refs == 1
+    assert blocks.num_free_blocks == 0 and s.slots.refs(v) == 1
     plan = s.schedule()
     # a needs a 2nd block: the youngest (c) is preempted for it; b then finds none and, the
     # youngest left, preempts itself
@@ -228,7 +233,7 @@ def test_preemption_by_recompute_youngest_first():
     for r in (b, c):
         assert r.status is RequestStatus.WAITING and r.num_computed == 0
         assert r.num_preemptions == 1 and r.request_id not in blocks
-    assert v.slot_refs == 0 and not c.holds_slot and v.users == 1  # c still uses v: it waits
+    assert s.slots.refs(v) == 0 and not c.holds_slot and v.users == 1  # c still uses v: it waits
     assert blocks.tables == {"a": 2}
     check_references(s, blocks)
     run_step(s, plan)
@@ -242,11 +247,11 @@ def test_preempted_request_returns_its_slot_reference():
     v = in_slot(m, "sql")
     r = submit(s, "a", 4, v)
     run_step(s, s.schedule())
-    assert v.slot_refs == 1
+    assert s.slots.refs(v) == 1
     # alone and out of blocks: it preempts itself (the engine admits no request that could
     # not fit the whole cache; here it just shows what preemption returns)
     assert s.schedule().empty
-    assert list(s.waiting) == [r] and v.slot_refs == 0 and not r.holds_slot
+    assert list(s.waiting) == [r] and s.slots.refs(v) == 0 and not r.holds_slot
     assert blocks.tables == {} and r.num_preemptions == 1
 
 
@@ -261,7 +266,7 @@ def test_finish_of_a_running_request_returns_everything():
     s.finish(r, "length")
     assert r.status is RequestStatus.FINISHED and r.finish_reason == "length"
     assert not s.running and "a" not in blocks and blocks.num_free_blocks == 64
-    assert v.slot_refs == 0 and v.users == 0 and not r.holds_slot and not s.has_work
+    assert s.slots.refs(v) == 0 and v.users == 0 and not r.holds_slot and not s.has_work
     s.finish(r, "abort")  # a second finish changes nothing (counts would go negative)
     assert r.finish_reason == "length" and v.users == 0
 
@@ -272,7 +277,7 @@ def test_abort_of_a_waiting_request():
     r = submit(s, "a", 3, v)
     s.finish(r, "abort")
     assert not s.waiting and r.status is RequestStatus.FINISHED and r.finish_reason == "abort"
-    assert v.users == 0 and v.slot_refs == 0 and blocks.tables == {}
+    assert v.users == 0 and s.slots.refs(v) == 0 and blocks.tables == {}
 
 
 async def test_abort_of_the_last_waiter_cancels_its_load():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from loraplex.engine.adapters.combine import combine_adapters
 from loraplex.engine.adapters.parse import load_adapter, load_full_tables
 from loraplex.engine.adapters.preflight import preflight
 from loraplex.engine.adapters.registry import AdapterRegistry, AdapterState
+from loraplex.engine.adapters.slot_store import SlotStore
 from loraplex.engine.adapters.staging import stage_packed
 from loraplex.engine.errors import (
     AdapterConfigError,
@@ -31,6 +33,7 @@ from loraplex.engine.model.lora.full import attach_full_modules
 from loraplex.engine.model.lora.ops.full_head import full_head, full_head_torch
 from loraplex.engine.model.lora.slot_buffers import clear_slot, write_slot, write_slot_reference
 from tests.helpers.models import copy_adapter, make_peft_adapter, make_tiny_model
+from tests.helpers.slots import FakeWriter, land
 from tests.model.test_oracle_peft import (
     DECODE_STEPS,
     MODEL_KINDS,
@@ -299,25 +302,26 @@ def test_header_only_load_then_tables(setup):
 def _version(m: AdapterRegistry, name: str, full: bool):
     v = m.new_version(name, f"file:///{name}")
     v.digest, v.state, v.full = name, AdapterState.CPU, full
+    v.adapter = SimpleNamespace(rank=4, nbytes=1, dora=None, image=None, full={})
     return m.register(v)
 
 
 def test_manager_gives_full_adapters_only_full_slots():
-    m = AdapterRegistry(max_loras=3, max_cpu_loras=6, loader=None, max_full=1)  # type: ignore[arg-type]
+    slots = SlotStore(3, 1, writer=FakeWriter())
+    m = AdapterRegistry(max_loras=3, max_cpu_loras=6, loader=None, max_full=1, slots=slots)  # type: ignore[arg-type]
     plain = [_version(m, f"p{i}", False) for i in range(3)]
     # plain adapters take the slots without full storage first
-    assert [m.assign_slot(v) for v in plain[:2]] == [1, 2]
-    assert m.assign_slot(plain[2]) == 0
-    for v in plain:
-        v.slot_ready = True
+    assert [slots.assign(v) for v in plain[:2]] == [1, 2]
+    assert slots.assign(plain[2]) == 0
+    land(slots, *plain)
     full = _version(m, "f", True)
-    assert m.can_assign_slot(full)
-    assert m.assign_slot(full) == 0  # the one full-table slot, taken from its idle owner
-    full.slot_ready = True
-    full.slot_refs = 1  # a running request reads it
+    assert slots.can_assign(full)
+    assert slots.assign(full) == 0  # the one full-table slot, taken from its idle owner
+    land(slots, full)
+    slots.acquire(full)  # a running request reads it
     other = _version(m, "g", True)
-    assert not m.can_assign_slot(other) and m.assign_slot(other) is None
-    assert m.can_assign_slot(_version(m, "p9", False))  # a plain one still finds a slot
+    assert not slots.can_assign(other) and slots.assign(other) is None
+    assert slots.can_assign(_version(m, "p9", False))  # a plain one still finds a slot
 
 
 @pytest.mark.gpu

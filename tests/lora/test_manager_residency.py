@@ -65,8 +65,8 @@ def test_operator_pin_keeps_the_slot_and_so_the_cpu_copy():
     assert not m.make_room() and pinned.state is AdapterState.CPU
     v = loaded(m, "other")
     with pytest.raises(SlotFullError):
-        m.assign_slot(v)
-    assert pinned.slot == 0 and m.slot_owner(0) is pinned
+        m.slots.assign(v)
+    assert m.slots.slot_of(pinned) == 0 and m.slots.owner(0) is pinned
 
 
 # -- GPU slots ----------------------------------------------------------------------------------
@@ -75,32 +75,35 @@ def test_operator_pin_keeps_the_slot_and_so_the_cpu_copy():
 def test_free_slots_are_taken_first_in_order():
     m = make_manager(max_loras=3, max_cpu_loras=3)
     a, b = loaded(m, "a"), loaded(m, "b")
-    assert m.can_assign_slot()
-    assert m.assign_slot(a) == 0 and m.assign_slot(b) == 1
-    assert a.slot_ready is False and m.assign_slot(a) == 0  # already has one: unchanged
-    assert m.resident == [a, b] and m.slot_owner(2) is None and m.stats["gpu_evictions"] == 0
+    assert m.slots.can_assign()
+    assert m.slots.assign(a) == 0 and m.slots.assign(b) == 1
+    assert not m.slots.is_ready(a) and m.slots.assign(a) == 0  # already has one: unchanged
+    assert m.slots.resident == [a, b] and m.slots.owner(2) is None
+    assert m.stats["gpu_evictions"] == 0
 
 
 def test_full_slots_evict_the_lru_unreferenced_owner():
     m = make_manager(max_loras=3, max_cpu_loras=4)
     busy = in_slot(m, "busy", last_used=0.5)
-    busy.slot_refs = 1  # a running request reads it: never taken, however old
+    m.slots.acquire(busy)  # a running request reads it: never taken, however old
+    busy.last_used = 0.5
     old, recent = in_slot(m, "old", last_used=1.0), in_slot(m, "recent", last_used=2.0)
     v = loaded(m, "new")
-    assert m.can_assign_slot()
-    assert old.slot == 1
-    assert m.assign_slot(v) == 1
-    assert old.slot is None and old.slot_ready is False and m.slot_owner(1) is v
-    assert v.slot == 1 and v.slot_ready is False  # usable once its write lands
-    assert busy.slot == 0 and recent.slot == 2 and m.stats["gpu_evictions"] == 1
+    assert m.slots.can_assign()
+    assert m.slots.slot_of(old) == 1
+    assert m.slots.assign(v) == 1
+    assert m.slots.slot_of(old) is None and not m.slots.is_ready(old) and m.slots.owner(1) is v
+    assert m.slots.slot_of(v) == 1 and not m.slots.is_ready(v)  # usable once its write lands
+    assert m.slots.slot_of(busy) == 0 and m.slots.slot_of(recent) == 2
+    assert m.stats["gpu_evictions"] == 1
 
 
 @pytest.mark.parametrize(
     "why, owner, force, takeable",
     [
         ("idle", dict(), False, True),
-        ("read by a running request", dict(slot_refs=1), True, False),
-        ("its write has not landed", dict(slot_ready=False), True, False),
+        ("read by a running request", dict(refs=1), True, False),
+        ("its write has not landed", dict(landed=False), True, False),
         ("operator pin", dict(pinned=True), True, False),
         ("requests wait for it", dict(users=2), False, False),
         ("requests wait for it, a starved request forces", dict(users=2), True, True),
@@ -108,16 +111,23 @@ def test_full_slots_evict_the_lru_unreferenced_owner():
 )
 def test_which_owner_may_lose_its_slot(why, owner, force, takeable):
     m = make_manager(max_loras=2, max_cpu_loras=3)
-    o = in_slot(m, "owner")
-    in_slot(m, "busy").slot_refs = 1  # never takeable (and not every slot is pinned)
+    owner = dict(owner)
+    if owner.pop("landed", True):
+        o = in_slot(m, "owner")
+    else:
+        o = loaded(m, "owner")
+        assert m.slots.assign(o) == 0
+    m.slots.acquire(in_slot(m, "busy"))  # never takeable (and not every slot is pinned)
+    for _ in range(owner.pop("refs", 0)):
+        m.slots.acquire(o)
     for k, val in owner.items():
         setattr(o, k, val)
     v = loaded(m, "new")
     # the two entry points decide alike (one idle-slot check)
-    assert m.can_assign_slot(force=force) is takeable, why
-    slot = m.assign_slot(v, force=force)
-    assert (slot == 0) is takeable and (m.slot_owner(0) is (v if takeable else o)), why
-    assert (o.slot is None) is takeable and (v.slot == slot)
+    assert m.slots.can_assign(force=force) is takeable, why
+    slot = m.slots.assign(v, force=force)
+    assert (slot == 0) is takeable and (m.slots.owner(0) is (v if takeable else o)), why
+    assert (m.slots.slot_of(o) is None) is takeable and (m.slots.slot_of(v) == slot)
 
 
 def test_pin_holds_for_the_current_version_only():
@@ -126,13 +136,13 @@ def test_pin_holds_for_the_current_version_only():
     m.pin("sql")
     old.users = 1  # a request waits for it: only a starved request could take its slot
     other = loaded(m, "other")
-    assert not m.can_assign_slot(force=True)  # pinned
+    assert not m.slots.can_assign(force=True)  # pinned
     new = loaded(m, "sql", digest="d2")  # the name gets new content
     assert new.pinned and m.get("sql") is new  # the pin belongs to the name
     assert old in m.versions()  # still used: it drains on its slot
-    assert not m.can_assign_slot() and m.assign_slot(other) is None  # it has a user
-    assert m.can_assign_slot(force=True)  # the old version's pin no longer holds
-    assert m.assign_slot(other, force=True) == 0 and old.slot is None
+    assert not m.slots.can_assign() and m.slots.assign(other) is None  # it has a user
+    assert m.slots.can_assign(force=True)  # the old version's pin no longer holds
+    assert m.slots.assign(other, force=True) == 0 and m.slots.slot_of(old) is None
 
 
 def test_all_slots_pinned_raises_slot_full():
@@ -142,16 +152,16 @@ def test_all_slots_pinned_raises_slot_full():
     m.pin("a")
     m.pin("b")
     v = loaded(m, "c")
-    assert not m.can_assign_slot(force=True)
+    assert not m.slots.can_assign(force=True)
     with pytest.raises(SlotFullError):
-        m.assign_slot(v, force=True)
-    assert v.slot is None
+        m.slots.assign(v, force=True)
+    assert m.slots.slot_of(v) is None
 
 
 def test_slot_eviction_drops_the_evicted_cpu_copy_when_over_the_tier():
     m = make_manager(max_loras=1, max_cpu_loras=1)
     old = in_slot(m, "old")
     v = loaded(m, "new")  # the tier holds two now: old stays while it has its slot
-    assert m.assign_slot(v) == 0
+    assert m.slots.assign(v) == 0
     assert old.state is AdapterState.REGISTERED and old.adapter is None
     assert v.state is AdapterState.CPU and m.stats["cpu_evictions"] == 1

@@ -12,7 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from loraplex.engine.adapters.registry import AdapterRegistry, AdapterState, AdapterVersion
+from loraplex.engine.adapters.slot_store import SlotStore
 from loraplex.engine.errors import AdapterNotFoundError
+from tests.helpers.slots import FakeWriter, land
 
 
 class FakeLoader:
@@ -27,7 +29,7 @@ class FakeLoader:
         gate = asyncio.get_running_loop().create_future()
         self._gates[id(v)] = gate
         await gate  # raises the error ``finish`` set
-        v.adapter = SimpleNamespace(rank=4, nbytes=1000)
+        v.adapter = SimpleNamespace(rank=4, nbytes=1000, dora=None)
 
     async def finish(self, v: AdapterVersion, error: BaseException | None = None) -> None:
         """End ``v``'s running load (with ``error``: it fails) and let the manager see it."""
@@ -50,7 +52,8 @@ async def settle(task: asyncio.Task) -> None:
 
 def make_manager(max_loras: int = 2, max_cpu_loras: int = 3, **kw) -> AdapterRegistry:
     kw.setdefault("loader", FakeLoader())
-    return AdapterRegistry(max_loras=max_loras, max_cpu_loras=max_cpu_loras, **kw)
+    slots = SlotStore(max_loras, kw.get("max_full", 0), writer=FakeWriter())
+    return AdapterRegistry(max_loras=max_loras, max_cpu_loras=max_cpu_loras, slots=slots, **kw)
 
 
 def register(m: AdapterRegistry, name: str, digest: str | None = None, **kw) -> AdapterVersion:
@@ -63,7 +66,7 @@ def loaded(m: AdapterRegistry, name: str, *, last_used: float = 0.0, **kw) -> Ad
     """A registered version already in the CPU tier (as a finished load leaves it)."""
     v = register(m, name, **kw)
     v.state = AdapterState.CPU
-    v.adapter = SimpleNamespace(rank=4, nbytes=1000)
+    v.adapter = SimpleNamespace(rank=4, nbytes=1000, dora=None)
     v.last_used = last_used
     return v
 
@@ -71,9 +74,9 @@ def loaded(m: AdapterRegistry, name: str, *, last_used: float = 0.0, **kw) -> Ad
 def in_slot(m: AdapterRegistry, name: str, *, last_used: float = 0.0, **kw) -> AdapterVersion:
     """A CPU-tier version whose slot write has landed (what the engine's poll does)."""
     v = loaded(m, name, **kw)
-    assert m.assign_slot(v) is not None
-    v.slot_ready = True
-    v.last_used = last_used  # assign_slot touched it
+    assert m.slots.assign(v) is not None
+    land(m.slots, v)
+    v.last_used = last_used  # the assignment touched it
     return v
 
 
@@ -146,28 +149,27 @@ async def test_user_count_back_to_zero_after_requests_end():
 def test_slot_refs_back_to_zero_and_never_negative():
     m = make_manager()
     v = in_slot(m, "sql")
-    m.acquire_slot(v)
-    m.acquire_slot(v)
-    assert v.slot_refs == 2 and v.last_used > 0.0  # a reader touches it (LRU)
-    m.release_slot(v)
-    m.release_slot(v)
-    assert v.slot_refs == 0
+    m.slots.acquire(v)
+    m.slots.acquire(v)
+    assert m.slots.refs(v) == 2 and v.last_used > 0.0  # a reader touches it (LRU)
+    m.slots.release(v)
+    m.slots.release(v)
+    assert m.slots.refs(v) == 0
     with pytest.raises(AssertionError):
-        m.release_slot(v)
+        m.slots.release(v)
 
 
-def test_acquire_needs_the_slot_it_owns():
+def test_acquire_needs_a_slot():
     m = make_manager()
     v, w = loaded(m, "sql"), loaded(m, "poem")
-    with pytest.raises(AssertionError):
-        m.acquire_slot(v)  # no slot
-    m.assign_slot(v)
-    w.slot = v.slot  # a stale slot number: the slot belongs to v
-    with pytest.raises(AssertionError):
-        m.acquire_slot(w)
-    assert v.slot_refs == w.slot_refs == 0
-    m.acquire_slot(v)  # before its write landed: a request joining the write's step
-    assert v.slot_refs == 1 and not v.slot_ready
+    with pytest.raises(KeyError):
+        m.slots.acquire(v)  # no slot
+    slot = m.slots.assign(v)
+    with pytest.raises(KeyError):
+        m.slots.acquire(w)  # the slot belongs to v
+    assert m.slots.refs(v) == m.slots.refs(w) == 0
+    assert m.slots.acquire(v) == slot  # before its write landed: a request joining its step
+    assert m.slots.refs(v) == 1 and not m.slots.is_ready(v)
 
 
 async def test_last_user_leaving_cancels_the_load():
@@ -285,13 +287,13 @@ def test_superseded_version_lives_while_used_then_frees_its_slot():
     m = make_manager(max_loras=1, max_cpu_loras=2, on_drop=dropped.append)
     old = in_slot(m, "sql", digest="d1")
     old.users = 1
-    m.acquire_slot(old)
+    m.slots.acquire(old)
     new = register(m, "sql", "d2")
-    assert m.versions() == [old, new] and m.slot_owner(0) is old
-    m.release_slot(old)
+    assert m.versions() == [old, new] and m.slots.owner(0) is old
+    m.slots.release(old)
     m.drop_user(old)  # its last request ends: forgotten, slot free
     assert m.versions() == [new] and dropped == [old]
-    assert m.slot_owner(0) is None and old.slot is None and old.adapter is None
+    assert m.slots.owner(0) is None and m.slots.slot_of(old) is None and old.adapter is None
 
 
 def test_unregister_and_forget():

@@ -8,7 +8,7 @@ import torch
 
 from loraplex.engine.bench.synthetic import LLAMA3_8B, random_model
 from loraplex.engine.model.lora.ops.scatter import BLOCK, build_plan
-from loraplex.engine.model.lora.slot_buffers import _cache, prepare_scatter_plans
+from loraplex.engine.model.lora.slot_buffers import SlotBuffers
 from loraplex.engine.model.lora.slot_image import PackedAdapter, full_layout
 
 
@@ -56,6 +56,7 @@ def test_start_up_makes_both_plans_of_a_layout():
     model = random_model(cfg, max_loras=2, max_lora_rank=8, device="cpu", dtype=torch.float32)
     entries, numel = full_layout(model.cfg, 8)
     packed = PackedAdapter(torch.zeros(numel), entries, 8)
-    prepare_scatter_plans(model, packed)
-    keys = set(_cache(model).plans)
+    buffers = SlotBuffers(model)
+    buffers.prepare_plans(packed)
+    keys = set(buffers._sites().plans)
     assert {(packed.layout, True), (packed.layout, False)} <= keys

@@ -1,68 +1,208 @@
-"""SlotTable (adapters/slot_store.py) on its own: free slots first (full-table slots last for
-plain adapters, only those for adapters with full tables), then the least recently used idle
-owner; busy, pinned, unwritten and waited-for owners keep their slot; all pinned is an error."""
+"""SlotStore (adapters/slot_store.py) on its own, with a writer that writes nothing.
+
+Assignment: free slots first (full-table slots last for plain adapters, only those for
+adapters with full tables), then the least recently used idle owner; busy, pinned, unwritten
+and waited-for owners keep their slot; all pinned is an error. Writes: the decisions a job
+carries (the zero-fill of the rest, the DoRA reset), the slot's rank set when it is planned,
+landing (inline jobs at their step's collection), host-pool holds, failures."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from loraplex.engine.adapters.slot_store import SlotFullError, SlotTable
+from loraplex.engine.adapters.host_pool import HostPool
+from loraplex.engine.adapters.slot_store import SlotStore
 from loraplex.engine.adapters.version import AdapterState, AdapterVersion
+from loraplex.engine.errors import SlotFullError
+from loraplex.engine.model.lora.ranks import SlotRanks
+from tests.helpers.slots import FakeWriter, land
 
 
-def _v(name: str, *, full: bool = False) -> AdapterVersion:
+def _v(name: str, *, full: bool = False, rank: int = 4, dora: bool = False, layout=None):
     v = AdapterVersion(name, f"/srv/{name}", "d" + name, 1)
     v.state, v.full = AdapterState.CPU, full
+    image = SimpleNamespace(layout=layout, nbytes=100) if layout is not None else None
+    v.adapter = SimpleNamespace(
+        rank=rank, nbytes=1000, dora={} if dora else None, image=image, full={}
+    )
     return v
 
 
-def _written(v: AdapterVersion, last_used: float) -> None:
-    v.slot_ready, v.last_used = True, last_used
+def _store(num: int, full: int = 0, **kw) -> SlotStore:
+    kw.setdefault("writer", FakeWriter())
+    store = SlotStore(num, full, **kw)
+    store.pinned = lambda v: v.pinned
+    return store
+
+
+def _written(store: SlotStore, v: AdapterVersion, last_used: float) -> None:
+    land(store, v)
+    v.last_used = last_used
 
 
 def test_free_slots_then_the_least_recently_used_idle_owner() -> None:
-    table = SlotTable(3, 1, pinned=lambda v: v.pinned)
+    taken = []
+    store = _store(3, 1)
+    store.on_taken = lambda old, new: taken.append((old, new))
     a, b, c, d = (_v(n) for n in "abcd")
     # plain adapters take the lowest free slot that is not a full-table one; slot 0 last
-    assert [table.assign(x)[0] for x in (a, b, c)] == [1, 2, 0]
-    assert table.assign(a) == (1, None)  # holds one already
-    assert table.assign(d) == (None, None)  # no write completed: no owner may lose its slot
-    assert not table.can_assign(d)
-    _written(a, 3.0)
-    _written(b, 1.0)
-    _written(c, 2.0)
-    assert table.can_assign(d)
-    assert table.assign(d) == (2, b)  # b: the least recently used
-    assert b.slot is None and not b.slot_ready and d.slot == 2 and not d.slot_ready
-    assert table.owner(2) is d and set(table.resident) == {a, c, d}
-    table.free(d)
-    assert d.slot is None and table.owner(2) is None
+    assert [store.assign(x) for x in (a, b, c)] == [1, 2, 0]
+    assert store.assign(a) == 1  # holds one already
+    assert store.assign(d) is None  # no write landed: no owner may lose its slot
+    assert not store.can_assign(d)
+    _written(store, a, 3.0)
+    _written(store, b, 1.0)
+    _written(store, c, 2.0)
+    assert store.can_assign(d)
+    assert store.assign(d) == 2 and taken == [(b, d)]  # b: the least recently used
+    assert store.slot_of(b) is None and not store.is_ready(b)
+    assert store.slot_of(d) == 2 and not store.is_ready(d)
+    assert store.owner(2) is d and set(store.resident) == {a, c, d}
+    store.free(d)
+    assert store.slot_of(d) is None and store.owner(2) is None
 
 
 def test_busy_waited_for_and_pinned_owners_keep_their_slot() -> None:
-    table = SlotTable(2, 0, pinned=lambda v: v.pinned)
+    store = _store(2)
     a, b, new = _v("a"), _v("b"), _v("new")
-    assert [table.assign(a)[0], table.assign(b)[0]] == [0, 1]
-    _written(a, 1.0)
-    _written(b, 2.0)
-    a.slot_refs = 1  # a running request reads it
+    assert [store.assign(a), store.assign(b)] == [0, 1]
+    _written(store, a, 1.0)
+    _written(store, b, 2.0)
+    store.acquire(a)  # a running request reads it
     b.users = 1  # a request waits for it
-    assert table.assign(new) == (None, None)
-    assert not table.can_assign(new) and table.can_assign(new, force=True)
-    assert table.assign(new, force=True) == (1, b)  # a starved request may take b, never a
-    a.slot_refs, a.pinned = 0, True
-    _written(new, 5.0)
+    assert store.assign(new) is None
+    assert not store.can_assign(new) and store.can_assign(new, force=True)
+    assert store.assign(new, force=True) == 1  # a starved request may take b, never a
+    store.release(a)
+    a.pinned = True
+    _written(store, new, 5.0)
     new.pinned = True
     with pytest.raises(SlotFullError, match="pinned"):
-        table.assign(_v("late"))
+        store.assign(_v("late"))
 
 
 def test_full_table_adapters_take_only_full_table_slots() -> None:
-    table = SlotTable(3, 1, pinned=lambda v: False)
+    store = _store(3, 1)
     full, full2, plain = _v("full", full=True), _v("full2", full=True), _v("plain")
-    assert table.assign(full)[0] == 0
-    assert table.assign(full2) == (None, None)  # slot 0's write has not completed
-    assert not table.can_assign(full2) and table.can_assign(plain)
-    _written(full, 1.0)
-    assert table.assign(full2) == (0, full)
-    assert table.assign(plain)[0] == 1
+    assert store.assign(full) == 0
+    assert store.assign(full2) is None  # slot 0's write has not landed
+    assert not store.can_assign(full2) and store.can_assign(plain)
+    _written(store, full, 1.0)
+    assert store.assign(full2) == 0
+    assert store.assign(plain) == 1
+
+
+def test_refs_count_running_readers_and_free_needs_none() -> None:
+    store = _store(1)
+    v = _v("a")
+    assert store.refs(v) == 0
+    with pytest.raises(KeyError):
+        store.acquire(v)  # no slot
+    assert store.assign(v) == 0
+    assert store.acquire(v) == 0 and store.acquire(v) == 0 and store.refs(v) == 2
+    with pytest.raises(AssertionError):
+        store.free(v)  # read by running requests
+    store.release(v)
+    store.release(v)
+    with pytest.raises(AssertionError):
+        store.release(v)
+    store.free(v)
+
+
+def test_a_write_lands_once_its_step_is_collected_and_polled() -> None:
+    writer = FakeWriter()
+    ranks = SlotRanks(2)
+    store = _store(2, writer=writer, ranks=ranks)
+    v, w = _v("a", rank=8, dora=True), _v("b")
+    store.assign(v)
+    store.assign(w)
+    assert store.pending() and not store.readable(v, 0)
+    jobs = store.begin([v], readers={v})
+    assert ranks.ranks[0] == 8 and ranks.dora == {0}  # set when planned
+    assert store.readable(v, 0) and jobs[0].joined  # its rows joined the writing step
+    assert store.landing_besides([v]) and not store.landing_besides([v, w])
+    assert store.issue(jobs, after="ev", busy={1}, read={0}) == []  # inline: no events
+    assert writer.jobs == [(jobs[0], None, False)]  # slot 0 not busy: no wait; read: unpaced
+    assert store.poll() == [] and not store.is_ready(v)
+    store.collected(jobs)
+    (landed,) = store.poll()
+    assert landed.version is v and landed.slot == 0 and landed.gpu_s is None
+    assert landed.copy_bytes == 1000 and store.is_ready(v) and store.poll() == []
+    assert store.pending()  # w's write has not been planned yet
+    land(store, w)
+    assert not store.pending()
+
+
+def test_a_busy_slot_waits_for_the_step_in_flight() -> None:
+    writer = FakeWriter()
+    store = _store(1, writer=writer)
+    v = _v("a")
+    store.assign(v)
+    jobs = store.begin([v], set())
+    store.issue(jobs, after="ev", busy={0}, read=set())
+    assert writer.jobs == [(jobs[0], "ev", True)]
+
+
+def test_zero_fill_and_dora_reset_are_skipped_only_where_known() -> None:
+    gen = [0]
+    store = _store(1, generation=lambda: gen[0])
+    same = object()  # a layout
+    a, b, c, d = (_v(n, layout=same) for n in "abcd")
+    e = _v("e", layout=object())
+
+    def write(v):
+        for o in store.resident:
+            store.free(o)
+        store.assign(v)
+        (job,) = store.begin([v], set())
+        store.issue([job], after=None, busy=set(), read=set())
+        store.collected([job])
+        store.poll()
+        return job
+
+    first = write(a)
+    assert first.zero_rest and not first.had_dora  # unknown contents; fresh DoRA scales
+    assert not write(b).zero_rest  # the same layout: the rest is zero already
+    assert write(e).zero_rest  # another layout
+    assert write(c).zero_rest  # ... and back
+    gen[0] += 1  # a per-module (or direct) write since: nothing is known
+    assert write(d).zero_rest
+    dora = _v("dora", layout=same, dora=True)
+    assert not write(dora).had_dora
+    assert write(a).had_dora and not write(b).had_dora  # reset once after a DoRA adapter
+    plain = _v("plain")  # no image: packed per write, its layout unknown
+    assert write(plain).zero_rest and write(a).zero_rest
+
+
+def test_a_failed_write_is_not_landed_and_voids_what_the_slot_holds() -> None:
+    store = _store(1)
+    same = object()
+    a, b = _v("a", layout=same), _v("b", layout=same)
+    store.assign(a)
+    (job,) = store.begin([a], set())
+    job.error = RuntimeError("copy failed")
+    assert store.poll() == [] and not store.is_ready(a)
+    store.free(a)
+    store.assign(b)
+    (next_job,) = store.begin([b], set())
+    assert next_job.zero_rest and next_job.had_dora  # unknown after the failure
+
+
+def test_a_region_is_not_reused_while_a_write_out_of_it_is_queued() -> None:
+    pool = HostPool(4096, 1)
+    try:
+        store = _store(1, pool=pool)
+        v = _v("a")
+        v.region = pool.acquire()
+        assert v.region is not None
+        store.assign(v)
+        (job,) = store.begin([v], set())
+        assert pool.holds(v.region) == 1
+        pool.release(v.region)  # its adapter left the CPU tier before the write was issued
+        assert pool.acquire() is None  # held: the queued copy still reads it
+        pool.unhold(job.region)  # (what a writer does once the copy is issued)
+        assert pool.acquire() is not None
+    finally:
+        pool.close()

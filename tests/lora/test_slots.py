@@ -8,13 +8,21 @@ import pytest
 import torch
 
 from loraplex.engine.adapters.parse import LoRAAdapter, load_adapter
+from loraplex.engine.adapters.slot_store import SlotStore
+from loraplex.engine.adapters.slot_writer import InlineWriter
 from loraplex.engine.adapters.staging import stage_packed
+from loraplex.engine.adapters.version import AdapterState, AdapterVersion
 from loraplex.engine.bench.coldload.bandwidth import measure_slot_write
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.llama import LlamaForCausalLM
 from loraplex.engine.model.loader import load_model
-from loraplex.engine.model.lora.slot_buffers import clear_slot, write_slot, write_slot_reference
-from loraplex.engine.model.lora.slot_image import pack_adapter, packed_for
+from loraplex.engine.model.lora.slot_buffers import (
+    SlotBuffers,
+    clear_slot,
+    write_slot,
+    write_slot_reference,
+)
+from loraplex.engine.model.lora.slot_image import pack_adapter
 from tests.helpers.models import ALL_MODULES, ATTN_MODULES, make_peft_adapter, make_tiny_model
 
 pytest.importorskip("peft")
@@ -103,7 +111,7 @@ def test_packed_write_matches_reference(
         for ad in adapters.values():
             orig = {k: (w.a.clone(), w.b.clone()) for k, w in ad.weights.items()}
             stage_packed(ad, MAX_RANK, pin=False)
-            assert packed_for(ad) is not None
+            assert ad.image is not None
             for k, (a, b) in orig.items():
                 assert torch.equal(ad.weights[k].a, a) and torch.equal(ad.weights[k].b, b)
     # slot 0 gets a rank-16 adapter, then a rank-4 one on one layer: padding and the rest zero
@@ -133,39 +141,55 @@ def test_packed_write_matches_reference(
 
 @pytest.mark.parametrize("scatter", ["torch", "triton"])
 def test_refill_with_the_same_layout_skips_only_known_zeros(dirs, scatter: str) -> None:
-    """A slot written again with the layout it holds skips the zero-fill of what the layout
-    does not fill (it is zero already); a cleared slot too; anything else zero-fills."""
+    """The slot store's decisions on real buffers: a slot written again with the layout it
+    holds skips the zero-fill of what the layout does not fill (it is zero already); after a
+    per-module or direct write, or another layout, the write zero-fills."""
     base, paths = dirs
     ref, new = _model(base, torch.float32), _model(base, torch.float32)
     attn, gate = (_load(base, paths[n], torch.float32) for n in ("attn8", "gate_up"))
+    for ad in (attn, gate):
+        stage_packed(ad, MAX_RANK, pin=False)  # (staged adapters carry their image's layout)
+    buffers = SlotBuffers(new)
+    store = SlotStore(
+        1,
+        writer=InlineWriter(lambda slot, a, **kw: buffers.write(slot, a, scatter=scatter, **kw)),
+        generation=buffers.generation,
+    )
     mlp = next(iter(new.lora_linears()))[1]["gate_proj"]  # a region attn8 does not fill
     s = mlp.slice_index("gate_proj")
     lo, hi = mlp.slice_offsets[s], mlp.slice_offsets[s + 1]
 
-    def poison() -> None:  # behind the slot bookkeeping's back: what a skip leaves alone
-        with torch.no_grad():
-            mlp.lora_b[1, lo:hi].fill_(7.0)
+    def write(adapter: LoRAAdapter) -> None:
+        for old in store.resident:
+            store.free(old)
+        v = AdapterVersion(adapter.name, "", "d", 1, state=AdapterState.CPU, adapter=adapter)
+        assert store.assign(v) == 0
+        jobs = store.begin([v], set())
+        store.issue(jobs, after=None, busy=set(), read=set())
+        store.collected(jobs)
+        assert [w.version for w in store.poll()] == [v]
 
-    write_slot_reference(ref, 1, attn)
-    write_slot(new, 1, attn, scatter=scatter)  # garbage before: the first write zero-fills
+    def poison() -> None:  # behind the store's back: what a skip leaves alone
+        with torch.no_grad():
+            mlp.lora_b[0, lo:hi].fill_(7.0)
+
+    write_slot_reference(ref, 0, attn)
+    write(attn)  # garbage before: the first write zero-fills
     _assert_same(ref, new)
     poison()
-    write_slot(new, 1, attn, scatter=scatter)
-    assert (mlp.lora_b[1, lo:hi] == 7.0).all()  # same layout: no zero-fill
-    mlp.set_lora(1, "gate_proj", torch.ones(2, mlp.in_features), torch.ones(hi - lo, 2))
-    write_slot(new, 1, attn, scatter=scatter)  # a per-module write voids what was known
+    write(attn)
+    assert (mlp.lora_b[0, lo:hi] == 7.0).all()  # same layout: no zero-fill
+    mlp.set_lora(0, "gate_proj", torch.ones(2, mlp.in_features), torch.ones(hi - lo, 2))
+    write(attn)  # a per-module write voids what was known
     _assert_same(ref, new)
-    write_slot(new, 1, gate, scatter=scatter)
+    write(gate)
     poison()
-    write_slot(new, 1, attn, scatter=scatter)  # another layout before: zero-fill
-    _assert_same(ref, new)
-    clear_slot(new, 1)
-    write_slot(new, 1, attn, scatter=scatter)  # cleared: zero already, no fill needed
+    write(attn)  # another layout before: zero-fill
     _assert_same(ref, new)
     poison()
-    clear_slot(new, 1)
-    write_slot(new, 1, gate, scatter=scatter)
-    write_slot_reference(ref, 1, gate)
+    clear_slot(new, 0)  # a direct write: what the store knew is void
+    write(gate)
+    write_slot_reference(ref, 0, gate)
     _assert_same(ref, new)
 
 

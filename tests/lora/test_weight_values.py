@@ -141,14 +141,14 @@ def test_stage_file_packs_the_same_image_as_load_then_pack(
     image must equal, bit for bit, parsing the adapter and packing it (the path the CPU oracle
     tests cover), for a scale that is not a power of two and a rank below the slots'."""
     from loraplex.engine.adapters.staging import stage_file
-    from loraplex.engine.model.lora.slot_image import pack_adapter, packed_for
+    from loraplex.engine.model.lora.slot_image import pack_adapter
 
     config = {"r": 4, "lora_alpha": 7, "target_modules": ["q_proj", "v_proj", "down_proj"]}
     folder = write_adapter(tmp_path / "a", dtype=file_dtype, config=config)
     ref = pack_adapter(load_adapter(folder, MC, max_lora_rank=8, dtype=dtype), 8)
     out = torch.full((ref.buffer.numel() + 100,), 7.0, dtype=dtype)
     adapter = stage_file(str(folder), MC, 8, dtype=dtype, out=out)
-    got = packed_for(adapter)
+    got = adapter.image
     assert got is not None and got.entries == ref.entries
     n = ref.buffer.numel()
     assert got.buffer.data_ptr() == out.data_ptr() and got.buffer.numel() == n

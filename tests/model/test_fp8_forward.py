@@ -55,7 +55,7 @@ def _run(model, adapters, dtype, forced=None, **runner_kw):
     for slot, name in enumerate(adapters):
         ad = load_adapter(adapters[name], model.cfg, max_lora_rank=8, name=name, dtype=dtype)
         write_slot(model, slot, ad)
-        runner.slot_ranks[slot] = ad.rank
+        runner.slot_ranks.set(slot, ad.rank)
         slots[name] = slot
     g = random.Random(5)
     prompts = [[g.randrange(3, 200) for _ in range(g.randint(2, 9))] for _ in NAMES]

@@ -178,9 +178,7 @@ def ours(
             full_modules=max_full > 0,
         )  # fmt: skip
         write_slot(model, slot, adapter)
-        runner.slot_ranks[slot] = adapter.rank
-        if adapter.dora is not None:
-            runner.dora_slots.add(slot)
+        runner.slot_ranks.set(slot, adapter.rank, adapter.dora is not None)
         slots[name] = slot
     free = list(range(64))
     random.Random(0).shuffle(free)  # scattered blocks exercise the paging

@@ -51,7 +51,7 @@ def run(
             if tp is not None:
                 adapter = shard_adapter(adapter, full, tp.shard)
             write_slot(model, slot, adapter)
-            runner.slot_ranks[slot] = adapter.rank
+            runner.slot_ranks.set(slot, adapter.rank)
             slots[name] = slot
         tables = [[4 * i, 4 * i + 1, 4 * i + 2] for i in range(len(PROMPTS))]
 

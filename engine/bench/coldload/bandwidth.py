@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from loraplex.engine.model.lora.slot_buffers import forget_slot_contents, write_slot
+from loraplex.engine.model.lora.slot_buffers import SlotBuffers
 
 if TYPE_CHECKING:
     from loraplex.engine.model.lora.slot_image import PackedAdapter
@@ -57,22 +57,23 @@ def pinned_gbps(device: str) -> float | None:
 
 
 def write_slot_gbps(engine: Any) -> float | None:
-    """GB/s of ``write_slot`` for one resident adapter (the engine must be idle); None if no
-    adapter is resident or there is no CUDA device."""
-    from loraplex.engine.model.lora.slot_buffers import write_slot
-
+    """GB/s of a slot write for one resident adapter (the engine must be idle); None if no
+    adapter is resident or there is no CUDA device. The adapter is written again into its own
+    slot with its own layout (the rest known to be zero), so nothing changes."""
     internals = engine.testing
     model = internals.executor.model
     if model.device.type != "cuda":
         return None
-    resident = [v for v in internals.adapters.resident if v.slot_ready and v.adapter is not None]
+    slots = internals.adapters.slots
+    resident = [v for v in slots.resident if slots.is_ready(v) and v.adapter is not None]
     if not resident:
         return None
     v = resident[0]
-    slot, adapter = v.slot, v.adapter
+    slot, adapter = slots.slot_of(v), v.adapter
+    buffers = SlotBuffers(model)
     torch.cuda.synchronize(model.device)
     stream = torch.cuda.Stream(model.device)
-    secs = _timed(lambda: write_slot(model, slot, adapter), stream, 5)
+    secs = _timed(lambda: buffers.write(slot, adapter, zero_rest=False, had_dora=False), stream, 5)
     return adapter.nbytes / secs / 1e9
 
 
@@ -84,19 +85,20 @@ def measure_slot_write(
     slot: int = 0,
     zero_fill: bool = False,
 ) -> float:
-    """GB/s of ``write_slot`` (H2D bytes of ``packed`` over wall time); overwrites ``slot``.
-    Rewrites of one layout skip the zero-fill of the rest; ``zero_fill``: every write does it
-    (as a write into a slot that held another layout)."""
+    """GB/s of a slot write (H2D bytes of ``packed`` over wall time); overwrites ``slot`` (and
+    voids what the engine's slot store knows of the slots). Rewrites of one layout skip the
+    zero-fill of the rest; ``zero_fill``: every write does it (as a write into a slot that
+    held another layout)."""
     cuda = model.device.type == "cuda"
+    buffers = SlotBuffers(model)
 
     def write() -> None:
-        if zero_fill:
-            forget_slot_contents(model, slot)
-        write_slot(model, slot, packed)
+        buffers.write(slot, packed, zero_rest=zero_fill)
 
     # warm-up: the staging allocation, and the scatter plan of the timed writes (the first
     # write into a slot of another layout zero-fills: a plan of its own)
-    write_slot(model, slot, packed)
+    buffers.write(slot, packed)
+    buffers.bump()
     write()
     if cuda:
         torch.cuda.synchronize(model.device)

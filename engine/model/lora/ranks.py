@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-__all__ = ["MIN_BUCKET", "rank_buckets", "rank_bucket", "step_rank", "adapter_rank"]
+__all__ = ["MIN_BUCKET", "SlotRanks", "rank_buckets", "rank_bucket", "step_rank"]
 
 MIN_BUCKET = 8  # smaller buckets save too little to pay for their graphs
 
@@ -44,9 +44,25 @@ def step_rank(slots: Iterable[int], slot_ranks: Sequence[int]) -> int:
     return max((slot_ranks[s] for s in set(slots) if s >= 0), default=0)
 
 
-def adapter_rank(adapter: object) -> int:
-    """Largest rank of a ``LoRAAdapter`` or a ``PackedAdapter`` (its entries), 0 if unknown."""
-    entries = getattr(adapter, "entries", None)
-    if isinstance(entries, dict):
-        return max((e.rank for e in entries.values()), default=0)
-    return int(getattr(adapter, "rank", 0) or 0)
+class SlotRanks:
+    """What each GPU slot holds as a step reads it: the rank of its adapter (``ranks[slot]``,
+    the LoRA mappings' and the rank bucket's) and whether it is a DoRA adapter (``dora``: the
+    rows of those slots get DoRA's row scale). Made by the model runner; set when a slot write
+    is planned (the adapters' slot store is its only writer), copied to tensor-parallel workers
+    with every step."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.ranks: list[int] = [0] * num_slots
+        self.dora: set[int] = set()
+
+    def set(self, slot: int, rank: int, dora: bool = False) -> None:
+        self.ranks[slot] = rank
+        if dora:
+            self.dora.add(slot)
+        else:
+            self.dora.discard(slot)
+
+    def load(self, ranks: Sequence[int], dora: Iterable[int]) -> None:
+        """Take another runner's table as a whole (a tensor-parallel worker, each step)."""
+        self.ranks[:] = ranks
+        self.dora = set(dora)

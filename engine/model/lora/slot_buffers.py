@@ -1,19 +1,29 @@
-"""Write an adapter's tensors into (or clear) one GPU slot of every LoRA layer of a model
-(and of its full-table slots, model/lora/full.py, if it has them).
+"""The device half of a slot write: an adapter's tensors written into (or cleared from) one
+GPU slot of every LoRA layer of a model (and of its full-table slots, model/lora/full.py, if
+it has them). ``SlotBuffers`` is one model's: the slot views, the device staging tensor and the
+scatter plans, caches only; what a slot holds is the caller's to know (the adapters' slot
+store), passed in as decisions.
 
 A write is one host -> device copy of the adapter's packed buffer (slot_image.py) into a device
-staging tensor, then one scatter into the slot's regions and a zero-fill of the rest (one
-Triton launch on CUDA, scatter.py; batched ``_foreach`` copies as its twin): a few launches
-instead of ~4 per module per layer. The zero-fill is skipped where the slot is known to hold
-zeros already (``_ModelCache.zero_state``: it was cleared, or last written with the same
-layout). Everything is issued on the current stream (callers pick a side stream for
-cold loads); writes issued in order on one stream never race on the staging tensor, which is
-reused per (model, dtype, stream).
+staging tensor, then one scatter into the slot's regions and, with ``zero_rest``, a zero-fill
+of the rest (one Triton launch on CUDA, ops/scatter.py; batched ``_foreach`` copies as its
+twin): a few launches instead of ~4 per module per layer. The caller passes ``zero_rest``
+False where the slot is known to hold zeros there already (it was cleared, or last written with
+the same layout) and ``had_dora`` False where its DoRA scales are known to be ones. Everything
+is issued on the current stream (the slot writer picks a side stream for cold loads); writes
+issued in order on one stream never race on the staging tensor, which is reused per (dtype,
+stream).
+
+The module functions ``write_slot`` / ``clear_slot`` / ``write_slot_reference`` are direct
+writes (tests, benchmarks, the cold-load study) with the safe decisions; they count as
+per-module writes (``generation``), so that a slot store's knowledge of the slots is voided.
+
+One concept, ~400 lines: the plan of a slot's regions, its cached scatter and the copy paths
+are one write read together.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -22,7 +32,7 @@ import torch
 
 from loraplex.engine.model.config import MODULE_ORDER, VOCAB_LAYER
 from loraplex.engine.model.lora.ops.scatter import ScatterPlan, build_plan, scatter_triton
-from loraplex.engine.model.lora.slot_image import LayoutKey, PackedAdapter, pack_adapter, packed_for
+from loraplex.engine.model.lora.slot_image import PackedAdapter, pack_adapter
 from loraplex.engine.model.lora.vocab import mark_vocab_slot
 
 if TYPE_CHECKING:
@@ -31,17 +41,10 @@ if TYPE_CHECKING:
     from loraplex.engine.model.lora.weights import SlotSource
     from loraplex.engine.model.protocol import CausalLM
 
-__all__ = [
-    "write_slot",
-    "clear_slot",
-    "write_slot_reference",
-    "forget_slot_contents",
-    "prepare_scatter_plans",
-]
+__all__ = ["SlotBuffers", "write_slot", "clear_slot", "write_slot_reference"]
 
 _ORDER = MODULE_ORDER
 _STAGING_GRAIN = 1 << 20  # elements: staging grows in steps of this
-_CLEAR = "clear"  # zero_state: the whole slot is zero
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class _Site:
 
 
 @dataclass
-class _ModelCache:
+class _Sites:
     sites: list[_Site]  # layer-major, MODULE_ORDER: one linear's slices are consecutive
     linears: list[LoRALinear | VocabLoRA]
     signature: tuple[int, ...]  # storage pointers the cached views were made from
@@ -67,14 +70,6 @@ class _ModelCache:
     # NOTE: rank-major storage (layers.py): each rank row of a view is contiguous
     staging: dict[tuple[torch.dtype, int], torch.Tensor] = field(default_factory=dict)
     plans: dict[tuple, ScatterPlan] = field(default_factory=dict)  # (layout, zeros) -> plan
-    dora_slots: set[int] = field(default_factory=set)  # slots whose DoRA scales are not ones
-    # slot -> (what its regions outside that are known to hold: zeros, generation): a packed
-    # layout (the last write's: everything it did not fill is zero) or _CLEAR (all zero);
-    # generation = the linears' per-module writes then (set_lora / reset_lora void it)
-    zero_state: dict[int, tuple[object, int]] = field(default_factory=dict)
-
-
-_CACHES: weakref.WeakKeyDictionary[CausalLM, _ModelCache] = weakref.WeakKeyDictionary()
 
 
 def _signature(linears: list[LoRALinear | VocabLoRA]) -> tuple[int, ...]:
@@ -85,10 +80,9 @@ def _signature(linears: list[LoRALinear | VocabLoRA]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _cache(model: CausalLM) -> _ModelCache:
-    """The model's sites and cached slot views (rebuilt if a layer's LoRA buffers were replaced;
-    the layers themselves are assumed to stay)."""
-    c = _CACHES.get(model)
+def _sites(model: CausalLM, c: _Sites | None) -> _Sites:
+    """The model's sites and cached slot views: ``c``, or new ones if a layer's LoRA buffers
+    were replaced (the layers themselves are assumed to stay)."""
     if c is not None and _signature(c.linears) == c.signature:
         return c
     sites, linears = [], []
@@ -101,11 +95,10 @@ def _cache(model: CausalLM) -> _ModelCache:
             sites.append(
                 _Site(layer, module, lin, s, lin.slice_offsets[s], lin.slice_offsets[s + 1])
             )
-    c = _CACHES[model] = _ModelCache(sites, linears, _signature(linears))
-    return c
+    return _Sites(sites, linears, _signature(linears))
 
 
-def _slot_views(c: _ModelCache, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _slot_views(c: _Sites, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per site: ``lora_a[s, slot]`` (R, in) and ``lora_b[slot, lo:hi]`` transposed (R, out);
     rank-major storage (layers.py): each row contiguous, rows strided."""
     if slot not in c.views:
@@ -115,14 +108,14 @@ def _slot_views(c: _ModelCache, slot: int) -> tuple[list[torch.Tensor], list[tor
     return c.views[slot]
 
 
-def _check_slot(slot: int, c: _ModelCache) -> None:
+def _check_slot(slot: int, c: _Sites) -> None:
     num = c.sites[0].linear.max_loras if c.sites else 0
     if not 0 <= slot < num:
         raise IndexError(f"slot {slot} out of range [0, {num})")
 
 
 def _plan(
-    c: _ModelCache, slot: int, packed: PackedAdapter, strides: list[int] | None = None
+    c: _Sites, slot: int, packed: PackedAdapter, strides: list[int] | None = None
 ) -> tuple[list[torch.Tensor], list[tuple[int, int]], list[torch.Tensor]]:
     """(destination views, (offset, numel) of each source in the buffer, views to zero).
     ``strides``: if given, gets each destination's then each zero view's slot stride.
@@ -166,7 +159,7 @@ def _plan(
     return dst, src, zero
 
 
-def _scatter_plan(c: _ModelCache, packed: PackedAdapter, zeros: bool = True) -> ScatterPlan:
+def _scatter_plan(c: _Sites, packed: PackedAdapter, zeros: bool = True) -> ScatterPlan:
     """The one-launch scatter of ``packed``'s layout (made once per layout, see scatter.py);
     ``zeros`` False: without the zero-fill of the regions the layout does not fill."""
     key = (packed.layout, zeros)
@@ -186,36 +179,6 @@ def _scatter_plan(c: _ModelCache, packed: PackedAdapter, zeros: bool = True) -> 
     return plan
 
 
-def forget_slot_contents(model: CausalLM, slot: int) -> None:
-    """Forget what ``slot`` is known to hold: its next write zero-fills what its layout does
-    not fill (as a write into a slot that held another layout)."""
-    _cache(model).zero_state.pop(slot, None)
-
-
-def prepare_scatter_plans(model: CausalLM, packed: PackedAdapter) -> None:
-    """Make ``packed``'s layout's scatter plans now, with and without the zero-fill (start-up:
-    the first write of a layout, and its first rewrite, then build none on the slot writer)."""
-    c = _cache(model)
-    if c.sites:
-        for zeros in (True, False):
-            _scatter_plan(c, packed, zeros)
-
-
-def _generation(c: _ModelCache) -> int:
-    return sum(getattr(lin, "slot_writes", 0) for lin in c.linears)
-
-
-def _zeros_known(c: _ModelCache, slot: int, layout: LayoutKey) -> bool:
-    """Everything ``layout`` does not fill is already zero in ``slot``: the slot was cleared,
-    or its last write had this layout, and no per-module write touched the slots since."""
-    state = c.zero_state.get(slot)
-    return (
-        state is not None
-        and (state[0] is _CLEAR or state[0] == layout)
-        and state[1] == _generation(c)
-    )
-
-
 def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     if hasattr(torch, "_foreach_copy_"):
         torch._foreach_copy_(dst, src)
@@ -233,7 +196,7 @@ def _zero(ts: list[torch.Tensor]) -> None:
 
 
 def _source(
-    c: _ModelCache,
+    c: _Sites,
     packed: PackedAdapter,
     device: torch.device,
     dtype: torch.dtype,
@@ -266,75 +229,10 @@ def _source(
     return out
 
 
-@torch.no_grad()
-def write_slot(
-    model: CausalLM,
-    slot: int,
-    adapter: SlotSource | PackedAdapter,
-    *,
-    h2d_done: torch.cuda.Event | None = None,
-    chunk_bytes: int | None = None,
-    pace: Callable[[torch.cuda.Event], None] | None = None,
-    scatter: str = "auto",
-) -> None:
-    """Copy every module of ``adapter`` into ``slot``; modules it does not target are zeroed.
-
-    An adapter (``SlotSource``) uses its attached packed form (slot_image.py ``attach_packed``)
-    or is packed now.
-    ``h2d_done``: recorded on the current stream right after the host -> device copy (before
-    the on-device scatter), to time the transfer alone. ``chunk_bytes`` / ``pace``: move the
-    image in pieces, each after ``pace`` saw the previous one land (see slot_writer.py).
-    ``scatter``: "triton" (one launch, scatter.py), "torch" (batched ``_foreach`` copies, the
-    reference twin) or "auto" (Triton on CUDA).
-    """
-    c = _cache(model)
-    _check_slot(slot, c)
-    if not c.sites:
-        return
-    lin0 = c.sites[0].linear
-    r_max, dtype, device = lin0.max_rank, lin0.lora_b.dtype, lin0.lora_b.device
-    if isinstance(adapter, PackedAdapter):
-        packed = adapter
-        if packed.max_rank != r_max:
-            raise ValueError(f"packed for rank {packed.max_rank}, the model's slots have {r_max}")
-    else:
-        packed = packed_for(adapter)  # type: ignore[assignment]
-        if packed is None or packed.max_rank != r_max:
-            packed = pack_adapter(adapter, r_max, pin=device.type == "cuda", dtype=dtype)
-    if scatter == "auto":
-        scatter = "triton" if device.type == "cuda" else "torch"
-    if scatter not in ("triton", "torch"):
-        raise ValueError(f"scatter must be 'auto', 'triton' or 'torch', not {scatter!r}")
-    # NOTE: a slot refilled with the layout it held (same modules and ranks: the common case
-    # when the CPU tier's adapters come from one recipe) skips the zero-fill of the rest, most
-    # of the device writes of an attention-only adapter (~52 of ~80 MB at the 8B shape)
-    zeros = not _zeros_known(c, slot, packed.layout)
-    c.zero_state.pop(slot, None)  # until this write is issued, the slot's state is unknown
-    if scatter == "triton":
-        plan = _scatter_plan(c, packed, zeros)
-        src = _source(c, packed, device, dtype, chunk_bytes, pace) if packed.entries else None
-        if h2d_done is not None:
-            h2d_done.record()
-        scatter_triton(src if src is not None else plan.base, plan, slot)
-    else:
-        dst, ranges, zero = _plan(c, slot, packed)
-        if dst:
-            base = _source(c, packed, device, dtype, chunk_bytes, pace)
-            if h2d_done is not None:
-                h2d_done.record()
-            views = [base[o : o + n].view(d.shape) for d, (o, n) in zip(dst, ranges, strict=True)]
-            _copy(dst, views)
-        if zero and zeros:
-            _zero(zero)
-    c.zero_state[slot] = (packed.layout, _generation(c))
-    mark_vocab_slot(model.lora_vocab(), slot, {m for la, m in packed.entries if la == VOCAB_LAYER})
-    _write_dora(c, slot, adapter)
-    _write_full(model, slot, adapter)
-
-
 def _write_full(model: CausalLM, slot: int, adapter: object) -> None:
-    """``slot``'s full tables (modules_to_save, model/lora/full.py): the adapter's, none elsewhere.
-    Nothing happens on a model without full-table slots (an adapter with tables is refused)."""
+    """``slot``'s full tables (modules_to_save, model/lora/full.py): the adapter's, none
+    elsewhere. Nothing happens on a model without full-table slots (an adapter with tables is
+    refused)."""
     tables = getattr(adapter, "full", None) or {}
     fm = getattr(model, "full_modules", None)
     if fm is None or slot >= fm.num:
@@ -347,17 +245,17 @@ def _write_full(model: CausalLM, slot: int, adapter: object) -> None:
     fm.write(slot, tables)
 
 
-def _write_dora(c: _ModelCache, slot: int, adapter: object) -> None:
-    """``slot``'s DoRA row scales (model/lora/dora.py): the adapter's g per module, ones elsewhere.
-    Nothing is written while neither the slot nor the adapter has any (plain LoRA)."""
+def _write_dora(c: _Sites, slot: int, adapter: object, had_dora: bool) -> None:
+    """``slot``'s DoRA row scales (model/lora/dora.py): the adapter's g per module, ones
+    elsewhere. Nothing is written while neither the slot (``had_dora``) nor the adapter has
+    any (plain LoRA)."""
     scales = getattr(adapter, "dora", None)
-    if not scales and slot not in c.dora_slots:
+    if not scales and not had_dora:
         return
     linears = [lin for lin in c.linears if lin.dora_scale is not None]
     for lin in linears:
         lin.dora_scale[slot].fill_(1.0)  # type: ignore[index]
         lin.dora_on[slot].zero_()  # type: ignore[union-attr]
-    c.dora_slots.discard(slot)
     if not scales:
         return
     for site in c.sites:
@@ -366,32 +264,167 @@ def _write_dora(c: _ModelCache, slot: int, adapter: object) -> None:
             dst = site.linear.dora_scale[slot, site.lo : site.hi]  # type: ignore[index]
             dst.copy_(g.to(dst.dtype), non_blocking=True)
             site.linear.dora_on[slot].fill_(1)  # type: ignore[union-attr]
-    c.dora_slots.add(slot)
 
 
-@torch.no_grad()
+def packed_of(source: SlotSource | PackedAdapter, max_rank: int, **pack: object) -> PackedAdapter:
+    """The slot image a write of ``source`` copies: itself, the adapter's attached image
+    (``image``, slot_image.py), or the adapter packed now (``pack``: ``pack_adapter``'s
+    keywords)."""
+    if isinstance(source, PackedAdapter):
+        if source.max_rank != max_rank:
+            raise ValueError(
+                f"packed for rank {source.max_rank}, the model's slots have {max_rank}"
+            )
+        return source
+    image = getattr(source, "image", None)
+    if image is not None and image.max_rank == max_rank:
+        return image
+    return pack_adapter(source, max_rank, **pack)  # type: ignore[arg-type]
+
+
+class SlotBuffers:
+    """One model's slot writes (see the module docstring): caches, no record of what a slot
+    holds. Thread-safe only in the sense of the streams: one writer at a time per stream."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
+        self._c: _Sites | None = None
+
+    def _sites(self) -> _Sites:
+        self._c = _sites(self.model, self._c)
+        return self._c
+
+    def generation(self) -> int:
+        """Per-module writes into the slots so far (``set_lora`` / ``reset_lora``, direct
+        writes): a record of what a slot holds is void once this changes."""
+        return sum(getattr(lin, "slot_writes", 0) for lin in self._sites().linears)
+
+    def bump(self) -> None:
+        """Count a write nobody records (a direct write): voids every record of the slots."""
+        c = self._sites()
+        if c.linears:
+            c.linears[0].slot_writes += 1
+
+    def prepare_plans(self, packed: PackedAdapter) -> None:
+        """Make ``packed``'s layout's scatter plans now, with and without the zero-fill
+        (start-up: the first write of a layout, and its first rewrite, then build none on the
+        slot writer)."""
+        c = self._sites()
+        if c.sites:
+            for zeros in (True, False):
+                _scatter_plan(c, packed, zeros)
+
+    @torch.no_grad()
+    def write(
+        self,
+        slot: int,
+        source: SlotSource | PackedAdapter,
+        *,
+        zero_rest: bool = True,
+        had_dora: bool = True,
+        h2d_done: torch.cuda.Event | None = None,
+        chunk_bytes: int | None = None,
+        pace: Callable[[torch.cuda.Event], None] | None = None,
+        scatter: str = "auto",
+    ) -> None:
+        """Copy every module of ``source`` into ``slot``; modules it does not target are
+        zeroed, their regions only with ``zero_rest`` (False: the caller knows they hold
+        zeros, see the module docstring). ``had_dora`` False: the slot's DoRA scales are ones.
+
+        An adapter (``SlotSource``) is written from its attached image (``image``) or packed
+        now. ``h2d_done``: recorded on the current stream right after the host -> device copy
+        (before the on-device scatter), to time the transfer alone. ``chunk_bytes`` / ``pace``:
+        move the image in pieces, each after ``pace`` saw the previous one land (see
+        adapters/slot_writer.py). ``scatter``: "triton" (one launch, ops/scatter.py), "torch"
+        (batched ``_foreach`` copies, the reference twin) or "auto" (Triton on CUDA).
+        """
+        c = self._sites()
+        _check_slot(slot, c)
+        if not c.sites:
+            return
+        model = self.model
+        lin0 = c.sites[0].linear
+        r_max, dtype, device = lin0.max_rank, lin0.lora_b.dtype, lin0.lora_b.device
+        packed = packed_of(source, r_max, pin=device.type == "cuda", dtype=dtype)
+        if scatter == "auto":
+            scatter = "triton" if device.type == "cuda" else "torch"
+        if scatter not in ("triton", "torch"):
+            raise ValueError(f"scatter must be 'auto', 'triton' or 'torch', not {scatter!r}")
+        # NOTE: a slot refilled with the layout it held (same modules and ranks: the common
+        # case when the CPU tier's adapters come from one recipe) skips the zero-fill of the
+        # rest, most of the device writes of an attention-only adapter (~52 of ~80 MB at the
+        # 8B shape)
+        if scatter == "triton":
+            plan = _scatter_plan(c, packed, zero_rest)
+            src = _source(c, packed, device, dtype, chunk_bytes, pace) if packed.entries else None
+            if h2d_done is not None:
+                h2d_done.record()
+            scatter_triton(src if src is not None else plan.base, plan, slot)
+        else:
+            dst, ranges, zero = _plan(c, slot, packed)
+            if dst:
+                base = _source(c, packed, device, dtype, chunk_bytes, pace)
+                if h2d_done is not None:
+                    h2d_done.record()
+                views = [
+                    base[o : o + n].view(d.shape) for d, (o, n) in zip(dst, ranges, strict=True)
+                ]
+                _copy(dst, views)
+            if zero and zero_rest:
+                _zero(zero)
+        layers = {m for la, m in packed.entries if la == VOCAB_LAYER}
+        mark_vocab_slot(model.lora_vocab(), slot, layers)
+        _write_dora(c, slot, source, had_dora)
+        _write_full(model, slot, source)
+
+    @torch.no_grad()
+    def clear(self, slot: int) -> None:
+        """Zero ``slot`` of every LoRA layer (batched), its DoRA scales back to ones, no full
+        tables."""
+        c = self._sites()
+        _check_slot(slot, c)
+        a_views, b_views = _slot_views(c, slot)
+        if a_views:
+            _zero(a_views + b_views)
+        mark_vocab_slot(self.model.lora_vocab(), slot, set())
+        _write_dora(c, slot, None, True)
+        _write_full(self.model, slot, None)
+
+    @torch.no_grad()
+    def write_reference(self, slot: int, source: SlotSource) -> None:
+        """The per-module write (~4 launches per module and layer): the oracle of the tests."""
+        model = self.model
+        for layer_idx, linears in [(VOCAB_LAYER, model.lora_vocab()), *model.lora_linears()]:
+            for module, linear in linears.items():
+                w = source.weights.get((layer_idx, module))
+                if w is None:
+                    linear.reset_lora(slot, module)
+                else:
+                    linear.set_lora(slot, module, w.a, w.b)
+        _write_dora(self._sites(), slot, source, True)
+        _write_full(model, slot, source)
+
+
+# -- direct writes (tests, benchmarks, the cold-load study): the safe decisions ----------------
+
+
+def write_slot(
+    model: CausalLM, slot: int, source: SlotSource | PackedAdapter, **kw: object
+) -> None:
+    """``SlotBuffers(model).write(slot, source, **kw)``, zero-fill and DoRA reset unless told
+    otherwise; voids what a slot store knows of the model's slots (``generation``)."""
+    buffers = SlotBuffers(model)
+    buffers.write(slot, source, **kw)  # type: ignore[arg-type]
+    buffers.bump()
+
+
 def clear_slot(model: CausalLM, slot: int) -> None:
-    """Zero ``slot`` of every LoRA layer (batched)."""
-    c = _cache(model)
-    _check_slot(slot, c)
-    a_views, b_views = _slot_views(c, slot)
-    if a_views:
-        _zero(a_views + b_views)
-    c.zero_state[slot] = (_CLEAR, _generation(c))
-    mark_vocab_slot(model.lora_vocab(), slot, set())
-    _write_dora(c, slot, None)
-    _write_full(model, slot, None)
+    """``SlotBuffers(model).clear(slot)``."""
+    buffers = SlotBuffers(model)
+    buffers.clear(slot)
+    buffers.bump()
 
 
-@torch.no_grad()
-def write_slot_reference(model: CausalLM, slot: int, adapter: SlotSource) -> None:
-    """The per-module write (~4 launches per module and layer): the oracle of the tests."""
-    for layer_idx, linears in [(VOCAB_LAYER, model.lora_vocab()), *model.lora_linears()]:
-        for module, linear in linears.items():
-            w = adapter.weights.get((layer_idx, module))
-            if w is None:
-                linear.reset_lora(slot, module)
-            else:
-                linear.set_lora(slot, module, w.a, w.b)
-    _write_dora(_cache(model), slot, adapter)
-    _write_full(model, slot, adapter)
+def write_slot_reference(model: CausalLM, slot: int, source: SlotSource) -> None:
+    """``SlotBuffers(model).write_reference(slot, source)`` (bumps ``generation`` itself)."""
+    SlotBuffers(model).write_reference(slot, source)

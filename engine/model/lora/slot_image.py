@@ -41,8 +41,6 @@ __all__ = [
     "PackedAdapter",
     "PackedWeights",
     "pack_adapter",
-    "attach_packed",
-    "packed_for",
     "model_max_rank",
     "slot_image_numel",
     "full_layout",
@@ -218,22 +216,6 @@ def pack_adapter(
         packed.a(e).copy_(w.a)
         packed.b(e).copy_(w.b)
     return packed
-
-
-_PACKED: dict[int, PackedAdapter] = {}  # id(adapter) -> its packed form, while it lives
-
-
-def attach_packed(adapter: object, packed: PackedAdapter) -> None:
-    """Remember ``packed`` as ``adapter``'s slot image (``write_slot(model, slot, adapter)`` uses
-    it). The caller must not change ``adapter.weights`` afterwards."""
-    key = id(adapter)
-    if key not in _PACKED:
-        weakref.finalize(adapter, _PACKED.pop, key, None)
-    _PACKED[key] = packed
-
-
-def packed_for(adapter: object) -> PackedAdapter | None:
-    return _PACKED.get(id(adapter))
 
 
 def new_buffer(numel: int, dtype: torch.dtype, pin: bool, out: torch.Tensor | None) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -41,8 +41,8 @@ class HasWeights(Protocol):
 
 class SlotSource(HasWeights, Protocol):
     """What a slot write reads of an adapter: its name (messages), per-module weights, DoRA's
-    row scales per module (None: plain LoRA) and its full tables (modules_to_save; empty for
-    most adapters)."""
+    row scales per module (None: plain LoRA), its full tables (modules_to_save; empty for
+    most adapters) and its slot image if it has one."""
 
     @property
     def name(self) -> str: ...
@@ -52,3 +52,9 @@ class SlotSource(HasWeights, Protocol):
 
     @property
     def full(self) -> Mapping[str, torch.Tensor]: ...
+
+    @property
+    def image(self) -> Any:
+        """Its slot image (a ``slot_image.PackedAdapter``, made when it was staged; not
+        imported here: slot_image.py imports this module); None: packed per write."""
+        ...
