@@ -22,6 +22,7 @@ from loraplex.engine.errors import (
     AdapterCompositionError,
     AdapterNotFoundError,
     InvalidRequestError,
+    SlotWriteError,
 )
 from loraplex.engine.executor import StepExecutor
 from loraplex.engine.model.lora.dora import row_scales
@@ -50,6 +51,7 @@ class AdapterOps:
     device: Any
     _load_gate: asyncio.Semaphore | None
     emit: Callable[..., None]  # EngineCore.emit
+    fail: Callable[[Request, BaseException], None]  # EngineCore.fail
 
     async def add_adapter(
         self, name: str, uri: str, sha256: str | None, *, trusted: bool = True
@@ -276,9 +278,17 @@ class AdapterOps:
         return out
 
     def _poll_slot_events(self) -> None:
-        """Slot writes that landed: their versions' requests may run (``slot_write`` events)."""
+        """Slot writes that landed: their versions' requests may run (``slot_write`` events);
+        a write that failed fails the requests waiting on its adapter."""
         for w in self.slots.poll():
             v = w.version
+            if w.error is not None:
+                error = SlotWriteError(
+                    f"the slot write of adapter {v.name!r} failed: {w.error}", field="model"
+                )
+                for req in [r for r in self.scheduler.waiting if r.adapter is v]:
+                    self.fail(req, error)
+                continue
             v.timings["h2d"] = w.h2d_s
             nbytes = v.adapter.nbytes if v.adapter is not None else 0
             self.emit(

@@ -31,6 +31,7 @@ __all__ = [
     "AdapterTooLargeError",
     "SlotFullError",
     "LoaderProcessError",
+    "SlotWriteError",
 ]
 
 
@@ -125,3 +126,8 @@ class SlotFullError(LoRAError):
 
 class LoaderProcessError(LoRAError):
     """A loader process died (twice) while it handled this adapter's load, or broke."""
+
+
+class SlotWriteError(LoRAError):
+    """An adapter's GPU slot write failed on the device (the engine logged why): the requests
+    waiting on that adapter fail with it; a later request writes the slot again."""

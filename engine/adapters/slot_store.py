@@ -48,7 +48,8 @@ _CLEAR = "clear"  # what a slot holds: all zeros
 class Landed:
     """A slot write that landed: its version and slot, GPU seconds of the write (transfer +
     scatter) and of its host -> device copy alone (None: not timed, an inline write), the
-    bytes it copied and the seconds since it was issued."""
+    bytes it copied and the seconds since it was issued. ``error``: the write failed instead;
+    its version lost the slot (``SlotStore.poll``)."""
 
     version: AdapterVersion
     slot: int
@@ -56,6 +57,7 @@ class Landed:
     copy_s: float | None
     copy_bytes: int
     h2d_s: float
+    error: BaseException | None = None
 
 
 @dataclass
@@ -284,14 +286,21 @@ class SlotStore:
                 job.done = True
 
     def poll(self) -> list[Landed]:
-        """Loop: the writes that landed since the last poll (their slots ready)."""
+        """Loop: the writes that landed since the last poll (their slots ready), and those that
+        failed (``Landed.error``: their versions lost the slot; the caller fails the requests
+        waiting on them)."""
         if not self._jobs:
             return []
         out = []
         keep = []
         for job in self._jobs:
             if job.error is not None:
-                self._failed(job)
+                failed = self._failed(job)
+                if failed is None:
+                    keep.append(job)  # (rows that joined it still hold the slot: their step
+                    continue  # fails; the slot goes once they are released)
+                if failed:
+                    out.append(Landed(job.version, job.slot, None, None, 0, 0.0, job.error))
                 continue
             if not job.landed():
                 keep.append(job)
@@ -310,11 +319,20 @@ class SlotStore:
         self._jobs = keep
         return out
 
-    def _failed(self, job: SlotJob) -> None:
-        """A write that failed (logged by the writer): what its slot holds is unknown now."""
+    def _failed(self, job: SlotJob) -> bool | None:
+        """A write that failed (logged by the writer): what its slot holds is unknown now, and
+        its version (if it still owns the slot) gives the slot back. True: it did; False: the
+        version had lost the slot already; None: not yet, running requests read the slot."""
         s = self._slots[job.slot]
         if s.last is job:
             s.contents, s.dora = None, True
+        if s.job is not job:
+            return False
+        if s.refs:
+            return None
+        del self._of[job.version]
+        s.owner, s.ready, s.joined, s.job = None, False, False, None
+        return True
 
     def pending(self) -> bool:
         """A slot was handed out and its write has not landed (or not been issued) yet."""

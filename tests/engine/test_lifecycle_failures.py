@@ -134,3 +134,35 @@ async def test_lost_staging_is_fetched_again_and_must_keep_its_digest(tiny, tmp_
         assert_idle(engine)
     hf = HFReference(model_dir, {"sql": adapters["sql"]})
     compare(sql[0], *hf.greedy(PROMPT, "sql", LONG.max_tokens))
+
+
+class _FailingWriter:
+    """A slot writer whose writes fail where the CUDA writer's thread would: logged there,
+    recorded on the job, nothing raised into the step."""
+
+    def submit(self, job, after, *, paced: bool) -> None:
+        job.error = RuntimeError("the device copy failed")
+        job.issued.set()
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_failed_slot_write_fails_its_waiting_requests(tiny):
+    """A slot write that fails in the writer (not joined by its requests) fails the requests
+    waiting on that adapter with a typed error and gives the slot back; before, its version held
+    a slot that never landed and its requests waited forever. A later request writes again."""
+    model_dir, adapters = tiny
+    async with AsyncEngine(config(model_dir, slot_write_join_bytes=0)) as engine:
+        await engine.add_adapter("poem", str(adapters["poem"]))
+        slots = engine.testing.adapters.slots
+        writer, slots.writer = slots.writer, _FailingWriter()
+        with pytest.raises(errors.LoRAError, match="slot write") as err:
+            await asyncio.wait_for(collect(engine, PROMPT, SHORT, adapter="poem"), 15)
+        assert "the device copy failed" in str(err.value)
+        v = engine.testing.adapters.get("poem")
+        assert slots.slot_of(v) is None and not slots.pending()
+        slots.writer = writer
+        tokens, _, _ = await collect(engine, PROMPT, SHORT, adapter="poem")
+        assert len(tokens) == SHORT.max_tokens and slots.is_ready(v)
+        assert_idle(engine)

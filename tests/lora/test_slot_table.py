@@ -176,15 +176,22 @@ def test_zero_fill_and_dora_reset_are_skipped_only_where_known() -> None:
     assert write(plain).zero_rest and write(a).zero_rest
 
 
-def test_a_failed_write_is_not_landed_and_voids_what_the_slot_holds() -> None:
+def test_a_failed_write_gives_the_slot_back_and_voids_what_it_holds() -> None:
+    """A write that failed in the writer is reported once (``Landed.error``), its version loses
+    the slot (once no running request reads it) and the next write into the slot zero-fills
+    and resets DoRA."""
     store = _store(1)
     same = object()
     a, b = _v("a", layout=same), _v("b", layout=same)
     store.assign(a)
-    (job,) = store.begin([a], set())
+    store.acquire(a)  # a request that joined the write's step (its step fails)
+    (job,) = store.begin([a], {a})
     job.error = RuntimeError("copy failed")
-    assert store.poll() == [] and not store.is_ready(a)
-    store.free(a)
+    assert store.poll() == [] and store.slot_of(a) == 0  # still read: not yet
+    store.release(a)
+    (failed,) = store.poll()
+    assert failed.version is a and failed.error is job.error and store.poll() == []
+    assert store.slot_of(a) is None and not store.is_ready(a) and not store.pending()
     store.assign(b)
     (next_job,) = store.begin([b], set())
     assert next_job.zero_rest and next_job.had_dora  # unknown after the failure
