@@ -143,7 +143,7 @@ async def coldload(engine, args, names, rows):
     await task
     during = [e.seconds for e in r["log"] if e.decode and e.rows == batch and e.loading]
     quiet = [e.seconds for e in r["log"] if e.decode and e.rows == batch and not e.loading][3:]
-    loads = [v for v in engine.testing.adapters.versions() if v.name == "cold"]
+    loads = [v for v in engine.testing.adapters.registry.versions() if v.name == "cold"]
     t = loads[0].timings if loads else {}
     from loraplex.engine.bench.coldload.bandwidth import measure_slot_write
 

@@ -139,7 +139,8 @@ class AsyncEngine:
     @property
     def testing(self) -> EngineInternals:
         """The one hook of tests and benchmarks into a running engine's internals: step log,
-        scheduler, adapter manager, loader, step executor (see ``EngineInternals``).
+        scheduler, the adapter side (registry, slots, fetcher, host pool), step executor (see
+        ``EngineInternals``).
         Applications use the methods of this class; the hook follows the internals."""
         return self._core().internals
 
@@ -154,25 +155,25 @@ class AsyncEngine:
         """
         core = self._core()
         await self._intake.turn()  # a burst of calls: one at a time, spaced (intake.py)
-        v = await core.add_adapter(name, uri, sha256, trusted=trusted)
+        v = await core.adapters.add(name, uri, sha256, trusted=trusted)
         return {"name": v.name, "uri": v.uri, "digest": v.digest, "version": v.version}
 
     async def remove_adapter(self, name: str) -> None:
-        self._core().remove_adapter(name)
+        self._core().adapters.remove(name)
 
     def pin_adapter(self, name: str, pinned: bool = True) -> None:
         """Keep ``name`` in its GPU slot once loaded (operator pin)."""
-        self._core().pin_adapter(name, pinned)
+        self._core().adapters.pin(name, pinned)
 
     def list_adapters(self) -> list[dict[str, Any]]:
-        return self._core().list_adapters()
+        return self._core().adapters.list()
 
     def adapter_residency(self) -> list[dict[str, Any]]:
         """Every adapter version in memory (a GPU slot or the CPU tier): ``name``, ``digest``,
         ``tier`` ("gpu": holds a GPU slot, and stays in the CPU tier; "cpu"), ``pinned``,
         ``rank``, ``nbytes`` (its LoRA tensors in host memory) and ``current`` (the current
         version of its name). Read on the engine's loop (``/metrics``)."""
-        return self._core().adapter_residency()
+        return self._core().adapters.residency()
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -202,7 +203,7 @@ class AsyncEngine:
         if params.structured is not None:  # compiled in the grammar threads (cached)
             guide = await core.guide(params.structured)
             self._core()  # (closed meanwhile: EngineClosedError)
-        await core.load_before_tokenizing(adapter)  # (adapters that may add tokens)
+        await core.adapters.load_before_tokenizing(adapter)  # (adapters that may add tokens)
         core = self._core()
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._requests:
@@ -227,7 +228,7 @@ class AsyncEngine:
         adapters may add tokens (``lora_extra_vocab_size`` > 0) a name resolved at request
         time is loaded now, so that ``tokenizer_for`` gives its own tokenizer; otherwise a
         no-op. Raises the load's typed error (unknown name, refused adapter)."""
-        await self._core().load_before_tokenizing(adapter)
+        await self._core().adapters.load_before_tokenizing(adapter)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request; returns False if it is unknown or already finished."""
@@ -267,7 +268,7 @@ class AsyncEngine:
         self._wake.clear()
         planned = core.plan()
         if planned is None:
-            if core.pending_slot_writes():
+            if core.adapters.pending_writes():
                 await asyncio.sleep(0.0005)  # a side-stream write is landing
             else:
                 await self._wake.wait()

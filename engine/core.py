@@ -1,8 +1,10 @@
 """EngineCore: the engine's state and the one owner of its requests, driven by AsyncEngine.
 
-The core holds the scheduler and KV blocks, the adapters (manager and cold-load pipeline), the
-requests in flight, counters and event listeners, and a ``StepExecutor`` (executor.py) that
-runs steps on the device. Start-up (model, KV cache, tokenizer, graphs) is
+The core holds the scheduler and KV blocks, the adapter side (``adapters``, an
+``AdapterLifecycle``: registry, fetch, staging, slots), the requests in flight, counters and
+event listeners, and a ``StepExecutor`` (executor.py) that runs steps on the device. It plans a
+step (or the one chained behind a step in flight), hands it to the executor and applies its
+results to the requests. Start-up (model, KV cache, tokenizer, graphs, the slot writer) is
 ``startup.build_core``; nothing here imports it.
 """
 
@@ -10,63 +12,45 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
-import torch
 
-from loraplex.engine.adapters.fetch import AdapterFetcher
 from loraplex.engine.adapters.host_pool import HostPool
-from loraplex.engine.adapters.registry import AdapterRegistry, AdapterState, AdapterVersion
-from loraplex.engine.adapters.slot_store import SlotStore
-from loraplex.engine.adapters.slot_writer import InlineWriter, SlotWriter, ThreadWriter
+from loraplex.engine.adapters.lifecycle import AdapterChoice, AdapterLifecycle
+from loraplex.engine.adapters.slot_writer import InlineWriter, SlotWriter
+from loraplex.engine.adapters.version import AdapterState
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.core_adapters import MAX_COMPOSITION, AdapterOps
-from loraplex.engine.core_steps import Planned, StepOps
-from loraplex.engine.detokenizer import IncrementalDetokenizer
-from loraplex.engine.errors import AdapterNotFoundError, InvalidRequestError
-from loraplex.engine.executor import StepExecutor, StepRecord
+from loraplex.engine.errors import InvalidRequestError
+from loraplex.engine.executor import InFlightStep, StepExecutor, StepRecord
 from loraplex.engine.kv import BlockManager
 from loraplex.engine.loop_lag import LoopLag
 from loraplex.engine.mixed_graphs import MixedGraphs
 from loraplex.engine.model.protocol import CausalLM
 from loraplex.engine.model.tp import full_config
-from loraplex.engine.model_runner import ModelRunner
-from loraplex.engine.observe import request_summary
-from loraplex.engine.output import final_output
+from loraplex.engine.model_runner import ModelRunner, StepItem
+from loraplex.engine.observe import engine_stats, request_summary
+from loraplex.engine.output import append_token, final_output
+from loraplex.engine.prompt import detokenizer_for, encode_prompt
 from loraplex.engine.request import Request
-from loraplex.engine.sampler import make_generator
+from loraplex.engine.sampler import SamplerOutput, make_generator
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.engine.structured.grammars import GrammarCache, Guide
 from loraplex.engine.structured.spec import StructuredOutput
 from loraplex.engine.tokenizer import Tokenizer
-from loraplex.engine.warmup import COMPILES, warm_slot_writes
 
-__all__ = ["EngineCore", "EngineInternals", "Planned", "AdapterChoice", "MAX_COMPOSITION"]
+__all__ = ["AdapterChoice", "EngineCore", "EngineInternals", "Planned"]
 
-# What a request runs on: None (the base model), an adapter name, or a composition of
-# adapters with weights, e.g. [("sql", 0.7), ("pirate", 0.3)].
-AdapterChoice = str | Sequence[tuple[str, float]] | None
+# A planned step: the scheduler's plan and its step items (the executor's inputs).
+Planned = tuple[SchedulerOutput, list[StepItem]]
 
 log = structlog.get_logger("loraplex.engine")
-
-
-def slot_writer(config: EngineConfig, runner: ModelRunner, pool: HostPool | None) -> SlotWriter:
-    """The engine's slot writer (adapters/slot_writer.py): a thread and side stream on CUDA
-    with one rank and a host pool (warmed now: one full-size write and a clear), else writes
-    inline in the step thread (the CPU, tensor parallelism)."""
-    device = runner.device
-    if device.type == "cuda" and runner.tp_size == 1 and pool is not None and config.max_loras:
-        stream = torch.cuda.Stream(device)
-        warm_slot_writes(runner.slot_buffers, pool, stream)
-        return ThreadWriter(runner.write_slot, stream, pool)
-    return InlineWriter(runner.write_slot, pool)
 
 
 @dataclass(frozen=True)
@@ -75,14 +59,14 @@ class EngineInternals:
 
     Not an application API: it follows the engine's inner structure.
     ``scheduler``: queues (``running``, ``waiting``), ``schedule`` / ``add``;
-    ``adapters``: versions, slots, refcounts; ``loader``: plugins, helper processes, host pool,
-    staging dir; ``executor``: ``prepare`` / ``launch``, ``runner``, ``model``,
-    ``mixed_graphs`` and the ``step_log`` of ``StepRecord``.
+    ``adapters``: the ``AdapterLifecycle`` (``registry``: versions; ``slots``: the slot store;
+    ``fetcher``: plugins, loader processes, staging dir; ``pool``: the host pool);
+    ``executor``: ``prepare`` / ``launch``, ``runner``, ``model``, ``mixed_graphs`` and the
+    ``step_log`` of ``StepRecord``.
     """
 
     scheduler: Scheduler
-    adapters: AdapterRegistry
-    loader: AdapterFetcher
+    adapters: AdapterLifecycle
     executor: StepExecutor
 
     @property
@@ -90,7 +74,7 @@ class EngineInternals:
         return self.executor.step_log
 
 
-class EngineCore(AdapterOps, StepOps):
+class EngineCore:
     """The engine's state: scheduler, KV blocks, adapters, requests; ``executor`` runs steps.
 
     ``AsyncEngine`` uses only this API, on the event loop unless noted:
@@ -100,13 +84,14 @@ class EngineCore(AdapterOps, StepOps):
       (typed errors for unknown adapters and bad prompts); ``abort(req)`` -> True when it
       finished now, False when a step in flight holds it (that step's ``apply`` ends it);
     - steps: ``plan()`` -> the next ``Planned`` step, or None when nothing can run (then
-      ``pending_slot_writes()`` says whether a slot write is about to land);
+      ``adapters.pending_writes()`` says whether a slot write is about to land);
       ``launch(plan, items, prev)`` and ``collect(step)`` in the step thread;
       ``chain(step)`` -> the ``Planned`` step to queue behind ``step`` while it is in flight
       (pipelined decode), or None; ``apply(step, result, behind)`` a collected step;
       ``end_steps()`` when the loop leaves its steps (also on errors and cancellation);
       ``fail_steps(plans, error)`` / ``fail_all(error)`` when a step / the loop fails;
-    - adapters: ``add_adapter``, ``remove_adapter``, ``pin_adapter``, ``list_adapters``;
+    - adapters: ``adapters`` (``add``, ``remove``, ``pin``, ``list``, ``residency``,
+      ``load_before_tokenizing``);
     - observing: ``subscribe(fn)`` / ``unsubscribe(fn)``, ``stats()``; ``model_name``,
       ``tokenizer``, ``max_model_len``; ``internals`` (the testing hook).
     """
@@ -120,6 +105,7 @@ class EngineCore(AdapterOps, StepOps):
         wake: Callable[[], None],
         pool: HostPool | None = None,
         mixed_graphs: MixedGraphs | None = None,
+        writer: SlotWriter | None = None,
     ) -> None:
         self.config = config
         self.model = model  # read for its config, dtype and device; run by the executor
@@ -131,40 +117,26 @@ class EngineCore(AdapterOps, StepOps):
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
         self.eos_ids = set(tokenizer.eos_token_ids) if tokenizer else set(cfg.eos_token_ids)
-        self.loader = AdapterFetcher(config, cfg, pool=pool)
-        if tokenizer is not None:  # adapters that add tokens bring their own (added_tokens.py)
-            self.loader.base_tokenizer = tokenizer.backend
-            self.loader.load_tokenizer = self._adapter_tokenizer
-        self.slots = SlotStore(
-            config.max_loras,
-            config.max_full_module_loras,
-            writer=slot_writer(config, runner, pool),
-            ranks=runner.slot_ranks,
-            pool=pool,
-            generation=runner.slot_buffers.generation,
-        )
-        self.adapters = AdapterRegistry(
-            max_loras=config.max_loras,
-            max_cpu_loras=config.max_cpu_loras,
-            loader=self._load_adapter,
-            max_full=config.max_full_module_loras,
-            on_change=wake,
-            on_drop=self.loader.discard,
-            on_unload=self.loader.stager.release,
-            slots=self.slots,
-        )
-        self.loader.stager.make_room = self.adapters.make_room
+        self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        self.adapters = AdapterLifecycle(
+            config, model, pool=pool, wake=wake, emit=self.emit,
+            writer=writer if writer is not None else InlineWriter(runner.write_slot, pool),
+            ranks=runner.slot_ranks, generation=runner.slot_buffers.generation,
+            prepare_shards=runner.prepare_adapter if runner.tp_size > 1 else None,  # type: ignore[attr-defined]
+            base_tokenizer=tokenizer.backend if tokenizer is not None else None,
+            load_tokenizer=self._adapter_tokenizer if tokenizer is not None else None,
+        )  # fmt: skip
+        registry = self.adapters.registry
         self.blocks = BlockManager(
             runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config, self.blocks, self.adapters, self.slots)
+        self.scheduler = Scheduler(config, self.blocks, registry, self.adapters.slots)
         self.executor = StepExecutor(
-            config, model, runner, self.blocks, self.slots, self.adapters.any_loading, mixed_graphs
-        )
+            config, model, runner, self.blocks, self.adapters.slots, registry.any_loading,
+            mixed_graphs,
+        )  # fmt: skip
         self.in_flight: set[Request] = set()  # requests of launched, not yet applied steps
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0, "steps": 0}
-        self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
-        self._load_gate: asyncio.Semaphore | None = None
         self.loop_lag: LoopLag | None = None  # started by ``start`` on the engine's loop
         self.grammars = (
             GrammarCache(
@@ -190,16 +162,12 @@ class EngineCore(AdapterOps, StepOps):
     def tokenizer_for(self, adapter: AdapterChoice) -> Tokenizer | None:
         """The tokenizer of requests on ``adapter`` (a name): an adapter that added tokens has
         its own (known once it is loaded ahead), every other request the base's."""
-        if isinstance(adapter, str):
-            with contextlib.suppress(AdapterNotFoundError):
-                v = self.adapters.get(adapter)
-                if v.tokenizer is not None:
-                    return v.tokenizer
-        return self.tokenizer
+        own = self.adapters.tokenizer_of(adapter) if isinstance(adapter, str) else None
+        return own if own is not None else self.tokenizer
 
     @property
     def internals(self) -> EngineInternals:
-        return EngineInternals(self.scheduler, self.adapters, self.loader, self.executor)
+        return EngineInternals(self.scheduler, self.adapters, self.executor)
 
     # -- lifetime and events --------------------------------------------------------------------
 
@@ -209,18 +177,13 @@ class EngineCore(AdapterOps, StepOps):
         self.loop_lag.start()
 
     async def close(self) -> None:
-        """Stop lag sampling, cancel loads, stop the slot writer and the loader."""
+        """Stop lag sampling, the adapter side (loads, slot writer, loader) and the executor."""
         if self.loop_lag is not None:
             await self.loop_lag.stop()
-        tasks = [v.load_task for v in self.adapters.versions() if v.load_task is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.to_thread(self.slots.close)  # (the slot writer's thread first)
+        await self.adapters.close()
         await asyncio.to_thread(self.executor.close)
         if self.grammars is not None:
             await asyncio.to_thread(self.grammars.close)
-        await asyncio.to_thread(self.loader.close)
 
     def subscribe(self, fn: Callable[[str, dict[str, Any]], None]) -> None:
         self.listeners.append(fn)
@@ -236,6 +199,10 @@ class EngineCore(AdapterOps, StepOps):
                 fn(event, data)
             except Exception:  # noqa: BLE001
                 log.exception("listener_failed", event=event)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for tests, metrics and studies (read on the event loop; observe.py)."""
+        return engine_stats(self)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -260,12 +227,7 @@ class EngineCore(AdapterOps, StepOps):
         ``adapter``: a name, or a composition [(name, weight), ...] (``AdapterChoice``);
         ``guide``: its matcher when ``params.structured`` is set (``guide()``); ``group``: the
         fair-share group (``Request.group``; None: its own)."""
-        if adapter is None:
-            version = None
-        elif isinstance(adapter, str):
-            version = self._resolve_adapter(adapter)
-        else:
-            version = self._resolve_composition(adapter)
+        version = self.adapters.resolve(adapter)
         try:
             own = version.tokenizer if version is not None else None  # it added tokens
             if own is not None and guide is not None:
@@ -274,7 +236,11 @@ class EngineCore(AdapterOps, StepOps):
                     f"{version.name!r}: it adds tokens to the vocabulary",
                     field="response_format",
                 )
-            prompt_ids = self._encode_prompt(prompt, params, version)
+            prompt_ids = encode_prompt(
+                prompt, params, version, tokenizer=self.tokenizer,
+                vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
+                blocks=self.blocks,
+            )  # fmt: skip
             req = Request(
                 request_id, prompt_ids, params, version,
                 eos_ids=frozenset(self.eos_ids), group=group or "",
@@ -282,13 +248,13 @@ class EngineCore(AdapterOps, StepOps):
             req.guide = guide
             if params.seed is not None:
                 req.generator = make_generator(params.seed, self.device)
-            req.detok = self._detokenizer(req)
+            req.detok = detokenizer_for(req, self.tokenizer)
         except BaseException:
             if version is not None:
-                self._drop_unused_adapter(version)  # a rejected request registers no name
+                self.adapters.drop_unused(version)  # a rejected request registers no name
             raise
         if version is not None:
-            req.meta["tier"] = self.adapters.add_user(version)
+            req.meta["tier"] = self.adapters.registry.add_user(version)
         self.counters["requests"] += 1
         self.scheduler.add(req)
         return req
@@ -301,48 +267,6 @@ class EngineCore(AdapterOps, StepOps):
             return False
         self.finish(req, "abort")
         return True
-
-    def _encode_prompt(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        version: AdapterVersion | None = None,
-    ) -> list[int]:
-        own = version.tokenizer if version is not None else None  # an adapter's added tokens
-        tokenizer = own if own is not None else self.tokenizer
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise InvalidRequestError(
-                    "this model has no tokenizer: send token ids", field="prompt"
-                )
-            ids = tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-            vocab = version.vocab_rows if own is not None else self.model_config.vocab_size
-            if any(t < 0 or t >= vocab for t in ids):
-                raise InvalidRequestError(
-                    f"prompt token ids must lie in [0, {vocab})", field="prompt"
-                )
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", field="prompt")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"maximum context length {self.max_model_len}",
-                field="max_tokens",
-            )
-        if self.blocks.blocks_needed(len(ids) + params.max_tokens) > self.blocks.num_blocks:
-            raise InvalidRequestError(
-                "the request does not fit in the KV cache", field="max_tokens"
-            )
-        return ids
-
-    def _detokenizer(self, req: Request) -> IncrementalDetokenizer | None:
-        own = req.adapter.tokenizer if req.adapter is not None else None  # added tokens
-        tokenizer = own if own is not None else self.tokenizer
-        if tokenizer is None:
-            return None
-        return IncrementalDetokenizer(tokenizer, req.prompt_ids, stop=req.params.stop)
 
     def finish(self, req: Request, reason: str, error: BaseException | None = None) -> None:
         self.scheduler.finish(req, reason)
@@ -369,60 +293,109 @@ class EngineCore(AdapterOps, StepOps):
             "request_finished", **summary, itl_s=[b - a for a, b in itertools.pairwise(times)]
         )
 
-    # -- introspection --------------------------------------------------------------------------
+    def _land(self) -> None:
+        """Loop: landed slot writes are noted; a slot write that failed fails the requests
+        waiting on its adapter."""
+        for v, error in self.adapters.land():
+            for req in [r for r in self.scheduler.waiting if r.adapter is v]:
+                self.fail(req, error)
 
-    def adapter_residency(self) -> list[dict[str, Any]]:
-        """``AsyncEngine.adapter_residency``: versions in a GPU slot or the CPU tier."""
-        registry = self.adapters
-        current = {id(registry.get(n)) for n in registry.names()}
-        rows = []
-        for v in registry.versions():
-            gpu = self.slots.slot_of(v) is not None
-            if not gpu and v.state is not AdapterState.CPU:
-                continue  # (a version in a GPU slot stays in the CPU tier)
-            rows.append(
-                {
-                    "name": v.name,
-                    "digest": v.digest,
-                    "tier": "gpu" if gpu else "cpu",
-                    "pinned": bool(v.pinned),
-                    "rank": int(v.lora_rank or v.rank),
-                    "nbytes": int(getattr(v.adapter, "nbytes", 0) or v.nbytes),
-                    "current": id(v) in current,
-                }
+    def _fail_failed_loads(self) -> None:
+        """Loop: requests waiting on an adapter whose load failed get its error; the version
+        may be retried by later requests (a dynamic one is forgotten)."""
+        waiting = self.scheduler.waiting
+        failed = [r for r in waiting if r.adapter and r.adapter.state is AdapterState.FAILED]
+        for req in failed:
+            self.fail(req, req.adapter.error or RuntimeError("adapter load failed"))  # type: ignore[union-attr]
+        for v in {id(r.adapter): r.adapter for r in failed}.values():
+            self.adapters.registry.reset_failed(v)  # type: ignore[arg-type]
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def plan(self) -> Planned | None:
+        """The next step (its requests are in flight from here), or None: nothing can run.
+
+        First: landed slot writes, requests whose adapter failed to load, and requests the
+        scheduler rejects are dealt with."""
+        self._land()
+        self._fail_failed_loads()
+        plan = self.scheduler.schedule()
+        for req, err in plan.failed:
+            self.fail(req, err)
+        if plan.empty:
+            return None
+        self.in_flight |= {c.req for c in plan.chunks}
+        return plan, self.executor.prepare(plan)
+
+    def chain(self, step: InFlightStep) -> Planned | None:
+        """The step to queue behind ``step`` while it is in flight (pipelined decode and
+        admission), if ``Scheduler.chain`` allows one."""
+        self._land()
+        if not self.config.async_scheduling or not step.sampled:
+            return None
+        plan = self.scheduler.chain(step.plan, self.max_model_len)
+        if plan is None:
+            return None
+        for req, err in plan.failed:  # (every GPU slot pinned: as from ``plan``)
+            self.fail(req, err)
+        self.in_flight |= {c.req for c in plan.chunks}
+        return plan, self.executor.prepare(plan, step)
+
+    def launch(
+        self, plan: SchedulerOutput, items: list[StepItem], prev: InFlightStep | None = None
+    ) -> InFlightStep:
+        """Step thread: slot writes, then queue the forward and sampling (behind ``prev``)."""
+        return self.executor.launch(plan, items, prev)
+
+    def collect(self, step: InFlightStep) -> SamplerOutput | None:
+        """Step thread: wait for ``step``'s sampled tokens."""
+        return self.executor.collect(step)
+
+    def apply(
+        self,
+        step: InFlightStep,
+        result: SamplerOutput | None,
+        behind: InFlightStep | None = None,
+    ) -> None:
+        """Apply a collected step (tokens, finishes, streamed outputs). ``behind``: the step
+        launched behind it and still in flight; its requests stay in flight, no others do."""
+        if behind is None:
+            self.in_flight.clear()
+        else:
+            self.in_flight = {c.req for c in behind.plan.chunks}
+        self.counters["steps"] += 1
+        row = -1
+        now = time.monotonic()
+        for chunk in step.plan.chunks:
+            req = chunk.req
+            row += chunk.need_logits
+            if req.is_finished:
+                continue  # e.g. a pipelined row of a request that ended the step before
+            self.scheduler.mark_computed(chunk)
+            if req.aborted:
+                self.finish(req, "abort")
+                continue
+            if not chunk.need_logits:
+                continue
+            assert result is not None
+            tok = result.token_ids[row]
+            out = append_token(
+                req, tok, result.logprobs[row], result.top_logprobs[row], self.max_model_len
             )
-        return rows
+            req.token_times.append(now)
+            if out.finished:
+                self.scheduler.finish(req, out.finish_reason or "stop")
+                self.counters["finished"] += 1
+                self._log(req)
+            req.queue.put_nowait(out)
 
-    def stats(self) -> dict[str, Any]:
-        """Counters for tests, metrics and studies (read on the event loop)."""
-        b = self.blocks
-        sched = self.scheduler
-        adapters = self.adapters
-        return {
-            "max_loras": self.config.max_loras,
-            "running_adapters": sorted({r.adapter.name for r in sched.running if r.adapter}),
-            "waiting_adapters": sorted({r.adapter.name for r in sched.waiting if r.adapter}),
-            "gpu_resident": [v.name for v in self.slots.resident],
-            "cpu_resident": [v.name for v in adapters.versions() if v.state is AdapterState.CPU],
-            "num_blocks": b.num_blocks,
-            "num_free_blocks": b.num_free_blocks,
-            "num_used_blocks": b.num_used_blocks,
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "preemptions": sched.num_preemptions,
-            "prefix_cache_queries": b.stats.queries,
-            "prefix_cache_hits": b.stats.hits,
-            "adapter_refs": {
-                f"{v.name}@{v.digest[:12]}#{v.version}": {  # unique: digests may be pending
-                    "users": v.users,
-                    "slot_refs": self.slots.refs(v),
-                    "slot": self.slots.slot_of(v),
-                }
-                for v in adapters.versions()
-            },
-            "adapters": dict(adapters.stats),
-            "kernel_compiles_while_serving": len(COMPILES.while_serving),
-            "host_pool_regions_in_use": self.loader.pool.in_use() if self.loader.pool else 0,
-            **(self.loop_lag.summary() if self.loop_lag is not None else {}),
-            **self.counters,
-        }
+    def end_steps(self) -> None:
+        """The loop left its steps (collected, failed or cancelled): none is in flight."""
+        self.in_flight.clear()
+
+    def fail_steps(self, plans: list[SchedulerOutput], error: BaseException) -> None:
+        """Fail the requests of steps that raised (pipelined steps share requests)."""
+        for plan in plans:
+            for chunk in plan.chunks:
+                if not chunk.req.is_finished:
+                    self.fail(chunk.req, error)

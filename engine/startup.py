@@ -17,6 +17,7 @@ import structlog
 import torch
 
 from loraplex.engine.adapters.host_pool import HostPool
+from loraplex.engine.adapters.slot_writer import InlineWriter, SlotWriter, ThreadWriter
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.mixed_graphs import MixedGraphs
@@ -38,7 +39,7 @@ from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.parallel import ParallelRunner, WorkerGroup
 from loraplex.engine.structured.bitmask import warm_bitmask
 from loraplex.engine.tokenizer import Tokenizer, TokenizerError
-from loraplex.engine.warmup import COMPILES, warm_eager_steps
+from loraplex.engine.warmup import COMPILES, warm_eager_steps, warm_slot_writes
 
 log = structlog.get_logger("loraplex.engine")
 
@@ -179,9 +180,24 @@ def _build(
             tokenizer = Tokenizer.from_dir(path)
     procs = config.resolved_loader_processes if config.max_loras else 0
     pool = host_pool(config, model, shared=procs > 0)
-    core = EngineCore(config, model, runner, tokenizer, wake, pool=pool, mixed_graphs=mixed)
-    core.loader.start_processes(procs)
+    writer = slot_writer(config, runner, pool)
+    core = EngineCore(
+        config, model, runner, tokenizer, wake, pool=pool, mixed_graphs=mixed, writer=writer
+    )
+    core.adapters.fetcher.start_processes(procs)
     return core
+
+
+def slot_writer(config: EngineConfig, runner: ModelRunner, pool: HostPool | None) -> SlotWriter:
+    """The engine's slot writer (adapters/slot_writer.py): a thread and side stream on CUDA
+    with one rank and a host pool (warmed now: one full-size write and a clear), else writes
+    inline in the step thread (the CPU, tensor parallelism)."""
+    device = runner.device
+    if device.type == "cuda" and runner.tp_size == 1 and pool is not None and config.max_loras:
+        stream = torch.cuda.Stream(device)
+        warm_slot_writes(runner.slot_buffers, pool, stream)
+        return ThreadWriter(runner.write_slot, stream, pool)
+    return InlineWriter(runner.write_slot, pool)
 
 
 def check_model_slots(model: CausalLM, config: EngineConfig) -> None:

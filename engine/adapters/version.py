@@ -52,8 +52,8 @@ class AdapterVersion:
     vocab_rows: int = 0  # rows of those tables (preflight); > the base's: it added tokens
     tokenizer: Any = None  # its own Tokenizer when it added tokens (added_tokens.py), else None
     # a name resolved at request time whose requests are tokenized after its load (it may add
-    # tokens: ``AdapterOps.load_before_tokenizing``); ``cold_pending``: that load counts as the
-    # miss of the next request to use it
+    # tokens: ``AdapterLifecycle.load_before_tokenizing``); ``cold_pending``: that load counts
+    # as the miss of the next request to use it
     tokenize_after_load: bool = False
     cold_pending: bool = False
     # a combination: (component version, weight) in request order (empty: a plain adapter)

@@ -28,7 +28,7 @@ from typing import Any
 import structlog
 from ray.exceptions import RayError, TaskCancelledError
 
-from loraplex.engine.core import AdapterChoice
+from loraplex.engine.adapters.lifecycle import AdapterChoice
 from loraplex.engine.errors import AdapterNotFoundError, EngineClosedError
 from loraplex.engine.request import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams

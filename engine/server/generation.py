@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from loraplex.engine.adapters.lifecycle import AdapterChoice
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.core import AdapterChoice
 from loraplex.engine.request import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.server.drain import Drain

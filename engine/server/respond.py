@@ -12,8 +12,8 @@ from typing import Any, Protocol
 import structlog
 from aiohttp import web
 
+from loraplex.engine.adapters.lifecycle import AdapterChoice
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.core import AdapterChoice
 from loraplex.engine.request import RequestOutput
 from loraplex.engine.server.drain import SHUTDOWN_MESSAGE
 from loraplex.engine.server.errors import APIError, from_exception

@@ -257,8 +257,8 @@ def staged_leftovers(engine: Any) -> list[Path]:
     """Paths under the engine's adapter cache dir that belong to no live, fetched version
     (partial downloads, staging dirs of cancelled or failed loads, dropped versions)."""
     internals = engine.testing
-    live = {v.local_dir for v in internals.adapters.versions() if v.local_dir is not None}
-    cache = internals.loader.cache_dir
+    live = {v.local_dir for v in internals.adapters.registry.versions() if v.local_dir is not None}
+    cache = internals.adapters.fetcher.cache_dir
     out = []
     for p in sorted(cache.rglob("*")):
         if any(p == d or d in p.parents for d in live):

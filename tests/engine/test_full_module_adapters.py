@@ -156,7 +156,7 @@ async def test_full_tables_through_a_loader_process(tiny, full, tmp_path):
     async with AsyncEngine(cfg) as engine:
         await register(engine, use)
         got = {a: (await collect(engine, prompt, params, a))[0] for a in [*use, None]}
-        v = engine.testing.adapters.get("swap")
+        v = engine.testing.adapters.registry.get("swap")
         assert v.full and v.region is not None
         assert set(v.adapter.full) == {"embed_tokens", "lm_head"}
         assert_idle(engine)

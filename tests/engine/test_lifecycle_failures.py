@@ -44,7 +44,7 @@ async def test_broken_adapters_fail_only_their_requests(tiny, tmp_path):
         adapter_cache_dir=str(tmp_path / "cache"),
     )
     async with AsyncEngine(cfg) as engine:
-        engine.testing.loader.plugins.register(
+        engine.testing.adapters.fetcher.plugins.register(
             NamePlugin({"outside": "s3://other-bucket/outside"}), "names"
         )
 
@@ -117,7 +117,7 @@ async def test_lost_staging_is_fetched_again_and_must_keep_its_digest(tiny, tmp_
     async with AsyncEngine(config(model_dir, adapter_cache_dir=str(tmp_path / "cache"))) as engine:
         for name in ("sql", "poem"):
             await engine.add_adapter(name, f"file://{root / name}")
-            shutil.rmtree(engine.testing.adapters.get(name).local_dir)
+            shutil.rmtree(engine.testing.adapters.registry.get(name).local_dir)
         derived_adapter(adapters["poem"], root / "poem", seed=9)  # the source changed meanwhile
 
         async def changed():
@@ -129,7 +129,7 @@ async def test_lost_staging_is_fetched_again_and_must_keep_its_digest(tiny, tmp_
             collect(engine, PROMPT, LONG), collect(engine, PROMPT, LONG, adapter="sql"), changed()
         )
         assert len(base[0]) == len(sql[0]) == LONG.max_tokens
-        assert engine.testing.adapters.get("sql").local_dir.is_dir()  # staged again
+        assert engine.testing.adapters.registry.get("sql").local_dir.is_dir()  # staged again
         await changed()  # still refused on retry
         assert_idle(engine)
     hf = HFReference(model_dir, {"sql": adapters["sql"]})
@@ -160,7 +160,7 @@ async def test_a_failed_slot_write_fails_its_waiting_requests(tiny):
         with pytest.raises(errors.LoRAError, match="slot write") as err:
             await asyncio.wait_for(collect(engine, PROMPT, SHORT, adapter="poem"), 15)
         assert "the device copy failed" in str(err.value)
-        v = engine.testing.adapters.get("poem")
+        v = engine.testing.adapters.registry.get("poem")
         assert slots.slot_of(v) is None and not slots.pending()
         slots.writer = writer
         tokens, _, _ = await collect(engine, PROMPT, SHORT, adapter="poem")

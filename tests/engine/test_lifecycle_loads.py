@@ -40,12 +40,12 @@ async def test_held_load_never_stalls_other_requests(tiny, tmp_path):
     plugin = HeldPlugin({"poem": adapters["poem"]})
     base_params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     async with AsyncEngine(held_config(model_dir, tmp_path)) as engine:
-        engine.testing.loader.plugins.register(plugin, "held")
+        engine.testing.adapters.fetcher.plugins.register(plugin, "held")
         waiting = [
             asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="poem")) for _ in range(3)
         ]
         await asyncio.wait_for(plugin.started.wait(), 30)
-        v = engine.testing.adapters.get("poem")
+        v = engine.testing.adapters.registry.get("poem")
         assert v.state is AdapterState.LOADING and plugin.waiting == 1
         # the load is parked inside the resolver: base and warm requests stream to the end
         chunks = 0
@@ -70,7 +70,7 @@ async def test_twenty_requests_for_one_cold_adapter_load_it_once(tiny, tmp_path)
     model_dir, adapters = tiny
     plugin = HeldPlugin({"math": adapters["math"]})
     async with AsyncEngine(held_config(model_dir, tmp_path)) as engine:
-        engine.testing.loader.plugins.register(plugin, "held")
+        engine.testing.adapters.fetcher.plugins.register(plugin, "held")
         tasks = [
             asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="math")) for _ in range(20)
         ]
@@ -94,7 +94,7 @@ async def test_cancelling_every_waiter_mid_load_leaks_nothing(tiny, tmp_path):
     model_dir, adapters = tiny
     plugin = HeldPlugin({"chat": adapters["chat"], "sql": adapters["sql"]})
     async with AsyncEngine(held_config(model_dir, tmp_path)) as engine:
-        engine.testing.loader.plugins.register(plugin, "held")
+        engine.testing.adapters.fetcher.plugins.register(plugin, "held")
         # a completed version whose staged files must survive
         plugin.gate.set()
         await collect(engine, PROMPT, GREEDY, adapter="sql")
@@ -105,7 +105,7 @@ async def test_cancelling_every_waiter_mid_load_leaks_nothing(tiny, tmp_path):
             asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="chat")) for _ in range(20)
         ]
         await asyncio.wait_for(plugin.started.wait(), 30)
-        v = engine.testing.adapters.get("chat")
+        v = engine.testing.adapters.registry.get("chat")
         await wait_until(lambda: v.users == 20, "every request past the intake, on the load")
         load = v.load_task
         assert load is not None and not load.done()
@@ -120,13 +120,15 @@ async def test_cancelling_every_waiter_mid_load_leaks_nothing(tiny, tmp_path):
         slots = engine.testing.adapters.slots
         assert v.users == 0 and slots.refs(v) == 0 and slots.slot_of(v) is None
         assert v.adapter is None
-        assert "chat" not in engine.testing.adapters.names()  # the dynamic name is forgotten
+        assert (
+            "chat" not in engine.testing.adapters.registry.names()
+        )  # the dynamic name is forgotten
         stats = engine.stats()
         assert stats["num_used_blocks"] == 0 and stats["aborted"] == 20
         assert stats["adapters"]["load_failures"] == 0
         assert_idle(engine)
         await wait_until(lambda: not staged_leftovers(engine), "cancelled staging removed")
-        sql_dir = engine.testing.adapters.get("sql").local_dir
+        sql_dir = engine.testing.adapters.registry.get("sql").local_dir
         assert sql_dir is not None and sql_dir.is_dir()  # the completed version is kept
 
         # a later request resolves the name again and loads it
@@ -146,12 +148,12 @@ async def test_request_arriving_while_a_cancelled_load_unwinds_is_served(tiny, t
     model_dir, adapters = tiny
     plugin = HeldPlugin({"chat": adapters["chat"]})
     async with AsyncEngine(held_config(model_dir, tmp_path)) as engine:
-        engine.testing.loader.plugins.register(plugin, "held")
+        engine.testing.adapters.fetcher.plugins.register(plugin, "held")
         first = asyncio.create_task(
             collect(engine, PROMPT, GREEDY, adapter="chat", request_id="first")
         )
         await asyncio.wait_for(plugin.started.wait(), 30)
-        v = engine.testing.adapters.get("chat")
+        v = engine.testing.adapters.registry.get("chat")
         cancelled = v.load_task
         assert engine.abort("first")  # the last waiter: its load is cancelled ...
         late = asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="chat"))
@@ -163,7 +165,9 @@ async def test_request_arriving_while_a_cancelled_load_unwinds_is_served(tiny, t
         assert cancelled.cancelled()
         later = asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="chat"))
         await asyncio.sleep(0)
-        assert engine.testing.adapters.get("chat") is v  # still the one version of the name
+        assert (
+            engine.testing.adapters.registry.get("chat") is v
+        )  # still the one version of the name
         plugin.gate.set()
         results = await asyncio.wait_for(asyncio.gather(late, later), 30)
         assert all(len(t) == GREEDY.max_tokens for t, _, _ in results)
@@ -189,7 +193,7 @@ async def test_versioned_reload_while_old_version_streams(tiny, tmp_path):
             )
         )
         old = await engine.add_adapter("math", f"file://{old_dir}")
-        v_old = engine.testing.adapters.get("math")
+        v_old = engine.testing.adapters.registry.get("math")
         staged_old = v_old.local_dir
         # park the step loop once the old request streams, and reload the name meanwhile
         gate = StepGate(
@@ -201,7 +205,7 @@ async def test_versioned_reload_while_old_version_streams(tiny, tmp_path):
         await asyncio.wait_for(gate.reached.wait(), 30)
         new = await engine.add_adapter("math", f"file://{new_dir}")
         assert new["digest"] != old["digest"] and new["version"] > old["version"]
-        v_new = engine.testing.adapters.get("math")
+        v_new = engine.testing.adapters.registry.get("math")
         news = [
             asyncio.create_task(
                 collect(engine, PROMPT, GREEDY, adapter="math", request_id=f"new{i}")
@@ -216,9 +220,9 @@ async def test_versioned_reload_while_old_version_streams(tiny, tmp_path):
         old_tokens, _, _ = await asyncio.wait_for(old_task, 30)
         assert finished["old"] == old["digest"][:12]
         assert all(finished[f"new{i}"] == new["digest"][:12] for i in range(3))
-        assert v_old not in engine.testing.adapters.versions()
+        assert v_old not in engine.testing.adapters.registry.versions()
         await wait_until(lambda: not staged_old.exists(), "old version's staged files removed")
-        assert engine.testing.adapters.get("math").local_dir.is_dir()
+        assert engine.testing.adapters.registry.get("math").local_dir.is_dir()
         assert_idle(engine)
     hf = HFReference(model_dir, {"old": old_dir, "new": new_dir})
     compare(old_tokens, *hf.greedy(PROMPT, "old", long.max_tokens))
@@ -234,7 +238,7 @@ async def test_adapter_refs_list_every_live_version(tiny, tmp_path):
     model_dir, adapters = tiny
     plugin = HeldPlugin({"poem": adapters["poem"]})
     async with AsyncEngine(held_config(model_dir, tmp_path)) as engine:
-        engine.testing.loader.plugins.register(plugin, "held")
+        engine.testing.adapters.fetcher.plugins.register(plugin, "held")
         first = asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="poem"))
         await asyncio.wait_for(plugin.started.wait(), 30)
         await engine.remove_adapter("poem")  # the waiting request keeps its version
@@ -257,12 +261,12 @@ async def test_cancelled_while_loaded_before_tokenizing_leaks_nothing(tiny, tmp_
     plugin = HeldPlugin({"chat": adapters["chat"]})
     conf = held_config(model_dir, tmp_path, max_full_module_loras=1, lora_extra_vocab_size=4)
     async with AsyncEngine(conf) as engine:
-        engine.testing.loader.plugins.register(plugin, "held")
+        engine.testing.adapters.fetcher.plugins.register(plugin, "held")
         tasks = [
             asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="chat")) for _ in range(5)
         ]
         await asyncio.wait_for(plugin.started.wait(), 30)
-        v = engine.testing.adapters.get("chat")
+        v = engine.testing.adapters.registry.get("chat")
         await wait_until(lambda: v.users == 5, "every request holding the load")
         assert engine.stats()["waiting"] == 0  # none submitted: they wait to be tokenized
         load = v.load_task
@@ -274,7 +278,7 @@ async def test_cancelled_while_loaded_before_tokenizing_leaks_nothing(tiny, tmp_
         await asyncio.wait({load}, timeout=30)
         assert load.cancelled() and plugin.cancelled == 1
         assert v.users == 0 and v.adapter is None
-        assert "chat" not in engine.testing.adapters.names()
+        assert "chat" not in engine.testing.adapters.registry.names()
         assert_idle(engine)
         await wait_until(lambda: not staged_leftovers(engine), "cancelled staging removed")
 

@@ -182,7 +182,7 @@ async def test_slot_write_of_a_version_dropped_mid_step_fails_nobody(tiny, tmp_p
     # (requests wait for their write to land: the write's step has no row of the version)
     async with AsyncEngine(config(model_dir, slot_write_join_bytes=0)) as engine:
         await engine.add_adapter("sql", f"file://{adapters['sql']}")
-        v_old = engine.testing.adapters.get("sql")
+        v_old = engine.testing.adapters.registry.get("sql")
         base = asyncio.create_task(collect(engine, PROMPT, long))
         await wait_until(lambda: engine.stats()["running"] == 1, "the base request running")
         gate = StepGate(engine, lambda plan: v_old in plan.slot_writes)
@@ -193,7 +193,7 @@ async def test_slot_write_of_a_version_dropped_mid_step_fails_nobody(tiny, tmp_p
         doomed.cancel()  # ... whose last request leaves while its slot is being written
         with pytest.raises(asyncio.CancelledError):
             await doomed
-        assert v_old not in engine.testing.adapters.versions()
+        assert v_old not in engine.testing.adapters.registry.versions()
         gate.release()
         tokens, _, outs = await asyncio.wait_for(base, 30)
         assert outs[-1].finish_reason == "length" and len(tokens) == long.max_tokens
@@ -242,7 +242,7 @@ async def test_reloading_a_pinned_name_waits_for_the_old_version_instead_of_fail
             asyncio.gather(old, new), 30
         )
         assert engine.stats()["gpu_resident"] == ["sql"]
-        assert engine.testing.adapters.get("sql").pinned
+        assert engine.testing.adapters.registry.get("sql").pinned
         assert_idle(engine)
     hf = HFReference(model_dir, {"old": adapters["sql"], "new": new_dir})
     compare(old_tokens, *hf.greedy(PROMPT, "old", long.max_tokens))

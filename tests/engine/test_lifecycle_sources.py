@@ -58,7 +58,7 @@ async def test_s3_dynamic_name_through_template_matches_hf_and_reports_stages(ti
         (tokens, _, outs), (base, _, _) = await asyncio.gather(
             collect(engine, PROMPT, GREEDY, adapter="chat"), collect(engine, PROMPT, GREEDY)
         )
-        v = engine.testing.adapters.get("chat")
+        v = engine.testing.adapters.registry.get("chat")
         assert v.dynamic and v.pinned_uri == f"s3://{s3_bucket}/adapters/chat"
         with pytest.raises(AdapterNotFoundError):  # the template points at nothing
             await collect(engine, PROMPT, GREEDY, adapter="absent")
@@ -87,7 +87,7 @@ async def test_hf_static_adapter_pins_commit_and_matches_hf(tiny, hub: FakeHub):
     sha = hub.commit("org/repo", {**_adapter_files(adapters["math"]), "README.md": b"hi"})
     async with AsyncEngine(config(model_dir)) as engine:
         info = await engine.add_adapter("x", "hf://org/repo")
-        v = engine.testing.adapters.get("x")
+        v = engine.testing.adapters.registry.get("x")
         assert v.pinned_uri == f"hf://org/repo@{sha}"
         assert info["digest"] == v.digest
         tokens, _, _ = await collect(engine, PROMPT, GREEDY, adapter="x")

@@ -57,9 +57,9 @@ def proc_config(model_dir: Path, tmp_path: Path, **kw):
 def pool_idle(engine: AsyncEngine) -> None:
     """Every host-pool region in use belongs to a CPU-tier version."""
     internals = engine.testing
-    held = [v for v in internals.adapters.versions() if v.region is not None]
+    held = [v for v in internals.adapters.registry.versions() if v.region is not None]
     assert all(v.state is AdapterState.CPU for v in held), held
-    assert internals.loader.pool.in_use() == len(held)
+    assert internals.adapters.pool.in_use() == len(held)
 
 
 async def test_helper_loads_match_in_process_loads(tiny, lib, tmp_path):
@@ -77,8 +77,8 @@ async def test_helper_loads_match_in_process_loads(tiny, lib, tmp_path):
             results[procs] = [o[0] for o in outs]
             if procs:
                 internals = engine.testing
-                assert len(internals.loader.procs.pids) == 1
-                assert all(v.region is not None for v in internals.adapters.versions())
+                assert len(internals.adapters.fetcher.procs.pids) == 1
+                assert all(v.region is not None for v in internals.adapters.registry.versions())
                 pool_idle(engine)
             assert_idle(engine)
     assert results[0] == results[1]
@@ -90,7 +90,7 @@ async def test_killed_helper_is_replaced_and_the_load_retried(tiny, lib, tmp_pat
     cfg = proc_config(model_dir, tmp_path)
     async with AsyncEngine(cfg) as engine:
         await engine.add_adapter("poem", str(lib["poem"]))
-        procs = engine.testing.loader.procs
+        procs = engine.testing.adapters.fetcher.procs
         base = asyncio.create_task(collect(engine, PROMPT, LONG))
         task = asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="poem"))
         await wait_until(lambda: any(p.jobs for p in procs.procs), "a stage job in flight")
@@ -108,7 +108,7 @@ async def test_killed_helper_is_replaced_and_the_load_retried(tiny, lib, tmp_pat
 async def test_helper_dead_before_any_job_is_replaced(tiny, lib, tmp_path):
     model_dir, _ = tiny
     async with AsyncEngine(proc_config(model_dir, tmp_path)) as engine:
-        procs = engine.testing.loader.procs
+        procs = engine.testing.adapters.fetcher.procs
         first = procs.procs[0]
         os.kill(first.process.pid, signal.SIGKILL)
         await wait_until(lambda: first.dead, "the death seen by its reader")
@@ -125,7 +125,7 @@ async def test_second_death_fails_only_that_adapter(tiny, lib, tmp_path, monkeyp
     cfg = proc_config(model_dir, tmp_path)
     async with AsyncEngine(cfg) as engine:
         await engine.add_adapter("poem", str(lib["poem"]))
-        procs = engine.testing.loader.procs
+        procs = engine.testing.adapters.fetcher.procs
         base = asyncio.create_task(collect(engine, PROMPT, LONG))
         task = asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="poem"))
         for death in (1, 2):
@@ -136,7 +136,7 @@ async def test_second_death_fails_only_that_adapter(tiny, lib, tmp_path, monkeyp
             await asyncio.wait_for(task, 60)
         base_tokens, _, _ = await asyncio.wait_for(base, 60)
         assert len(base_tokens) == LONG.max_tokens
-        assert engine.testing.adapters.get("poem").state is not AdapterState.LOADING
+        assert engine.testing.adapters.registry.get("poem").state is not AdapterState.LOADING
         assert_idle(engine)
         pool_idle(engine)
         # a fresh helper serves the next request for the same adapter
@@ -225,8 +225,8 @@ async def test_cancelled_stage_keeps_its_region_until_the_helper_stopped_writing
     cfg = proc_config(model_dir, tmp_path)
     async with AsyncEngine(cfg) as engine:
         await engine.add_adapter("poem", str(lib["poem"]))
-        procs = engine.testing.loader.procs
-        pool = engine.testing.loader.pool
+        procs = engine.testing.adapters.fetcher.procs
+        pool = engine.testing.adapters.pool
         task = asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="poem"))
         await wait_until(lambda: any(p.jobs for p in procs.procs), "a stage job in flight")
         t0 = time.monotonic()
@@ -236,7 +236,7 @@ async def test_cancelled_stage_keeps_its_region_until_the_helper_stopped_writing
             await task
         await wait_until(lambda: pool.in_use() == 0, "region released")
         assert time.monotonic() - t0 >= hold * 0.8  # not before the thread returned
-        v = engine.testing.adapters.get("poem")
+        v = engine.testing.adapters.registry.get("poem")
         assert v.state is AdapterState.REGISTERED and v.region is None
         assert_idle(engine)
 
@@ -301,7 +301,7 @@ async def test_a_job_missing_a_shared_field_fails_instead_of_hanging(tiny, lib, 
     registration fails, the engine and the helper keep serving)."""
     model_dir, _ = tiny
     async with AsyncEngine(proc_config(model_dir, tmp_path)) as engine:
-        procs = engine.testing.loader.procs
+        procs = engine.testing.adapters.fetcher.procs
         await wait_until(lambda: procs.pids, 30)
         (proc,) = procs.procs
         env = {k: x for k, x in os.environ.items() if k.startswith(("HF_", "AWS_", "HUGGING"))}

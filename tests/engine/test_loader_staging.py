@@ -34,17 +34,17 @@ async def test_cancelled_load_releases_its_region(tiny, lib, tmp_path, monkeypat
     cfg = proc_config(model_dir, tmp_path)
     async with AsyncEngine(cfg) as engine:
         await engine.add_adapter("poem", str(lib["poem"]))
-        procs = engine.testing.loader.procs
+        procs = engine.testing.adapters.fetcher.procs
         task = asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="poem"))
         await wait_until(lambda: any(p.jobs for p in procs.procs), "a stage job in flight")
-        assert engine.testing.loader.pool.in_use() == 1  # the region the helper packs into
+        assert engine.testing.adapters.pool.in_use() == 1  # the region the helper packs into
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         # the helper is told; the region comes back once it says the job ended
-        await wait_until(lambda: engine.testing.loader.pool.in_use() == 0, "region released")
+        await wait_until(lambda: engine.testing.adapters.pool.in_use() == 0, "region released")
         assert not any(p.jobs for p in procs.procs)
-        v = engine.testing.adapters.get("poem")
+        v = engine.testing.adapters.registry.get("poem")
         assert v.state is AdapterState.REGISTERED and v.region is None
         assert_idle(engine)
         tokens, _, _ = await collect(engine, PROMPT, GREEDY, adapter="poem")
@@ -57,7 +57,7 @@ async def test_pool_exhaustion_evicts_idle_cpu_versions(tiny, lib, tmp_path):
     # 2 slots, a CPU tier of 2, 1 load at a time: 3 regions for 4 adapters
     cfg = proc_config(model_dir, tmp_path, max_cpu_loras=2, max_concurrent_loads=1)
     async with AsyncEngine(cfg) as engine:
-        assert engine.testing.loader.pool.count == 3
+        assert engine.testing.adapters.pool.count == 3
         for name in lib:
             await engine.add_adapter(name, str(lib[name]))
         for _ in range(2):
@@ -81,7 +81,7 @@ async def test_staging_quota_evicts_idle_versions_and_refetches(tiny, lib, tmp_p
             await engine.add_adapter(name, str(lib[name]))
             staged = sum(f.stat().st_size for f in (tmp_path / "cache").rglob("*") if f.is_file())
             assert staged <= one * 1.2
-        versions = {v.name: v for v in engine.testing.adapters.versions()}
+        versions = {v.name: v for v in engine.testing.adapters.registry.versions()}
         assert versions["sql"].local_dir is None  # least recently used, dropped
         assert versions["math"].local_dir is not None
         tokens, _, _ = await collect(engine, PROMPT, GREEDY, adapter="sql")  # fetched again
@@ -135,10 +135,10 @@ async def test_refetch_reads_the_pinned_revision(tiny, lib, tmp_path):
         adapter_cache_dir=str(tmp_path / "cache"),
     )
     async with AsyncEngine(cfg) as engine:
-        engine.testing.loader.plugins.register(plugin, "rev")
+        engine.testing.adapters.fetcher.plugins.register(plugin, "rev")
         info = await engine.add_adapter("poem", "rev://lib/poem")
         first, _, _ = await collect(engine, PROMPT, GREEDY, adapter="poem")
-        v = engine.testing.adapters.get("poem")
+        v = engine.testing.adapters.registry.get("poem")
         assert v.pinned_uri == "rev://lib/poem@0"
         # the branch moves on; two other adapters push poem out of the staging dir, its slot
         # and the CPU tier

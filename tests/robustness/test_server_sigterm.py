@@ -37,6 +37,7 @@ def test_sigterm_drains_then_aborts():
          "--log-json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    sent = False
     try:
         wait_up(proc, url)
         events: list[dict] = []
@@ -45,10 +46,13 @@ def test_sigterm_drains_then_aborts():
         t.start()
         assert first.wait(60)
         proc.send_signal(signal.SIGTERM)
+        sent = True
         t.join(60)
         assert not t.is_alive()
     finally:
-        if proc.poll() is None:
+        # NOTE: one SIGTERM only: the stream ends before the server has closed its engine, and
+        # a second signal then ends it by the signal (a loaded machine is slow to close it)
+        if not sent and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err

@@ -148,7 +148,7 @@ async def test_protocol_and_residency_on_a_scripted_run(tiny):
 def _check_residency(fams: Families, srv) -> None:
     """After the run: poem in the slot, sql gone, two cold loads, one eviction per tier."""
     (poem,) = fams["loraplex:adapter_resident_bytes"].samples
-    v = srv.engine.testing.adapters.get("poem")
+    v = srv.engine.testing.adapters.registry.get("poem")
     assert poem.labels == {
         "adapter": "poem",
         "digest": v.digest[:12],
