@@ -16,8 +16,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,n
 export PYTHONUNBUFFERED=1
 what=${1:-all}; shift || true
 if [[ $what == all || $what == tests ]]; then
-  python3 -m pytest -q -m gpu -p no:cacheprovider tests/lora/test_ops.py tests/lora/test_slots.py tests/lora/test_dora.py tests/lora/test_combine.py tests/lora/test_vocab_lora.py tests/lora/test_full_modules.py tests/lora/test_added_tokens.py tests/model \
-    tests/engine/test_pipelined.py tests/engine/test_loader_process.py tests/engine/test_loader_staging.py tests/engine/test_full_module_adapters.py tests/engine/test_chain_admission.py 2>&1 \
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/model tests/adapters/test_combine.py tests/adapters/test_added_tokens.py \
+    tests/engine/test_pipelined.py tests/adapters/test_loader_process.py tests/adapters/test_loader_staging.py tests/engine/test_full_module_adapters.py tests/engine/test_chain_admission.py 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|^E " | tail -25
   # every kernel-vs-twin test (not only the gpu-marked ones): bfloat16 runs only here
   python3 -m pytest -q -p no:cacheprovider tests/model/test_fused_kernels.py \

@@ -9,9 +9,12 @@ import torch
 
 # assertions inside the shared helper modules get pytest's full failure report too
 pytest.register_assert_rewrite(
-    "tests.engine.lifecycle_helpers", "tests.robustness.adapter_fixtures",
-    "tests.robustness.server_fixtures",
+    "tests.helpers", "tests.robustness.adapter_fixtures", "tests.robustness.server_fixtures",
 )  # fmt: skip
+
+# fixtures shared across folders, defined once: the engine tests' tiny model and adapters, a
+# fake Hugging Face Hub, moto's S3 server
+pytest_plugins = ["tests.helpers.fixtures", "tests.helpers.fake_hub", "tests.helpers.fake_s3"]
 
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through the interpreter (set before triton is imported).

@@ -324,3 +324,48 @@ def test_the_docs_layer_table_is_layers() -> None:
     """docs/architecture.md's layer table and ``LAYERS`` name the same layers, in the same
     order, with the same folders and modules."""
     assert layers_in_docs() == LAYERS
+
+
+def test_imports_of_test_modules_finds_them(tmp_path: Path) -> None:
+    """The check below finds ``from tests.x.test_y import`` and ``from tests.x.conftest
+    import`` (also ``import tests.x.test_y``, inside functions) and nothing else."""
+    (tmp_path / "a.py").write_text(
+        "from tests.helpers.engine import config\nimport tests.helpers.models\n"
+        "def f():\n    from tests.engine.test_pipelined import running\n"
+        "import tests.server.conftest as c\nfrom tests.structured.forms import FORMS\n"
+    )
+    assert imports_of_test_modules([tmp_path]) == [
+        f"{tmp_path / 'a.py'}:4: tests.engine.test_pipelined",
+        f"{tmp_path / 'a.py'}:5: tests.server.conftest",
+    ]
+
+
+def imports_of_test_modules(roots: Iterable[Path]) -> list[str]:
+    """Imports of a test module (``test_*``, ``conftest``) under ``tests.`` in the files of
+    ``roots``: "path:line: module"."""
+    found: list[tuple[Path, int, str]] = []
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                for name in names:
+                    last = name.rsplit(".", 1)[-1]
+                    if name.startswith("tests.") and (
+                        last.startswith("test_") or last == "conftest"
+                    ):
+                        found.append((path, node.lineno, name))
+    return [f"{path}:{line}: {name}" for path, line, name in sorted(found)]
+
+
+def test_no_test_module_imports_another() -> None:
+    """Helpers shared between test modules live in helper modules (tests/helpers/, or a
+    folder's own such as tests/structured/forms.py); no file of tests/ or benchmarks/ imports
+    a test module or a conftest (pytest loads those itself: fixtures go through conftest.py
+    and ``pytest_plugins``)."""
+    found = imports_of_test_modules([ROOT / "tests", ROOT / "benchmarks"])
+    assert not found, _report("imports of a test module:", found)

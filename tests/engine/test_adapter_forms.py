@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 
 from loraplex.engine import AsyncEngine, SamplingParams
 from loraplex.engine.errors import AdapterCompositionError, AdapterFormatError
-from tests.engine.hf_reference import HFReference, compare
-from tests.engine.test_async_engine import assert_idle, collect, config, register
+from tests.helpers.adapters import make_dora_adapter
+from tests.helpers.engine import assert_idle, collect, config, register
 from tests.helpers.models import copy_adapter
-from tests.lora.test_dora import make_dora_adapter
+from tests.helpers.peft_oracle import HFReference, compare
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,11 @@ from loraplex.engine.errors import AdapterConfigError, AdapterShapeError, Invali
 from loraplex.engine.server import create_app, start_server
 from loraplex.engine.structured.spec import StructuredOutput
 from loraplex.engine.tokenizer import Tokenizer
-from tests.engine.hf_reference import HFReference, compare, http_greedy_ids
-from tests.engine.test_async_engine import assert_idle, collect, config
+from tests.helpers.adapters import boost_added_rows, resized_base
+from tests.helpers.engine import assert_idle, collect, config
 from tests.helpers.models import copy_adapter, make_peft_adapter
+from tests.helpers.peft_oracle import HFReference, compare, http_greedy_ids
 from tests.helpers.tokenizers import swap_token_ids
-from tests.lora.test_added_tokens import boost_added_rows, resized_base
 
 pytest.importorskip("peft")
 

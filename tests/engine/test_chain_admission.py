@@ -9,8 +9,8 @@ import asyncio
 import pytest
 
 from loraplex.engine import AsyncEngine, SamplingParams
-from tests.engine.test_async_engine import assert_idle, collect, config, register
-from tests.engine.test_pipelined import make_scheduler, running
+from tests.helpers.engine import assert_idle, collect, config, register
+from tests.helpers.scheduler import make_scheduler, running
 
 NAMES = [None, "sql", "poem", "chat", "math"]
 

@@ -11,8 +11,8 @@ import pytest
 
 from loraplex.engine import AsyncEngine, SamplingParams
 from loraplex.engine.errors import AdapterCompositionError
-from tests.engine.hf_reference import HFReference, compare
-from tests.engine.test_async_engine import assert_idle, collect, config, register
+from tests.helpers.engine import assert_idle, collect, config, register
+from tests.helpers.peft_oracle import HFReference, compare
 
 COMBO = [("sql", 0.7), ("math", -0.4)]  # ranks 4 + 6, sql on q/v, math on gate/up/q
 COMBO_NAME = "sql*0.7+math*-0.4"

@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from loraplex.engine import AsyncEngine, SamplingParams
 from loraplex.engine.errors import AdapterConfigError
 from loraplex.engine.server import create_app, start_server
-from tests.engine.hf_reference import HFReference, compare, http_greedy_ids
-from tests.engine.test_async_engine import assert_idle, collect, config, register
+from tests.helpers.engine import assert_idle, collect, config, register
 from tests.helpers.models import copy_adapter, make_peft_adapter
+from tests.helpers.peft_oracle import HFReference, compare, http_greedy_ids
 
 pytest.importorskip("peft")
 

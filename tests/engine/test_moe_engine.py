@@ -11,11 +11,10 @@ import torch
 
 from loraplex.engine import AsyncEngine, SamplingParams
 from loraplex.engine.errors import AdapterConfigError, AdapterTargetError
-from tests.engine.hf_reference import HFReference, compare
-from tests.engine.lifecycle_helpers import config
-from tests.engine.test_async_engine import assert_idle, collect, register
+from tests.helpers.engine import assert_idle, collect, config, register
 from tests.helpers.models import ATTN_MODULES, copy_adapter, make_peft_adapter, write_adapter
 from tests.helpers.moe_models import MOE_KINDS, make_tiny_moe
+from tests.helpers.peft_oracle import HFReference, compare
 from tests.helpers.tokenizers import make_tokenizer
 
 pytest.importorskip("peft")

@@ -10,11 +10,9 @@ import random
 import pytest
 
 from loraplex.engine import AsyncEngine, SamplingParams
-from loraplex.engine.adapters.registry import AdapterRegistry
-from loraplex.engine.kv import BlockManager
 from loraplex.engine.request import Request, RequestStatus
-from loraplex.engine.scheduler import Scheduler
-from tests.engine.test_async_engine import assert_idle, collect, config, register
+from tests.helpers.engine import assert_idle, collect, config, register
+from tests.helpers.scheduler import make_scheduler, running
 
 
 def requests(seed: int) -> list[tuple]:
@@ -133,19 +131,6 @@ async def test_abort_while_pipelined_leaks_nothing(tiny):
         assert_idle(engine)
         stats = engine.stats()
         assert stats["num_free_blocks"] == stats["num_blocks"]
-
-
-def make_scheduler(**kw) -> tuple[Scheduler, BlockManager]:
-    cfg = config("unused", max_num_seqs=kw.pop("max_num_seqs", 8), **kw)
-    blocks = BlockManager(kw.get("num_kv_blocks", 8), cfg.block_size, True)
-    adapters = AdapterRegistry(max_loras=2, max_cpu_loras=2, loader=None, on_change=lambda: None)
-    return Scheduler(cfg, blocks, adapters), blocks
-
-
-def running(s: Scheduler, rid: str, prompt: list[int], max_tokens: int = 10) -> Request:
-    r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens))
-    s.add(r)
-    return r
 
 
 def test_chain_only_in_the_steady_state():

@@ -13,16 +13,16 @@ import time
 from loraplex.engine.adapters.registry import AdapterState, SlotFullError
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
-from tests.engine.test_scheduler_unit import check_references, make, rows, run_step, submit
+from tests.helpers.adapters import in_slot, loaded, register_version
+from tests.helpers.scheduler import check_references, make, rows, run_step, submit
 from tests.helpers.slots import land
-from tests.lora.test_manager_unit import in_slot, loaded, register
 
 # -- loads and slot writes ----------------------------------------------------------------------
 
 
 async def test_adapter_not_loaded_waits_while_others_run():
     s, blocks, m, loader = make()
-    v = register(m, "sql")
+    v = register_version(m, "sql")
     r = submit(s, "a", 3, v)  # its first user starts the load
     base = submit(s, "b", 3)
     plan = s.schedule()
@@ -39,7 +39,7 @@ async def test_adapter_not_loaded_waits_while_others_run():
 
 async def test_schedule_starts_the_load_of_a_waiting_adapter():
     s, blocks, m, loader = make()
-    v = register(m, "sql")
+    v = register_version(m, "sql")
     r = Request("a", [1, 2, 3], SamplingParams(), v)
     s.add(r)  # queued without add_user: only the scheduler starts its load here
     assert s.schedule().empty and v.state is AdapterState.LOADING
@@ -51,7 +51,7 @@ async def test_schedule_starts_the_load_of_a_waiting_adapter():
 
 async def test_loaded_adapter_gets_a_slot_write_then_its_requests_run():
     s, blocks, m, loader = make(slot_write_join_bytes=0)  # requests wait for the write to land
-    v = register(m, "sql")
+    v = register_version(m, "sql")
     r1, r2 = submit(s, "a", 3, v), submit(s, "b", 5, v)
     s.schedule()
     await loader.finish(v)
@@ -70,7 +70,7 @@ async def test_loaded_adapter_gets_a_slot_write_then_its_requests_run():
 
 async def test_schedule_never_joins_a_write_nothing_overlaps():
     s, _, m, loader = make()  # joins allowed, but only in chained steps
-    v = register(m, "sql")
+    v = register_version(m, "sql")
     r = submit(s, "a", 3, v)
     s.schedule()
     await loader.finish(v)

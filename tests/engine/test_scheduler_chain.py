@@ -11,13 +11,8 @@ from loraplex.engine.adapters.registry import AdapterState, SlotFullError
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import ScheduledChunk, SchedulerOutput
-from tests.engine.test_scheduler_unit import (
-    make,
-    rows,
-    run_step,
-    submit,
-)
-from tests.lora.test_manager_unit import in_slot, loaded, register
+from tests.helpers.adapters import in_slot, loaded, register_version
+from tests.helpers.scheduler import make, rows, run_step, submit
 
 
 def steady(num_blocks: int = 64, n: int = 2, **kw):
@@ -140,7 +135,7 @@ def test_chain_with_a_waiting_request_whose_slot_is_taken(starved):
 
 async def test_chain_goes_on_while_a_waiting_adapter_loads():
     s, blocks, m, loader, reqs, plan = steady()
-    v = register(m, "sql")
+    v = register_version(m, "sql")
     s.add(Request("w", [1, 2], SamplingParams(), v))  # no user counted: no load started yet
     assert v.state is AdapterState.REGISTERED
     nxt = s.chain(plan, max_model_len=100)

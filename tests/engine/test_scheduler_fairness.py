@@ -12,10 +12,10 @@ from loraplex.engine import AsyncEngine, EngineConfig
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.engine.server import create_app, start_server
-from tests.engine.lifecycle_helpers import wait_until
-from tests.engine.test_scheduler_unit import check_references, make, run_step, submit
+from tests.helpers.adapters import register_version
+from tests.helpers.lifecycle import wait_until
+from tests.helpers.scheduler import check_references, make, run_step, submit
 from tests.helpers.slots import land
-from tests.lora.test_manager_unit import register
 
 NO_LIMIT = 10_000  # max_tokens of a request sent without one (the context length's worth)
 
@@ -100,7 +100,7 @@ async def test_no_seat_is_taken_for_a_request_whose_adapter_is_not_in_a_slot_yet
     s, _, m, loader = make(num_blocks=100_000, max_num_seqs=8)
     siblings(s, "cmpl-big", 16)
     step(s)
-    v = register(m, "sql")
+    v = register_version(m, "sql")
     plain = submit(s, "plain", 3, v)
     for _ in range(3):
         plan = step(s)

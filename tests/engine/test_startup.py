@@ -9,7 +9,7 @@ import torch
 from loraplex.engine import AsyncEngine, SamplingParams
 from loraplex.engine.model.loader import load_model
 from loraplex.engine.startup import build_core
-from tests.engine.test_async_engine import assert_idle, collect, config, register
+from tests.helpers.engine import assert_idle, collect, config, register
 
 
 def model_of(model_dir, *, max_loras: int, max_lora_rank: int):

@@ -18,7 +18,7 @@ import structlog.testing
 from loraplex.engine import AsyncEngine, SamplingParams
 from loraplex.engine.errors import TensorParallelWorkerError
 from loraplex.engine.model.tp import TensorParallelError
-from tests.engine.lifecycle_helpers import assert_idle, collect, config
+from tests.helpers.lifecycle import assert_idle, collect, config
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 # (prompt, adapter) per request; each phase runs its requests at once. Two GPU slots and two
@@ -195,7 +195,7 @@ def test_shards_see_the_full_config_and_refuse_dora():
 
     from loraplex.engine.model.lora.dora import row_scales
     from loraplex.engine.model.tp import TensorParallel, TPShard, full_config, shard_config
-    from tests.model.test_tensor_parallel import CFG
+    from tests.helpers.tp import CFG
 
     tp = TensorParallel(CFG, TPShard(1, 2))
     shard = SimpleNamespace(cfg=shard_config(CFG, tp.shard), tp=tp)

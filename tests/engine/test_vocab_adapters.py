@@ -10,9 +10,9 @@ import random
 import pytest
 
 from loraplex.engine import AsyncEngine, SamplingParams
-from tests.engine.hf_reference import HFReference, compare, http_greedy_ids
-from tests.engine.test_async_engine import assert_idle, collect, config, register
+from tests.helpers.engine import assert_idle, collect, config, register
 from tests.helpers.models import make_peft_adapter
+from tests.helpers.peft_oracle import HFReference, compare, http_greedy_ids
 
 pytest.importorskip("peft")
 

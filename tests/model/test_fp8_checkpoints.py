@@ -19,37 +19,18 @@ from safetensors.torch import load_file, save_file
 from loraplex.engine.model import loader
 from loraplex.engine.model.errors import UnsupportedQuantizationError
 from loraplex.engine.model.loader import ModelLoadError, load_model
-from loraplex.engine.model.quant import FP8_DTYPE, FP8_MAX, fp8_layers, fp8_weight, quantize_fp8
+from loraplex.engine.model.quant import FP8_DTYPE, fp8_layers, fp8_weight, quantize_fp8
+from tests.helpers.fp8 import (
+    BLOCK,
+    FORMS,
+    ct_config,
+    is_proj,
+    write_fp8_checkpoint,
+)
 from tests.helpers.models import make_tiny_model
 
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}  # fmt: skip
-BLOCK = (48, 32)  # rows, cols: 48 does not divide 64 or 32 (a partial last block of rows)
-
-
-def _is_proj(key: str, lm_head: bool = False) -> bool:
-    return key.endswith(".weight") and (
-        key.split(".")[-2] in PROJ or (lm_head and key == "lm_head.weight")
-    )
-
-
-def _per_tensor(w):
-    s = w.abs().max() / FP8_MAX
-    return (w / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
-
-
-def _per_block(w):
-    bn, bk = BLOCK
-    rows, cols = w.shape
-    grid = torch.empty(-(-rows // bn), cols // bk)
-    q = torch.empty(rows, cols, dtype=FP8_DTYPE)
-    for i in range(grid.shape[0]):
-        for j in range(grid.shape[1]):
-            tile = w[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk]
-            grid[i, j] = tile.abs().max() / FP8_MAX
-            q[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = (tile / grid[i, j]).to(FP8_DTYPE)
-    return q, grid
 
 
 def _expand(scale: torch.Tensor, rows: int, cols: int, form: str) -> torch.Tensor:
@@ -60,83 +41,6 @@ def _expand(scale: torch.Tensor, rows: int, cols: int, form: str) -> torch.Tenso
     if s.numel() == rows:  # per channel
         return s.reshape(rows, 1).expand(rows, cols)
     return s.reshape(1, 1).expand(rows, cols)
-
-
-def _ct_config(strategy: str, ignore: list[str]) -> dict:
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "float-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {
-                    "num_bits": 8,
-                    "type": "float",
-                    "strategy": strategy,
-                    "symmetric": True,
-                    "dynamic": False,
-                },
-                "input_activations": {
-                    "num_bits": 8,
-                    "type": "float",
-                    "strategy": "token",
-                    "symmetric": True,
-                    "dynamic": True,
-                },
-            }
-        },
-        "ignore": ignore,
-        "kv_cache_scheme": None,
-    }
-
-
-FORMS = {
-    # name: (quantization_config, quantizer, scale key, scale dtype, lm_head quantized too)
-    "fp8-tensor": ({"quant_method": "fp8", "activation_scheme": "static"}, _per_tensor,
-                   "weight_scale", torch.float32, False),
-    "fp8-block": ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                   "weight_block_size": list(BLOCK)}, _per_block, "weight_scale_inv",
-                  torch.float32, False),
-    "ct-channel": (_ct_config("channel", ["lm_head"]), lambda w: quantize_fp8(w),
-                   "weight_scale", torch.float32, False),
-    "ct-tensor": (_ct_config("tensor", []), _per_tensor, "weight_scale", torch.bfloat16, True),
-}  # fmt: skip
-
-
-def write_fp8_checkpoint(src: Path, out: Path, form: str, *, split_scales: bool = False):
-    """``src`` re-written in ``form``; returns {key: (fp8 values, stored scale)}."""
-    qc, quantizer, scale_key, scale_dtype, lm_head = FORMS[form]
-    tensors = load_file(src / "model.safetensors")
-    weights, scales, stored = {}, {}, {}
-    for key, w in tensors.items():
-        if not _is_proj(key, lm_head):
-            weights[key] = w
-            continue
-        q, s = quantizer(w.float())
-        if form == "ct-channel":
-            s = s[:, None]  # llm-compressor's (out, 1)
-        elif form == "ct-tensor":
-            s = s.reshape(1)
-        s = s.to(scale_dtype)
-        weights[key] = q
-        scales[key.removesuffix("weight") + scale_key] = s
-        stored[key] = (q, s)
-        if form == "fp8-tensor":  # a static activation scale, which the loader leaves alone
-            scales[key.removesuffix("weight") + "input_scale"] = torch.tensor(1.0)
-    out.mkdir(parents=True)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = qc
-    (out / "config.json").write_text(json.dumps(cfg))
-    if split_scales:  # scales in another shard than their weights
-        save_file(weights, out / "model-00001-of-00002.safetensors")
-        save_file(scales, out / "model-00002-of-00002.safetensors")
-        names = {k: "model-00001-of-00002.safetensors" for k in weights}
-        names.update({k: "model-00002-of-00002.safetensors" for k in scales})
-        (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
-    else:
-        save_file({**weights, **scales}, out / "model.safetensors")
-    return stored
 
 
 def _target(model, key):
@@ -191,7 +95,7 @@ def test_quantization_fp8_quantizes_projections_on_load(tmp_path, kind):
     plain = load_file(src / "model.safetensors")
     assert len(fp8_layers(model)) == 4 * model.cfg.num_layers
     for key, w in plain.items():
-        if not _is_proj(key):
+        if not is_proj(key):
             continue
         lin, lo, hi = _target(model, key)
         q, scale = quantize_fp8(w)
@@ -265,7 +169,7 @@ def _edit(tiny: Path, out: Path, qc: dict | None, edit) -> Path:
 
 
 Q = "model.layers.0.self_attn.q_proj."
-CT = _ct_config("channel", ["lm_head"])
+CT = ct_config("channel", ["lm_head"])
 
 
 def _fp8_q_only(t, scale=True):

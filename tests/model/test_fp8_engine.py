@@ -22,9 +22,9 @@ from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
 from loraplex.engine.model import loader
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.quant import dequantize_fp8, fp8_layers, quantize_fp8
-from tests.engine.hf_reference import HFReference, compare
+from tests.helpers.fp8 import write_fp8_checkpoint
 from tests.helpers.models import ALL_MODULES, make_peft_adapter, make_tiny_model
-from tests.model.test_fp8_checkpoints import write_fp8_checkpoint
+from tests.helpers.peft_oracle import HFReference, compare
 
 pytest.importorskip("peft")
 PROJ = tuple(f".{m}.weight" for m in ALL_MODULES)

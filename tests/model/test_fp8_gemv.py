@@ -26,7 +26,7 @@ from loraplex.engine.model.kernels.fp8_linear import (
     fp8_gemv_config,
     prepare_fp8_linear,
 )
-from tests.model.test_fp8_linear import assert_graph_matches_eager
+from tests.helpers.fp8 import assert_graph_matches_eager
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + (

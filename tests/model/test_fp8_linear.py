@@ -16,6 +16,7 @@ from loraplex.engine.model.kernels.fp8_linear import (
     prepare_fp8_linear,
 )
 from loraplex.engine.model.quant import dequantize_fp8
+from tests.helpers.fp8 import assert_graph_matches_eager
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + (
@@ -137,22 +138,3 @@ def test_cuda_graph_matches_eager() -> None:
     a = torch.randn(e, k, device="cuda", dtype=torch.bfloat16) * 0.02
     assert fp8_linear_config(t, n, k, k, x.device).split_k > 1  # the graph holds the split-K sums
     assert_graph_matches_eager(x, lambda: fp8_aug_linear(x, q, scale, a))
-
-
-def assert_graph_matches_eager(x: torch.Tensor, call) -> None:
-    """``call()`` (reading ``x``) captured in a CUDA graph: every replay writes the eager
-    result bit for bit, also after new inputs are copied into ``x``."""
-    eager = call()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        y = call()
-    for _ in range(3):
-        y.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, eager)
-    x.copy_(torch.randn_like(x))  # new inputs through the same graph
-    graph.replay()
-    assert torch.equal(y, call())

@@ -19,14 +19,7 @@ from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.fused import fused_forward
 from loraplex.engine.model.lora.ranks import rank_bucket, rank_buckets
 from tests.helpers.models import make_peft_adapter, make_tiny_model
-from tests.model.test_oracle_peft import (
-    MODEL_KINDS,
-    RTOL,
-    half_ok,
-    hf_mixed_batch,
-    ours,
-    rel_err,
-)
+from tests.helpers.peft_oracle import MODEL_KINDS, RTOL, half_ok, hf_mixed_batch, ours, rel_err
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

@@ -14,7 +14,7 @@ import torch
 from loraplex.engine.model.backend import KernelBackend
 from tests.helpers.models import make_peft_adapter
 from tests.helpers.moe_models import MOE_KINDS, make_tiny_moe
-from tests.model.test_oracle_peft import half_ok, hf_mixed_batch, ours, rel_err
+from tests.helpers.peft_oracle import half_ok, hf_mixed_batch, ours, rel_err
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

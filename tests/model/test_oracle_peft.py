@@ -8,18 +8,19 @@ layers_to_transform. Prefill logits and three decode steps must match in float32
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import pytest
 import torch
 
-from loraplex.engine.adapters.parse import load_adapter
 from loraplex.engine.model.backend import KernelBackend
-from loraplex.engine.model.loader import load_model
-from loraplex.engine.model.lora.full import attach_full_modules
-from loraplex.engine.model.lora.slot_buffers import write_slot
-from loraplex.engine.model_runner import ModelRunner, StepItem
 from tests.helpers.models import make_peft_adapter, make_tiny_model
+from tests.helpers.peft_oracle import (
+    DECODE_STEPS,
+    MODEL_KINDS,
+    RTOL,
+    hf_mixed_batch,
+    ours,
+)
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -59,36 +60,6 @@ ROWS = [
     ("regex16", 6),
 ]
 SAME_PROMPT = (1, 5)  # an adapter row and a base row with one prompt
-DECODE_STEPS = 3
-RTOL = 1e-4
-
-
-def half_ok(ours_err: float, peft_err: float) -> bool:
-    """Half precision on the GPU against PEFT in float32: our error is of the order of the one
-    PEFT itself makes in that precision on the same row (adapters with large deltas amplify
-    rounding, in PEFT as in ours)."""
-    return ours_err <= max(3 * peft_err, 1.5e-2)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b||."""
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-MODEL_KINDS = {
-    "llama": dict(
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16,
-        }
-    ),
-    "qwen2": {},
-    "mistral": dict(sliding_window=6),
-}
 
 
 @pytest.fixture(scope="module", params=list(MODEL_KINDS))
@@ -101,105 +72,6 @@ def setup(request, tmp_path_factory):
         for i, (name, kw) in enumerate(ADAPTERS.items())
     }
     return kind, model_dir, adapters
-
-
-def hf_mixed_batch(
-    model_dir, adapters, prompts, names, dtype=torch.float32, device="cpu", force=None,
-    prepare=None, active=None,
-):  # fmt: skip
-    """Prefill + greedy decode with PEFT; returns logits per step (B, V) and tokens.
-
-    ``force``: decode these tokens (per step, per row) instead of the greedy ones.
-    ``prepare(peft_model)``: called once the adapters are loaded (e.g. to add a weighted one).
-    ``active``: run every row on this adapter, without ``adapter_names`` (PEFT refuses mixed
-    batches with DoRA adapters).
-    """
-    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
-    first, *rest = adapters
-    model = peft.PeftModel.from_pretrained(base, adapters[first], adapter_name=first)
-    for name in rest:
-        model.load_adapter(adapters[name], adapter_name=name)
-    if prepare is not None:
-        prepare(model)
-    if active is not None:
-        model.set_adapter(active)
-    model.to(device).eval()
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    hf_names = ["__base__" if n == "base" else n for n in names]
-    steps, tokens = [], []
-    past = None
-    with torch.no_grad():
-        for _ in range(DECODE_STEPS + 1):
-            out = model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=pos,
-                past_key_values=past,
-                use_cache=True,
-                **({"adapter_names": hf_names} if active is None else {}),
-            )
-            logits = out.logits[:, -1].float().cpu()
-            steps.append(logits)
-            nxt = logits.argmax(-1)
-            if force is not None:
-                nxt = torch.tensor(force[len(tokens)])
-            tokens.append(nxt.tolist())
-            past = out.past_key_values
-            ids = nxt[:, None].to(device)
-            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
-            pos = pos[:, -1:] + 1
-    return steps, tokens
-
-
-def ours(
-    model_dir, adapters, prompts, names, hf_tokens, dtype=torch.float32, device="cpu",
-    loaded=None, max_full=0, extra=0, max_rank=16, graphs=None, **runner_kw,
-):  # fmt: skip
-    """``adapters``: name -> folder, or (``loaded``) name -> a LoRAAdapter in ``dtype`` (or
-    ``loaded(model)`` -> such a dict). ``max_full``: full-table slots (model/lora/full.py), slots
-    0..max_full-1 (the last adapters: slots are taken in reverse order); ``extra``: their rows
-    past the vocabulary (lora_extra_vocab_size, adapters that added tokens); ``max_rank``: the
-    engine's max_lora_rank; ``graphs``: a list that gets, per step, whether it ran as a CUDA
-    graph."""
-    model = load_model(model_dir, dtype=dtype, device=device, max_loras=4, max_lora_rank=max_rank)
-    attach_full_modules(model, max_full, extra)
-    mc = replace(model.cfg, lora_extra_vocab_size=extra) if extra else model.cfg
-    if callable(loaded):
-        loaded = loaded(model)
-    runner = ModelRunner(model, num_blocks=64, block_size=4, **runner_kw)
-    slots = {}
-    # NOTE: slots in reverse order so slot index != adapter order
-    for slot, name in enumerate(reversed(list(loaded or adapters))):
-        adapter = (loaded or {}).get(name) or load_adapter(
-            adapters[name], mc, max_lora_rank=max_rank, name=name, dtype=dtype,
-            full_modules=max_full > 0,
-        )  # fmt: skip
-        write_slot(model, slot, adapter)
-        runner.slot_ranks.set(slot, adapter.rank, adapter.dora is not None)
-        slots[name] = slot
-    free = list(range(64))
-    random.Random(0).shuffle(free)  # scattered blocks exercise the paging
-    tables = []
-    for p in prompts:
-        need = (len(p) + DECODE_STEPS + 3) // 4
-        tables.append([free.pop() for _ in range(need)])
-    items = [
-        StepItem(list(p), 0, tables[i], slots.get(names[i], -1)) for i, p in enumerate(prompts)
-    ]
-    steps = [runner.execute(items).cpu()]
-    lens = [len(p) for p in prompts]
-    for step in range(DECODE_STEPS):
-        items = [
-            StepItem([hf_tokens[step][i]], lens[i] + step, tables[i], slots.get(names[i], -1))
-            for i in range(len(prompts))
-        ]
-        steps.append(runner.execute(items).cpu())
-        if graphs is not None:
-            graphs.append(runner.last_was_graph)
-    return steps
 
 
 def test_mixed_batch_matches_peft(setup):

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.tp import (
     TensorParallelError,
     TPShard,
@@ -20,13 +19,8 @@ from loraplex.engine.model.tp import (
     vocab_range,
 )
 from tests.helpers.models import make_peft_adapter, make_tiny_model
+from tests.helpers.tp import CFG
 from tests.model import tp_run
-
-CFG = ModelConfig(
-    model_type="llama", vocab_size=250, hidden_size=64, intermediate_size=96, num_layers=2,
-    num_heads=8, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4,
-    max_position_embeddings=64,
-)  # fmt: skip
 
 
 def _gather(parts: list[torch.Tensor], dim: int) -> torch.Tensor:

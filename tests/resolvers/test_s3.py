@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
@@ -23,15 +22,6 @@ from tests.resolvers.tiny_adapter import write_adapter
 moto_server = pytest.importorskip("moto.server")
 _buckets = itertools.count()
 ALLOW = ResolverSettings(policy=SourcePolicy(allow=["s3://*"]))
-
-
-@pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 @pytest.fixture

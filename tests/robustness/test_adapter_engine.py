@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
 from loraplex.engine.demo import demo_adapters
 from loraplex.engine.errors import AdapterConfigError, AdapterValueError
-from tests.engine.test_async_engine import assert_idle, collect
+from tests.helpers.engine import assert_idle, collect
 
 W, C = "adapter_model.safetensors", "adapter_config.json"
 PROMPT = [5, 17, 33, 9, 61, 12]

@@ -22,7 +22,7 @@ pytest.importorskip("ray.serve")
 
 from loraplex.engine.demo import demo_adapters  # noqa: E402
 from loraplex.engine.sampling_params import SamplingParams  # noqa: E402
-from tests.serve_ray.conftest import ADMIN_TOKEN, FLAGS, PROMPT, Cluster, _wait  # noqa: E402
+from tests.helpers.ray_cluster import ADMIN_TOKEN, FLAGS, PROMPT, Cluster, wait_for
 
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
 
@@ -107,7 +107,7 @@ def test_admin_load_reaches_every_replica_and_unload_leaves_none(cluster: Cluste
             ("runtime-sql" in r.get("adapters", ())) == present for r in reports.values()
         )
 
-    _wait(lambda: everywhere(True), 30, "the adapter on both replicas")
+    wait_for(lambda: everywhere(True), 30, "the adapter on both replicas")
     ours = cluster.client().completions.create(
         model="runtime-sql", prompt=PROMPT, max_tokens=6, temperature=0.0
     )
@@ -122,7 +122,7 @@ def test_admin_load_reaches_every_replica_and_unload_leaves_none(cluster: Cluste
     )
     unload = {"lora_name": "runtime-sql"}
     assert _post(cluster.url, "/v1/unload_lora_adapter", unload, ADMIN_TOKEN)[0] == 200
-    _wait(lambda: everywhere(False), 30, "the adapter gone from both replicas")
+    wait_for(lambda: everywhere(False), 30, "the adapter gone from both replicas")
     status, err = _post(cluster.url, "/v1/completions", {"model": "runtime-sql", "prompt": "x"})
     assert status == 404 and err["error"]["param"] == "model"
 
@@ -249,7 +249,7 @@ def test_killed_replica_fails_its_stream_others_complete_new_requests_succeed(cl
     for model in _models(cluster):
         reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=3)
         assert reply.choices[0].finish_reason == "length"
-    _wait(lambda: len(cluster.replicas()) == 2 and victim not in cluster.replicas(), 120,
+    wait_for(lambda: len(cluster.replicas()) == 2 and victim not in cluster.replicas(), 120,
           "Ray to replace the replica")  # fmt: skip
 
     def everywhere() -> bool:
@@ -258,7 +258,7 @@ def test_killed_replica_fails_its_stream_others_complete_new_requests_succeed(cl
             "runtime-pirate" in r["adapters"] for r in reports.values()
         )
 
-    _wait(everywhere, 60, "the runtime adapter on the replacement")
+    wait_for(everywhere, 60, "the runtime adapter on the replacement")
     replacement = next(r for r in cluster.replicas() if r != survivor)
 
     async def on_replacement() -> str:

@@ -16,7 +16,7 @@ pytest.importorskip("ray.serve")
 
 from loraplex.engine.sampling_params import SamplingParams  # noqa: E402
 from loraplex.engine.serve_ray.routing import ReplicaView, rank_replicas  # noqa: E402
-from tests.serve_ray.conftest import PER_SET, PROMPT, Cluster, _wait  # noqa: E402
+from tests.helpers.ray_cluster import PER_SET, PROMPT, Cluster, wait_for
 
 
 def _get(url: str, path: str) -> str:
@@ -44,7 +44,7 @@ def test_requests_follow_their_adapter_to_the_replica_that_holds_it(cluster: Clu
     def resident() -> bool:
         return name in engine.board.snapshot()[0][r1].get("gpu", ())
 
-    _wait(resident, 30, f"{name} resident on {r1}")
+    wait_for(resident, 30, f"{name} resident on {r1}")
     client = cluster.client()
     for _ in range(6):
         reply = client.completions.create(model=name, prompt=PROMPT, max_tokens=2)
@@ -100,7 +100,7 @@ def test_zipf_workload_hits_slots_more_often_than_random_routing(cluster: Cluste
     assert residency_rate > random_rate
     # every routed request was also seen to complete: the router's load count drains
     board = cluster.engine.board
-    _wait(lambda: not any(board.in_flight.values()), 10, "in-flight counts back to 0")
+    wait_for(lambda: not any(board.in_flight.values()), 10, "in-flight counts back to 0")
 
 
 def test_ingress_metrics_show_residency_and_routing_decisions(cluster: Cluster):

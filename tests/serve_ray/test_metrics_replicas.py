@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.engine.serve_ray.board import Board
 from loraplex.engine.serve_ray.metrics import RoutingCollector
-from tests.serve_ray.conftest import Cluster
+from tests.helpers.ray_cluster import Cluster
 
 
 def _parse(text: str) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from loraplex.engine.serve_ray import cluster_engine  # noqa: E402
 from loraplex.engine.serve_ray.board import Board  # noqa: E402
 from loraplex.engine.serve_ray.cluster_engine import ClusterEngine, ReplicaFailedError  # noqa: E402
 from loraplex.engine.serve_ray.replica import Accepted  # noqa: E402
-from tests.serve_ray.conftest import PER_SET, Cluster, _wait  # noqa: E402
+from tests.helpers.ray_cluster import PER_SET, Cluster, wait_for
 
 # -- the decision, on scripted replica streams ------------------------------------------------------
 
@@ -193,7 +193,7 @@ def test_a_killed_replica_fails_its_acknowledged_request_which_no_other_replica_
             pass
 
     loop.run(warm())
-    _wait(lambda: name in engine.board.snapshot()[0][victim].get("gpu", ()), 30, "residency")
+    wait_for(lambda: name in engine.board.snapshot()[0][victim].get("gpu", ()), 30, "residency")
 
     async def victim_stats() -> dict[str, Any]:
         return await cluster.handle.stats.remote(replica=victim)
@@ -205,7 +205,7 @@ def test_a_killed_replica_fails_its_acknowledged_request_which_no_other_replica_
         asyncio.run_coroutine_threadsafe(_collect(engine, long, replica=victim), loop.loop)
         for _ in range(8)
     ]
-    _wait(lambda: loop.run(victim_stats())["running"] == 8, 60, "8 streams on the victim")
+    wait_for(lambda: loop.run(victim_stats())["running"] == 8, 60, "8 streams on the victim")
     policy, bound = engine.board.policy, engine.board.max_imbalance
     engine.board.set_policy("residency", 64)  # the busy holder keeps its preference
     counting = _CountingHandle(engine._stream)
@@ -216,9 +216,9 @@ def test_a_killed_replica_fails_its_acknowledged_request_which_no_other_replica_
             _collect(engine, SamplingParams(max_tokens=4), adapter=name, request_id=rid),
             loop.loop,
         )
-        _wait(lambda: engine.replica_of(rid) is not None, 30, "the request routed")
+        wait_for(lambda: engine.replica_of(rid) is not None, 30, "the request routed")
         assert engine.replica_of(rid) == victim
-        _wait(lambda: loop.run(victim_stats())["waiting"] >= 1, 30, "the request queued")
+        wait_for(lambda: loop.run(victim_stats())["waiting"] >= 1, 30, "the request queued")
         os.kill(pid, signal.SIGKILL)
         outs, err = probe.result(120)
     finally:
@@ -230,5 +230,5 @@ def test_a_killed_replica_fails_its_acknowledged_request_which_no_other_replica_
     for filler in fillers:  # still running when the victim died: acknowledged, not replayed
         assert isinstance(filler.result(120)[1], ReplicaFailedError)
     # later tests of the session need both replicas: Ray replaces the victim
-    _wait(lambda: len(cluster.replicas()) == 2 and victim not in cluster.replicas(), 180,
+    wait_for(lambda: len(cluster.replicas()) == 2 and victim not in cluster.replicas(), 180,
           "Ray to replace the replica")  # fmt: skip

@@ -8,7 +8,7 @@ import pytest
 
 from loraplex.engine.adapters.digest import adapter_digest
 from tests.helpers.models import copy_adapter
-from tests.server.conftest import serve
+from tests.helpers.server import serve
 
 TOKEN = "s3cret-token"
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.engine.hf_reference import HFReference, compare
-from tests.server.conftest import BASE
+from tests.helpers.peft_oracle import HFReference, compare
+from tests.helpers.server import BASE
 
 COMBO = [{"name": "sql", "weight": 0.8}, {"name": "math", "weight": 0.5}]
 EXACT = {"ignore_eos": True, "return_token_ids": True}

@@ -7,7 +7,7 @@ import json
 
 import aiohttp
 
-from tests.server.conftest import BASE
+from tests.helpers.server import BASE
 
 
 async def _wait_idle(engine, timeout: float = 20.0) -> dict:

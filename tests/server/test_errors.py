@@ -6,7 +6,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.server.conftest import BASE
+from tests.helpers.server import BASE
 
 
 async def _post(server, path: str, data: bytes | dict) -> tuple[int, dict]:

@@ -13,7 +13,7 @@ import pytest_asyncio
 from loraplex.engine import AsyncEngine, EngineConfig
 from loraplex.engine.demo import register_demo_adapters
 from loraplex.engine.server import create_app, start_server
-from tests.server.conftest import Server
+from tests.helpers.server import Server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 USER = [{"role": "user", "content": "hi"}]

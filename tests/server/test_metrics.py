@@ -7,7 +7,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.engine.metrics import OTHER_LABEL, AdapterLabels, Metrics
-from tests.server.conftest import BASE
+from tests.helpers.server import BASE
 
 
 async def _scrape(url: str) -> dict:

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.engine.serve_ray.board import Board
 from loraplex.engine.serve_ray.metrics import RoutingCollector
-from tests.server.conftest import BASE, serve
+from tests.helpers.server import BASE, serve
 
 Families = dict[str, Any]
 

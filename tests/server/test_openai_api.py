@@ -8,8 +8,8 @@ import random
 import pytest
 
 from loraplex.engine.tokenizer import Tokenizer
-from tests.engine.hf_reference import compare
-from tests.server.conftest import BASE
+from tests.helpers.peft_oracle import compare
+from tests.helpers.server import BASE
 
 GREEDY = {"temperature": 0.0}
 EXACT = {"ignore_eos": True, "return_token_ids": True}

@@ -9,7 +9,7 @@ import pytest_asyncio
 from loraplex.engine import AsyncEngine, EngineConfig
 from loraplex.engine.demo import register_demo_adapters
 from loraplex.engine.server import create_app, start_server
-from tests.server.conftest import Server
+from tests.helpers.server import Server
 
 if TYPE_CHECKING:  # openai is imported by the server tests only: the bitmask tests run
     import openai  # where it is not installed

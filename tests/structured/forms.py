@@ -6,6 +6,9 @@ import json
 import re
 from typing import Any
 
+from loraplex.engine.structured import StructuredOutput
+from loraplex.engine.structured.grammars import grammar_text
+
 NESTED = {
     "type": "object",
     "properties": {
@@ -81,3 +84,46 @@ def check(name: str, text: str) -> None:
         assert re.fullmatch(value, text), text
     else:
         assert text in value, text
+
+
+# Tools: WEATHER and TIME_ANY as a client sends them; BOUNDED and TIME with bounded arguments
+# (the server's tool tests), MESSAGES a question that calls for WEATHER.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city"],
+        },
+    },
+}
+TIME_ANY = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+PARAMS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+BOUNDED = {"type": "function", "function": {**WEATHER["function"], "parameters": PARAMS}}
+NO_ARGS = {"type": "object", "properties": {}, "additionalProperties": False}
+TIME = {"type": "function", "function": {**TIME_ANY["function"], "parameters": NO_ARGS}}
+
+
+def spec(name: str) -> StructuredOutput:
+    """The request form of ``FORMS[name]``."""
+    form, value = FORMS[name]
+    if form == "json_object":
+        return StructuredOutput.json_object()
+    if form == "json":
+        return StructuredOutput.json_schema(value)
+    return getattr(StructuredOutput, form)(value)
+
+
+def assert_prefix(engine, s: StructuredOutput, tokens: list[int]) -> None:
+    """``tokens`` are a valid prefix of an output constrained by ``s`` (the engine's own compile)."""
+    matcher = engine._core().grammars.compile(grammar_text(s))
+    assert matcher.consume_tokens(tokens), matcher.get_error()

@@ -12,20 +12,10 @@ from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
 from loraplex.engine.demo import register_demo_adapters
 from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.structured import StructuredOutput
-from loraplex.engine.structured.grammars import grammar_text
-from tests.structured.forms import FORMS, check
+from tests.structured.forms import FORMS, assert_prefix, check, spec
 
 PER_FORM = 50
 ADAPTERS = [None, "sql", "pirate", "emoji"]
-
-
-def spec(name: str) -> StructuredOutput:
-    form, value = FORMS[name]
-    if form == "json_object":
-        return StructuredOutput.json_object()
-    if form == "json":
-        return StructuredOutput.json_schema(value)
-    return getattr(StructuredOutput, form)(value)
 
 
 def params(name: str, i: int) -> SamplingParams:
@@ -35,11 +25,6 @@ def params(name: str, i: int) -> SamplingParams:
     return SamplingParams(
         max_tokens=120, temperature=0.8, top_p=0.95, seed=i, structured=spec(name)
     )
-
-
-def assert_prefix(engine, s: StructuredOutput, tokens: list[int]) -> None:
-    matcher = engine._core().grammars.compile(grammar_text(s))
-    assert matcher.consume_tokens(tokens), matcher.get_error()
 
 
 async def run(engine, prompt, p, adapter=None):

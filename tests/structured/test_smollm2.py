@@ -21,10 +21,8 @@ import pytest_asyncio
 from benchmarks.checkpoints import smollm2_built
 from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
 from loraplex.engine.server import create_app, start_server
-from tests.server.conftest import Server
-from tests.structured.forms import FORMS, check
-from tests.structured.test_engine import assert_prefix, spec
-from tests.structured.test_tool_server import BOUNDED, TIME
+from tests.helpers.server import Server
+from tests.structured.forms import BOUNDED, FORMS, TIME, assert_prefix, check, spec
 
 MODEL = smollm2_built()
 pytestmark = [

@@ -15,7 +15,7 @@ import pytest
 from loraplex.engine.server.limits import ServerLimits
 from loraplex.engine.server.tool_calls import MAX_REQUIRED_CALLS, ToolStream, parse_calls
 from loraplex.engine.server.tools import parse_tools
-from tests.structured.test_tool_server import BOUNDED, MESSAGES, PARAMS, TIME
+from tests.structured.forms import BOUNDED, MESSAGES, PARAMS, TIME
 
 TOOLS = [BOUNDED, TIME]
 

@@ -9,20 +9,9 @@ import json
 import jsonschema
 import pytest
 
-from tests.structured.test_tools import TIME as TIME_ANY
-from tests.structured.test_tools import WEATHER
+from tests.structured.forms import BOUNDED, MESSAGES, PARAMS, TIME
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-PARAMS = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-BOUNDED = {"type": "function", "function": {**WEATHER["function"], "parameters": PARAMS}}
-NO_ARGS = {"type": "object", "properties": {}, "additionalProperties": False}
-TIME = {"type": "function", "function": {**TIME_ANY["function"], "parameters": NO_ARGS}}
 
 
 async def _both(c, **kw):

@@ -16,25 +16,13 @@ from loraplex.engine.server.protocol import parse_chat
 from loraplex.engine.server.tool_calls import MAX_REQUIRED_CALLS
 from loraplex.engine.server.tools import ToolStream, parse_calls, parse_tools, tool_format
 from loraplex.engine.tokenizer import Tokenizer
+from tests.structured.forms import TIME_ANY, WEATHER
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
-            "required": ["city"],
-        },
-    },
-}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
 LIMITS = ServerLimits()
 
 
 def tools(choice="auto"):
-    return parse_tools({"tools": [WEATHER, TIME], "tool_choice": choice}, LIMITS)
+    return parse_tools({"tools": [WEATHER, TIME_ANY], "tool_choice": choice}, LIMITS)
 
 
 def streamed(text: str, t, fmt: str, cuts: list[int]):

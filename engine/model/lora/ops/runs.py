@@ -3,7 +3,7 @@
 When the rows of each adapter slot are consecutive (``LoRAMapping.runs``), the torch path
 needs no gather or scatter: per run, one batched shrink over all slices of the fused layer and
 one in-place ``addmm_`` per slice, on row slices of ``x`` and ``y``. Its twin is
-``shrink_torch`` + ``expand_torch`` (tests/lora/test_runs.py compares them).
+``shrink_torch`` + ``expand_torch`` (tests/model/lora/ops/test_runs.py compares them).
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ import pytest
 
 from loraplex.engine import AsyncEngine, SamplingParams
 from loraplex.engine.adapters.registry import SlotFullError
-from tests.engine.hf_reference import HFReference, compare
-from tests.engine.lifecycle_helpers import (
+from tests.helpers.lifecycle import (
     StepGate,
     assert_idle,
     collect,
@@ -21,6 +20,7 @@ from tests.engine.lifecycle_helpers import (
     staged_leftovers,
     wait_until,
 )
+from tests.helpers.peft_oracle import HFReference, compare
 
 PROMPT = [4, 61, 23, 8, 190, 33]
 

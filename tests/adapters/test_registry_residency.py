@@ -1,4 +1,4 @@
-"""AdapterRegistry's residency on its own (fakes of test_manager_unit.py): the CPU tier (LRU
+"""AdapterRegistry's residency on its own (the fakes of tests/helpers/adapters.py): the CPU tier (LRU
 over idle versions) and GPU slot assignment, pins and eviction."""
 
 from __future__ import annotations
@@ -6,13 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loraplex.engine.adapters.registry import AdapterState, SlotFullError
-from tests.lora.test_manager_unit import (
-    FakeLoader,
-    in_slot,
-    loaded,
-    make_manager,
-    register,
-)
+from tests.helpers.adapters import FakeLoader, in_slot, loaded, make_manager, register_version
 
 # -- CPU tier -----------------------------------------------------------------------------------
 
@@ -21,7 +15,7 @@ async def test_cpu_tier_evicts_the_least_recently_used_idle_version():
     loader, unloaded = FakeLoader(), []
     m = make_manager(max_loras=1, max_cpu_loras=2, loader=loader, on_unload=unloaded.append)
     old, newer = loaded(m, "old", last_used=1.0), loaded(m, "newer", last_used=2.0)
-    v = register(m, "third")
+    v = register_version(m, "third")
     m.add_user(v)
     await loader.finish(v)
     assert v.state is AdapterState.CPU
@@ -35,7 +29,7 @@ async def test_cpu_tier_keeps_versions_in_use_or_in_a_slot():
     slotted = in_slot(m, "slotted", last_used=1.0)
     used = loaded(m, "used", last_used=2.0)
     used.users = 1
-    v = register(m, "third")
+    v = register_version(m, "third")
     m.add_user(v)
     await loader.finish(v)
     # nothing idle to evict: the tier runs over its size rather than drop what is needed

@@ -9,8 +9,7 @@ import pytest
 
 from loraplex.engine import AsyncEngine, SamplingParams
 from loraplex.engine.adapters.registry import AdapterState
-from tests.engine.hf_reference import HFReference, compare
-from tests.engine.lifecycle_helpers import (
+from tests.helpers.lifecycle import (
     HeldPlugin,
     StepGate,
     assert_idle,
@@ -20,6 +19,7 @@ from tests.engine.lifecycle_helpers import (
     staged_leftovers,
     wait_until,
 )
+from tests.helpers.peft_oracle import HFReference, compare
 
 PROMPT = [12, 7, 200, 45, 3, 88, 19, 5]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

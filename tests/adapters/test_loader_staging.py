@@ -15,15 +15,18 @@ from loraplex.engine.adapters import loader_procs as loader_process
 from loraplex.engine.adapters.registry import AdapterState
 from loraplex.plugins import hookimpl
 from loraplex.resolvers import AdapterSource, Report, Resolver, ResolverSettings, copy_file
-from tests.engine.lifecycle_helpers import (
+from tests.helpers import slow_loader
+from tests.helpers.lifecycle import (
+    GREEDY,
+    PROMPT,
     assert_idle,
     collect,
     config,
     derived_adapter,
+    pool_idle,
+    proc_config,
     wait_until,
 )
-from tests.engine.test_loader_process import GREEDY, PROMPT, pool_idle, proc_config
-from tests.helpers import slow_loader
 
 pytestmark = pytest.mark.timeout(120)
 

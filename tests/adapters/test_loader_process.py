@@ -27,39 +27,22 @@ from loraplex.engine.errors import (
     AdapterValueError,
     LoaderProcessError,
 )
-from tests.engine.hf_reference import HFReference, compare
-from tests.engine.lifecycle_helpers import (
+from tests.helpers import slow_loader
+from tests.helpers.lifecycle import (
+    GREEDY,
+    PROMPT,
     assert_idle,
     collect,
-    config,
+    pool_idle,
+    proc_config,
     truncated,
     wait_until,
 )
-from tests.helpers import slow_loader
+from tests.helpers.peft_oracle import HFReference, compare
 
 pytestmark = pytest.mark.timeout(120)
 
-PROMPT = [12, 7, 200, 45, 3, 88, 19, 5]
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-
-
-def proc_config(model_dir: Path, tmp_path: Path, **kw):
-    base = dict(
-        loader_processes=1,
-        local_roots=(str(tmp_path),),
-        adapter_cache_dir=str(tmp_path / "cache"),
-    )
-    base.update(kw)
-    return config(model_dir, **base)
-
-
-def pool_idle(engine: AsyncEngine) -> None:
-    """Every host-pool region in use belongs to a CPU-tier version."""
-    internals = engine.testing
-    held = [v for v in internals.adapters.registry.versions() if v.region is not None]
-    assert all(v.state is AdapterState.CPU for v in held), held
-    assert internals.adapters.pool.in_use() == len(held)
 
 
 async def test_helper_loads_match_in_process_loads(tiny, lib, tmp_path):

@@ -17,7 +17,7 @@ from loraplex.engine.errors import AdapterRankError, AdapterValueError
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.loader import load_model
 from tests.helpers.models import make_peft_adapter, make_tiny_model
-from tests.model.test_oracle_peft import RTOL, half_ok, hf_mixed_batch, ours, rel_err
+from tests.helpers.peft_oracle import RTOL, half_ok, hf_mixed_batch, ours, rel_err
 
 pytest.importorskip("peft")
 

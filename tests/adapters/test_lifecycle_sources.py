@@ -13,14 +13,9 @@ import pytest
 
 from loraplex.engine import AsyncEngine, SamplingParams
 from loraplex.engine.errors import AdapterNotFoundError, AdapterPolicyError
-from tests.engine.hf_reference import HFReference, compare
-from tests.engine.lifecycle_helpers import assert_idle, collect, config
-from tests.resolvers.test_huggingface import (
-    FakeHub,
-    _adapter_files,
-    hub,  # noqa: F401 - fixture
-)
-from tests.resolvers.test_s3 import endpoint  # noqa: F401 - fixture
+from tests.helpers.fake_hub import FakeHub, adapter_files
+from tests.helpers.lifecycle import assert_idle, collect, config
+from tests.helpers.peft_oracle import HFReference, compare
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = [5, 17, 42, 99, 3, 150, 77]
@@ -84,7 +79,7 @@ async def test_s3_dynamic_name_through_template_matches_hf_and_reports_stages(ti
 
 async def test_hf_static_adapter_pins_commit_and_matches_hf(tiny, hub: FakeHub):  # noqa: F811
     model_dir, adapters = tiny
-    sha = hub.commit("org/repo", {**_adapter_files(adapters["math"]), "README.md": b"hi"})
+    sha = hub.commit("org/repo", {**adapter_files(adapters["math"]), "README.md": b"hi"})
     async with AsyncEngine(config(model_dir)) as engine:
         info = await engine.add_adapter("x", "hf://org/repo")
         v = engine.testing.adapters.registry.get("x")

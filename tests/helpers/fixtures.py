@@ -1,4 +1,7 @@
-"""A tiny Llama with a tokenizer and four adapters, shared by the engine tests."""
+"""A tiny Llama with a tokenizer and four adapters (``tiny``), and those adapters copied under a
+test's tmp_path (``lib``): the fixtures of the engine and adapter-lifecycle tests (tests/engine/,
+tests/adapters/). A pytest plugin, loaded by tests/conftest.py; a folder's conftest or a module
+may define its own ``tiny`` (tests/server/ does), which then wins there."""
 
 from __future__ import annotations
 

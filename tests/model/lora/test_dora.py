@@ -20,32 +20,13 @@ from loraplex.engine.model.loader import load_model
 from loraplex.engine.model.lora.dora import row_scales
 from loraplex.engine.model.lora.ops.dora import apply_dora
 from loraplex.engine.model.lora.slot_buffers import clear_slot, write_slot
+from tests.helpers.adapters import make_dora_adapter
 from tests.helpers.models import copy_adapter, make_peft_adapter, make_tiny_model
-from tests.model.test_oracle_peft import (
-    DECODE_STEPS,
-    RTOL,
-    half_ok,
-    hf_mixed_batch,
-    ours,
-    rel_err,
-)
+from tests.helpers.peft_oracle import DECODE_STEPS, RTOL, half_ok, hf_mixed_batch, ours, rel_err
 
 pytest.importorskip("peft")
 
 ROWS = [("base", 5), ("dora", 9), ("plain", 4), ("dora", 3), ("base", 7), ("plain", 2)]
-
-
-def make_dora_adapter(model_dir, out, *, seed=0, **kw):
-    """A PEFT DoRA adapter whose magnitudes are moved off their initial row norms (so that
-    the row scale g = m / ||W + s B A|| differs from 1 everywhere)."""
-    raw = make_peft_adapter(model_dir, out.with_name(out.name + "-raw"), seed=seed,
-                            use_dora=True, **kw)  # fmt: skip
-    tensors = load_file(raw / "adapter_model.safetensors")
-    g = torch.Generator().manual_seed(seed)
-    for k, t in tensors.items():
-        if "lora_magnitude_vector" in k:
-            tensors[k] = t * (1 + 0.3 * torch.rand(t.shape, generator=g))
-    return copy_adapter(raw, out, tensors=tensors)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
-"""Helpers of the adapter-lifecycle tests (tests/engine/test_lifecycle_*.py).
+"""Helpers of the adapter-lifecycle tests (test_lifecycle_*, test_loader_*).
 
-- ``config``: the CPU engine configuration of these tests.
+- ``config``, ``collect``, ``assert_idle``: tests/helpers/engine.py's, re-exported.
+- ``proc_config``, ``pool_idle``, ``PROMPT``, ``GREEDY``: engines with loader processes.
 - ``HeldPlugin``: an in-process resolver plugin for ``held://lib/<name>`` URIs, backed by local
   folders, whose downloads wait on a test-controlled ``asyncio.Event`` (``gate``).
 - ``NamePlugin``: maps chosen adapter names to URIs (``loraplex_resolve_adapter_name``).
@@ -22,13 +23,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from loraplex.engine import EngineConfig
+from loraplex.engine import AsyncEngine, SamplingParams
+from loraplex.engine.adapters.registry import AdapterState
 from loraplex.plugins import hookimpl
 from loraplex.resolvers import AdapterSource, Report, Resolver, ResolverSettings, copy_file
-from tests.engine.test_async_engine import assert_idle, collect
+from tests.helpers.engine import assert_idle, collect, config
 from tests.helpers.models import copy_adapter
 
 __all__ = [
+    "GREEDY",
+    "PROMPT",
     "HeldPlugin",
     "NamePlugin",
     "StepGate",
@@ -37,27 +41,14 @@ __all__ = [
     "config",
     "derived_adapter",
     "BROKEN",
+    "pool_idle",
+    "proc_config",
     "staged_leftovers",
     "wait_until",
 ]
 
 W = "adapter_model.safetensors"
 C = "adapter_config.json"
-
-
-def config(model_dir: Path, **kw: Any) -> EngineConfig:
-    base = dict(
-        model=str(model_dir),
-        device="cpu",
-        dtype="float32",
-        max_loras=2,
-        max_cpu_loras=3,
-        max_lora_rank=16,
-        block_size=4,
-        max_num_batched_tokens=48,
-    )
-    base.update(kw)
-    return EngineConfig(**base)
 
 
 async def wait_until(cond: Callable[[], bool], what: str, tries: int = 2000) -> None:
@@ -265,3 +256,25 @@ def staged_leftovers(engine: Any) -> list[Path]:
             continue
         out.append(p)
     return out
+
+
+PROMPT = [12, 7, 200, 45, 3, 88, 19, 5]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def proc_config(model_dir: Path, tmp_path: Path, **kw):
+    base = dict(
+        loader_processes=1,
+        local_roots=(str(tmp_path),),
+        adapter_cache_dir=str(tmp_path / "cache"),
+    )
+    base.update(kw)
+    return config(model_dir, **base)
+
+
+def pool_idle(engine: AsyncEngine) -> None:
+    """Every host-pool region in use belongs to a CPU-tier version."""
+    internals = engine.testing
+    held = [v for v in internals.adapters.registry.versions() if v.region is not None]
+    assert all(v.state is AdapterState.CPU for v in held), held
+    assert internals.adapters.pool.in_use() == len(held)

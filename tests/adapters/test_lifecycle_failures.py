@@ -10,8 +10,7 @@ import pytest
 
 from loraplex.engine import AsyncEngine, SamplingParams, errors
 from loraplex.engine.errors import InvalidRequestError
-from tests.engine.hf_reference import HFReference, compare
-from tests.engine.lifecycle_helpers import (
+from tests.helpers.lifecycle import (
     BROKEN,
     NamePlugin,
     assert_idle,
@@ -21,6 +20,7 @@ from tests.engine.lifecycle_helpers import (
     staged_leftovers,
     wait_until,
 )
+from tests.helpers.peft_oracle import HFReference, compare
 
 PROMPT = [9, 31, 4, 120, 66, 8]
 LONG = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

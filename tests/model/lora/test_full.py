@@ -33,16 +33,16 @@ from loraplex.engine.model.lora.full import attach_full_modules
 from loraplex.engine.model.lora.ops.full_head import full_head, full_head_torch
 from loraplex.engine.model.lora.slot_buffers import clear_slot, write_slot, write_slot_reference
 from tests.helpers.models import copy_adapter, make_peft_adapter, make_tiny_model
-from tests.helpers.slots import FakeWriter, land
-from tests.model.test_oracle_peft import (
+from tests.helpers.peft_oracle import (
     DECODE_STEPS,
     MODEL_KINDS,
     RTOL,
     half_ok,
-    hf_mixed_batch,
+    hf_rows,
     ours,
     rel_err,
 )
+from tests.helpers.slots import FakeWriter, land
 
 pytest.importorskip("peft")
 
@@ -71,34 +71,6 @@ def setup(request, tmp_path_factory):
         for i, (name, kw) in enumerate(ADAPTERS.items())
     }
     return kind, model_dir, adapters
-
-
-def hf_rows(model_dir, adapters, prompts, names, force=None, **kw):
-    """``hf_mixed_batch``'s (logits per step, tokens), each adapter's rows run as a batch of
-    their own with that adapter active: PEFT's ``adapter_names`` routing skips a
-    modules_to_save wrapper unless the model's active adapter has that table (and looks up
-    rows of adapters without one by name), so a PEFT mixed batch is no oracle for these rows
-    (ours is still one mixed batch)."""
-    steps = tokens = None
-    for name in dict.fromkeys(names):
-        rows = [i for i, n in enumerate(names) if n == name]
-        sub = [prompts[i] for i in rows]
-        fsub = None if force is None else [[f[i] for i in rows] for f in force]
-        active = None if name == "base" else name
-        # NOTE: one adapter per PEFT model: PEFT refuses a module that is a LoRA target of one
-        # adapter and in modules_to_save of another ("embed" has a LoRA on lm_head)
-        one = {name: adapters[name]} if active else dict([next(iter(adapters.items()))])
-        s, t = hf_mixed_batch(
-            model_dir, one, sub, [name] * len(rows), force=fsub, active=active, **kw
-        )
-        if steps is None:
-            steps = [torch.zeros(len(names), x.shape[1]) for x in s]
-            tokens = [[0] * len(names) for _ in s]
-        for k, (x, tk) in enumerate(zip(s, t, strict=True)):
-            steps[k][rows] = x
-            for j, i in enumerate(rows):
-                tokens[k][i] = tk[j]
-    return steps, tokens
 
 
 def _prompts(seed):

@@ -23,13 +23,13 @@ from loraplex.engine.model.loader import load_model
 from loraplex.engine.model.lora.ops.vocab import lora_vocab_expand, lora_vocab_expand_torch
 from loraplex.engine.model.lora.slot_buffers import clear_slot, write_slot, write_slot_reference
 from tests.helpers.models import copy_adapter, make_peft_adapter, make_tiny_model
-from tests.lora.test_full_modules import hf_rows
-from tests.model.test_oracle_peft import (
+from tests.helpers.peft_oracle import (
     DECODE_STEPS,
     MODEL_KINDS,
     RTOL,
     half_ok,
     hf_mixed_batch,
+    hf_rows,
     ours,
     rel_err,
 )

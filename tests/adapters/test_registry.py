@@ -1,84 +1,25 @@
 """AdapterRegistry on its own: a fake loader, no model, no engine.
 
 Covers single-flight loads, user and slot reference counts, failed / cancelled loads and the
-registry; the CPU tier and GPU slots: test_manager_residency.py (same fakes).
+registry; the CPU tier and GPU slots: test_registry_residency.py (same fakes).
 """
 
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 
-from loraplex.engine.adapters.registry import AdapterRegistry, AdapterState, AdapterVersion
-from loraplex.engine.adapters.slot_store import SlotStore
+from loraplex.engine.adapters.registry import AdapterState
 from loraplex.engine.errors import AdapterNotFoundError
-from tests.helpers.slots import FakeWriter, land
-
-
-class FakeLoader:
-    """The manager's async loader: each call waits until the test ends it (``finish``)."""
-
-    def __init__(self) -> None:
-        self.calls: list[AdapterVersion] = []
-        self._gates: dict[int, asyncio.Future] = {}
-
-    async def __call__(self, v: AdapterVersion) -> None:
-        self.calls.append(v)
-        gate = asyncio.get_running_loop().create_future()
-        self._gates[id(v)] = gate
-        await gate  # raises the error ``finish`` set
-        v.adapter = SimpleNamespace(rank=4, nbytes=1000, dora=None)
-
-    async def finish(self, v: AdapterVersion, error: BaseException | None = None) -> None:
-        """End ``v``'s running load (with ``error``: it fails) and let the manager see it."""
-        task = v.load_task
-        assert task is not None, f"no load of {v.key} runs"
-        await asyncio.sleep(0)  # the task reaches the loader
-        gate = self._gates.pop(id(v))
-        if error is None:
-            gate.set_result(None)
-        else:
-            gate.set_exception(error)
-        await settle(task)
-
-
-async def settle(task: asyncio.Task) -> None:
-    """Let ``task`` end (bounded: a bug that keeps it running fails the test, not hangs it)."""
-    await asyncio.wait([task], timeout=5.0)
-    assert task.done(), "the load task is still running"
-
-
-def make_manager(max_loras: int = 2, max_cpu_loras: int = 3, **kw) -> AdapterRegistry:
-    kw.setdefault("loader", FakeLoader())
-    slots = SlotStore(max_loras, kw.get("max_full", 0), writer=FakeWriter())
-    return AdapterRegistry(max_loras=max_loras, max_cpu_loras=max_cpu_loras, slots=slots, **kw)
-
-
-def register(m: AdapterRegistry, name: str, digest: str | None = None, **kw) -> AdapterVersion:
-    v = m.new_version(name, f"file:///adapters/{name}", **kw)
-    v.digest = digest or f"sha-{name}"
-    return m.register(v)
-
-
-def loaded(m: AdapterRegistry, name: str, *, last_used: float = 0.0, **kw) -> AdapterVersion:
-    """A registered version already in the CPU tier (as a finished load leaves it)."""
-    v = register(m, name, **kw)
-    v.state = AdapterState.CPU
-    v.adapter = SimpleNamespace(rank=4, nbytes=1000, dora=None)
-    v.last_used = last_used
-    return v
-
-
-def in_slot(m: AdapterRegistry, name: str, *, last_used: float = 0.0, **kw) -> AdapterVersion:
-    """A CPU-tier version whose slot write has landed (what the engine's poll does)."""
-    v = loaded(m, name, **kw)
-    assert m.slots.assign(v) is not None
-    land(m.slots, v)
-    v.last_used = last_used  # the assignment touched it
-    return v
-
+from tests.helpers.adapters import (
+    FakeLoader,
+    in_slot,
+    loaded,
+    make_manager,
+    register_version,
+    settle,
+)
 
 # -- single flight ------------------------------------------------------------------------------
 
@@ -86,7 +27,7 @@ def in_slot(m: AdapterRegistry, name: str, *, last_used: float = 0.0, **kw) -> A
 async def test_one_load_per_version_shared_by_its_users():
     loader = FakeLoader()
     m = make_manager(loader=loader)
-    v = register(m, "sql")
+    v = register_version(m, "sql")
     assert m.add_user(v) == "cold"
     assert m.add_user(v) == "cold"
     m.ensure_loaded(v)
@@ -104,9 +45,9 @@ async def test_one_load_per_version_shared_by_its_users():
 async def test_each_version_loads_on_its_own():
     loader = FakeLoader()
     m = make_manager(loader=loader)
-    old = register(m, "sql", "d1")
+    old = register_version(m, "sql", "d1")
     m.add_user(old)
-    new = register(m, "sql", "d2")  # new content under the same name: a new version
+    new = register_version(m, "sql", "d2")  # new content under the same name: a new version
     assert new is not old and m.get("sql") is new
     m.add_user(new)
     await asyncio.sleep(0)
@@ -120,7 +61,7 @@ async def test_each_version_loads_on_its_own():
 async def test_on_change_is_called_when_a_load_ends_either_way():
     loader, changes = FakeLoader(), []
     m = make_manager(loader=loader, on_change=lambda: changes.append(1))
-    a, b = register(m, "a"), register(m, "b")
+    a, b = register_version(m, "a"), register_version(m, "b")
     m.add_user(a)
     m.add_user(b)
     await loader.finish(a)
@@ -135,7 +76,7 @@ async def test_on_change_is_called_when_a_load_ends_either_way():
 async def test_user_count_back_to_zero_after_requests_end():
     loader = FakeLoader()
     m = make_manager(loader=loader)
-    v = register(m, "sql")
+    v = register_version(m, "sql")
     m.add_user(v)
     m.add_user(v)
     await loader.finish(v)
@@ -175,7 +116,7 @@ def test_acquire_needs_a_slot():
 async def test_last_user_leaving_cancels_the_load():
     loader, unloaded = FakeLoader(), []
     m = make_manager(loader=loader, on_unload=unloaded.append)
-    v = register(m, "sql")
+    v = register_version(m, "sql")
     m.add_user(v)
     m.add_user(v)
     await asyncio.sleep(0)
@@ -197,7 +138,7 @@ async def test_last_user_leaving_cancels_the_load():
 async def test_last_user_leaving_before_the_load_ran():
     loader = FakeLoader()
     m = make_manager(loader=loader)
-    v = register(m, "sql")
+    v = register_version(m, "sql")
     m.add_user(v)
     task = v.load_task
     m.drop_user(v)  # e.g. the request aborted before the loop ran the load task once
@@ -215,7 +156,7 @@ async def test_last_user_leaving_before_the_load_ran():
 async def test_cancelled_dynamic_version_is_forgotten():
     loader, dropped = FakeLoader(), []
     m = make_manager(loader=loader, on_drop=dropped.append)
-    v = register(m, "made-up", dynamic=True)
+    v = register_version(m, "made-up", dynamic=True)
     m.add_user(v)
     await asyncio.sleep(0)
     task = v.load_task
@@ -230,7 +171,7 @@ async def test_cancelled_dynamic_version_is_forgotten():
 async def test_failed_load_fails_only_that_version():
     loader = FakeLoader()
     m = make_manager(loader=loader)
-    bad, good = register(m, "bad"), register(m, "good")
+    bad, good = register_version(m, "bad"), register_version(m, "good")
     m.add_user(bad)
     m.add_user(bad)
     m.add_user(good)
@@ -245,7 +186,7 @@ async def test_failed_load_fails_only_that_version():
 async def test_reset_failed_allows_a_retry():
     loader = FakeLoader()
     m = make_manager(loader=loader)
-    v = register(m, "sql")
+    v = register_version(m, "sql")
     m.add_user(v)
     await loader.finish(v, OSError("unreachable"))
     m.drop_user(v)  # its waiter was failed
@@ -260,7 +201,7 @@ async def test_reset_failed_allows_a_retry():
 async def test_reset_failed_forgets_a_dynamic_version():
     loader = FakeLoader()
     m = make_manager(loader=loader)
-    v = register(m, "made-up", dynamic=True)
+    v = register_version(m, "made-up", dynamic=True)
     m.add_user(v)
     await loader.finish(v, OSError("404"))
     m.drop_user(v)
@@ -276,7 +217,7 @@ async def test_reset_failed_forgets_a_dynamic_version():
 def test_same_content_keeps_the_current_version():
     dropped = []
     m = make_manager(on_drop=dropped.append)
-    cur = register(m, "sql", "d1")
+    cur = register_version(m, "sql", "d1")
     dup = m.new_version("sql", "file:///elsewhere")
     dup.digest = "d1"
     assert m.register(dup) is cur and dropped == [dup] and m.versions() == [cur]
@@ -288,7 +229,7 @@ def test_superseded_version_lives_while_used_then_frees_its_slot():
     old = in_slot(m, "sql", digest="d1")
     old.users = 1
     m.slots.acquire(old)
-    new = register(m, "sql", "d2")
+    new = register_version(m, "sql", "d2")
     assert m.versions() == [old, new] and m.slots.owner(0) is old
     m.slots.release(old)
     m.drop_user(old)  # its last request ends: forgotten, slot free
@@ -298,12 +239,12 @@ def test_superseded_version_lives_while_used_then_frees_its_slot():
 
 def test_unregister_and_forget():
     m = make_manager()
-    v = register(m, "sql")
+    v = register_version(m, "sql")
     m.unregister("sql")
     assert m.names() == [] and v not in m.versions()
     with pytest.raises(AdapterNotFoundError):
         m.unregister("sql")
-    w = register(m, "poem")
+    w = register_version(m, "poem")
     stale = m.new_version("poem", "x")  # never registered: forget leaves the current one
     m.forget(stale)
     assert m.get("poem") is w

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from loraplex.engine.adapters.added_tokens import check_adapter_vocab
 from loraplex.engine.adapters.parse import load_adapter
@@ -21,18 +21,19 @@ from loraplex.engine.errors import AdapterConfigError, AdapterShapeError, Adapte
 from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.lora.full import FullModules
+from tests.helpers.adapters import boost_added_rows, resized_base
 from tests.helpers.models import copy_adapter, make_peft_adapter, make_tiny_model
-from tests.helpers.tokenizers import make_tokenizer, swap_token_ids
-from tests.lora.test_full_modules import hf_rows
-from tests.model.test_oracle_peft import (
+from tests.helpers.peft_oracle import (
     DECODE_STEPS,
     MODEL_KINDS,
     RTOL,
     half_ok,
     hf_mixed_batch,
+    hf_rows,
     ours,
     rel_err,
 )
+from tests.helpers.tokenizers import make_tokenizer, swap_token_ids
 
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -60,26 +61,6 @@ def setup(request, tmp_path_factory):
     boost_added_rows(adapters["added"])
     # PEFT's oracle for the adapter: the base resized to its tokenizer, as its user had it
     return kind, model_dir, adapters, resized_base(model_dir, root / "resized", V + len(ADDED))
-
-
-def boost_added_rows(folder, vocab=V):
-    """Scale the added tokens' LM head rows up, so that greedy decoding picks them at times."""
-    path = folder / "adapter_model.safetensors"
-    t = load_file(path)
-    for key in (
-        "base_model.model.lm_head.weight",
-        "base_model.model.lm_head.modules_to_save.weight",
-    ):
-        t[key][vocab:] *= 6.0
-    save_file(t, path)
-
-
-def resized_base(model_dir, out, rows):
-    """The base resized to ``rows`` tokens (PEFT's oracle for an adapter that added tokens)."""
-    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    base.resize_token_embeddings(rows, mean_resizing=False)
-    base.save_pretrained(out)
-    return out
 
 
 def _mc(model_dir, extra=EXTRA):
@@ -125,7 +106,7 @@ BACKENDS = {
 
 def _reference(model_dir, adapters, resized, prompts, names, force=None, **kw):
     """PEFT's logits per step and tokens: the adapter's rows on the resized base with it
-    active (V + k wide), the others as in test_full_modules (V wide). ``force``: decode these
+    active (V + k wide), the others as in tests/model/lora/test_full.py (V wide). ``force``: decode these
     tokens (per step, per row); ``kw``: dtype / device of the PEFT models."""
     other = [i for i, n in enumerate(names) if n != "added"]
     mine = [i for i, n in enumerate(names) if n == "added"]
