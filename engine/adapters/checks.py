@@ -262,6 +262,19 @@ def parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
     return layer, short, parts[i][-1]
 
 
+def check_module_exists(layer: int, module: str, key: str, mc: ModelConfig) -> None:
+    """A LoRA tensor must be for a projection the base has: a mixture-of-experts model's
+    sparse layers have experts instead of a dense MLP, so ``mlp.gate_proj`` there names
+    nothing (expert LoRA is refused by its own checks)."""
+    if layer != VOCAB_LAYER and not mc.has_module(layer, module):
+        raise AdapterTargetError(
+            f"{WEIGHTS_FILE}: tensor {key!r} is for {base_module_name(layer, module)!r}, which "
+            f"the base does not have (layer {layer} is a mixture-of-experts layer: its MLP is "
+            "experts, not a dense gate_proj / up_proj / down_proj)",
+            field=key,
+        )
+
+
 def check_weight_values(t: torch.Tensor, key: str, *, scale: float | None = None) -> None:
     """Raise AdapterValueError if ``t`` holds NaN, +-Inf or an entry above
     ``MAX_ADAPTER_WEIGHT`` in magnitude. One reduction pass (NaN propagates through amax);

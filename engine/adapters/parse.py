@@ -20,6 +20,7 @@ from loraplex.engine.adapters.checks import (
     check_full_modules_allowed,
     check_full_table,
     check_full_tables_present,
+    check_module_exists,
     check_table_copy,
     check_weight_values,
     fold_scale_into,
@@ -161,6 +162,7 @@ def _index(
                 f"{WEIGHTS_FILE}: tensor {key!r} is for {full!r}, which {CONFIG_FILE} does not target",
                 field=key,
             )
+        check_module_exists(layer, module, key, mc)
         pair = found.setdefault((layer, module), {})
         if ab in pair:
             raise AdapterFormatError(

@@ -18,6 +18,7 @@ from loraplex.engine.adapters.checks import (
     check_full_modules_allowed,
     check_full_table,
     check_full_tables_present,
+    check_module_exists,
     check_table_copy,
     is_table_copy,
     parse_key,
@@ -186,6 +187,7 @@ def _check_modules(
                 "target",
                 field=t.key,
             )
+        check_module_exists(layer, module, t.key, mc)
         pair = found.setdefault((layer, module), {})
         if ab in pair:
             raise AdapterFormatError(

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from loraplex.engine import AsyncEngine, SamplingParams
+from loraplex.engine.adapters.parse import load_adapter
 from loraplex.engine.errors import AdapterConfigError, AdapterTargetError
+from loraplex.engine.model.config import ModelConfig
 from tests.helpers.engine import assert_idle, collect, config, register
 from tests.helpers.models import ATTN_MODULES, copy_adapter, make_peft_adapter, write_adapter
 from tests.helpers.moe_models import MOE_KINDS, make_tiny_moe
@@ -110,12 +112,6 @@ async def test_expert_adapters_are_refused_at_registration(moe, tmp_path):
         assert [a["name"] for a in engine.list_adapters()] == ["attn"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KeyError,  # preflight's shape lookup: a 500 at registration today
-    reason="needs the lifecycle check of issue 42 (adapter checks ask ModelConfig.has_module), "
-    "held until the engine/lora -> engine/adapters move of issue 40 lands",
-)
 async def test_dense_mlp_tensors_on_a_sparse_layer_are_refused(moe, tmp_path):
     """A crafted adapter with ``mlp.gate_proj`` tensors on a layer that has experts instead."""
     kind, model_dir, _ = moe
@@ -127,3 +123,17 @@ async def test_dense_mlp_tensors_on_a_sparse_layer_are_refused(moe, tmp_path):
     async with AsyncEngine(config(model_dir)) as engine:
         with pytest.raises(AdapterTargetError, match="gate_proj"):
             await engine.add_adapter("bad", f"file://{bad}")
+
+
+def test_the_parser_refuses_dense_mlp_tensors_on_a_sparse_layer_too(moe, tmp_path):
+    """The same adapter straight into the parser (its own header checks, which a stage runs
+    without the preflight): the typed error, not a KeyError."""
+    kind, model_dir, _ = moe
+    key = "base_model.model.model.layers.0.mlp.gate_proj"
+    bad = write_adapter(
+        tmp_path / "bad", _config(target_modules=["q_proj", "gate_proj"]),
+        {f"{key}.lora_A.weight": torch.zeros(4, 64), f"{key}.lora_B.weight": torch.zeros(96, 4)},
+    )  # fmt: skip
+    mc = ModelConfig.from_dir(model_dir)
+    with pytest.raises(AdapterTargetError, match="mixture-of-experts layer"):
+        load_adapter(bad, mc, max_lora_rank=16)
