@@ -29,6 +29,8 @@ __all__ = [
     "TensorEntry",
     "SafetensorsHeader",
     "read_safetensors_header",
+    "header_length",
+    "parse_safetensors_header",
     "FileTensors",
     "TORCH_DTYPES",
 ]
@@ -60,12 +62,25 @@ def read_safetensors_header(path: Path, *, max_header_bytes: int) -> Safetensors
     """Read and check only the header; the tensors must tile the data section exactly."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        n = int.from_bytes(f.read(8).ljust(8, b"\0"), "little") if size >= 8 else -1
-        if n > max_header_bytes:
-            raise _fmt(f"header length {n} is above the limit of {max_header_bytes} bytes")
-        if n < 2 or 8 + n > size:
-            raise _fmt(f"file of {size} bytes is too short for its header (truncated?)")
+        n = header_length(f.read(8), size, max_header_bytes)
         raw = f.read(n)
+    return parse_safetensors_header(raw, size)
+
+
+def header_length(prefix: bytes, size: int, max_header_bytes: int) -> int:
+    """The header's length from the file's first 8 bytes (``size``: the file's), checked."""
+    n = int.from_bytes(prefix.ljust(8, b"\0"), "little") if size >= 8 else -1
+    if n > max_header_bytes:
+        raise _fmt(f"header length {n} is above the limit of {max_header_bytes} bytes")
+    if n < 2 or 8 + n > size:
+        raise _fmt(f"file of {size} bytes is too short for its header (truncated?)")
+    return n
+
+
+def parse_safetensors_header(raw: bytes, size: int) -> SafetensorsHeader:
+    """The checks of ``read_safetensors_header`` on a header already read: ``raw`` is the JSON
+    (``header_length`` bytes after the first 8), ``size`` the whole file's length."""
+    n = len(raw)
     try:
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
     except RecursionError:

@@ -9,7 +9,7 @@ in a worker thread.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraplex.engine.adapters.checks import (
@@ -53,6 +53,8 @@ __all__ = [
     "SafetensorsHeader",
     "TensorEntry",
     "preflight",
+    "check_config",
+    "check_header",
     "read_safetensors_header",
     "check_dora_pair",
     "check_full_modules_allowed",
@@ -74,6 +76,8 @@ class ModuleReport:
     rank: int
     a_key: str
     b_key: str
+    in_out: tuple[int, int] = (0, 0)  # the base module's (in_features, out_features)
+    m_key: str | None = None  # DoRA's magnitude vector
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ class PreflightReport:
     dtypes: frozenset[str]
     full: tuple[str, ...] = ()  # modules_to_save tables ("embed_tokens", "lm_head")
     vocab_rows: int = 0  # rows of those tables (> the base's: the adapter added tokens); 0: none
+    tables: dict[str, str] = field(default_factory=dict)  # those tables' keys by module
 
 
 def preflight(
@@ -117,6 +122,32 @@ def preflight(
     check_targets(config, model_config)
     check_full_modules_allowed(config, full_modules)
     header = read_safetensors_header(wpath, max_header_bytes=max_header_bytes)
+    return check_header(header, config, model_config, max_lora_rank, csize + wsize)
+
+
+def check_config(raw: bytes, model_config: ModelConfig, *, full_modules: bool) -> PeftLoRAConfig:
+    """``adapter_config.json``'s bytes parsed and checked against the base (the preflight's
+    config checks, for a pass that holds the bytes already)."""
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise AdapterConfigError(
+            f"{CONFIG_FILE} is {len(raw)} bytes, above the {MAX_CONFIG_BYTES}-byte limit",
+            field=CONFIG_FILE,
+        )
+    config = parse_peft_config_json(raw)
+    check_targets(config, model_config)
+    check_full_modules_allowed(config, full_modules)
+    return config
+
+
+def check_header(
+    header: SafetensorsHeader,
+    config: PeftLoRAConfig,
+    model_config: ModelConfig,
+    max_lora_rank: int,
+    file_bytes: int,
+) -> PreflightReport:
+    """The preflight's checks of a header (already structure-checked) against the config and
+    the base; ``file_bytes``: both files' size."""
     full: dict[str, str] = {}
     modules = _check_modules(header.tensors, config, model_config, max_lora_rank, full)
     rows = {t.key: t.shape[0] for t in header.tensors if t.key in full.values()}
@@ -125,11 +156,12 @@ def preflight(
         modules=modules,
         rank=max(m.rank for m in modules.values()),
         tensor_bytes=header.data_bytes,
-        file_bytes=csize + wsize,
+        file_bytes=file_bytes,
         header_bytes=header.header_bytes,
         dtypes=frozenset(t.dtype for t in header.tensors),
         full=tuple(sorted(full)),
         vocab_rows=max(rows.values(), default=0),
+        tables=dict(full),
     )
 
 
@@ -246,7 +278,8 @@ def _check_modules(
                     f"for {full!r} of the base",
                     field=t.key,
                 )
-        out[(layer, module)] = ModuleReport(layer, module, r, a.key, b.key)
+        mkey = m.key if m is not None else None
+        out[(layer, module)] = ModuleReport(layer, module, r, a.key, b.key, (d_in, d_out), mkey)
     return out
 
 
