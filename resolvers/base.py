@@ -101,6 +101,12 @@ class AdapterSource(ABC):
     async def aclose(self) -> None:  # noqa: B027 - optional hook, default no-op
         """Release connections; called once, also after a failure."""
 
+    def local_fd(self, name: str) -> int | None:
+        """A new descriptor of file ``name`` when the source holds it on this machine (the
+        caller reads it with ``os.pread`` and closes it), else None: the engine then reads,
+        hashes and checks the bytes in one pass instead of copying them first."""
+        return None
+
 
 class Resolver(ABC):
     """Fetches adapters for the URI ``schemes`` it declares. Subclasses implement ``open``."""
@@ -134,20 +140,37 @@ class Resolver(ABC):
                 f"{type(self).__name__} cannot fetch {uri!r} (schemes: {', '.join(self.schemes)})",
                 field="uri",
             )
-        await asyncio.to_thread(self.settings.policy.check, uri)  # defence in depth
-        dest = Path(dest)
-        t0 = time.monotonic()
         log.info("adapter_fetch_start", uri=uri, resolver=type(self).__name__)
         try:
-            source = await self.open(uri)
-            try:
-                sizes = _check_listing(uri, source.files, max_bytes)
-                for name in extra_files:
-                    if name in source.files and name not in sizes:
-                        sizes[name] = source.files[name]
-                nbytes = await self._transfer(uri, source, sizes, dest, progress, max_bytes)
-            finally:
-                await source.aclose()
+            source, sizes = await self.open_checked(
+                uri, max_bytes=max_bytes, extra_files=extra_files
+            )
+        except LoRAError as e:
+            log.warning("adapter_fetch_failed", uri=uri, error=str(e), kind=type(e).__name__)
+            raise
+        except Exception as e:  # network, auth: one typed error for the caller
+            log.warning("adapter_fetch_failed", uri=uri, error=str(e), kind=type(e).__name__)
+            raise AdapterSourceError(f"fetching {uri!r} failed: {e}", field="uri") from e
+        try:
+            return await self.fetch_opened(uri, source, sizes, dest, progress, max_bytes=max_bytes)
+        finally:
+            await source.aclose()
+
+    async def fetch_opened(
+        self,
+        uri: str,
+        source: AdapterSource,
+        sizes: dict[str, int | None],
+        dest: Path,
+        progress: ProgressCallback | None = None,
+        *,
+        max_bytes: int | None = None,
+    ) -> FetchResult:
+        """``fetch`` of a source ``open_checked`` returned (the caller closes it)."""
+        dest = Path(dest)
+        t0 = time.monotonic()
+        try:
+            nbytes = await self._transfer(uri, source, sizes, dest, progress, max_bytes)
         except LoRAError as e:
             log.warning("adapter_fetch_failed", uri=uri, error=str(e), kind=type(e).__name__)
             raise
@@ -163,6 +186,30 @@ class Resolver(ABC):
             seconds=round(time.monotonic() - t0, 3),
         )
         return result
+
+    async def open_checked(
+        self, uri: str, *, max_bytes: int | None = None, extra_files: tuple[str, ...] = ()
+    ) -> tuple[AdapterSource, dict[str, int | None]]:
+        """Open ``uri`` and check its listing as ``fetch`` does (the policy, exactly the two
+        adapter files, the config's size, the quota where sizes are known); returns the
+        source (the caller closes it: ``aclose``) and the files to bring with their listed
+        sizes, the adapter's first, then those of ``extra_files`` the source has."""
+        if scheme_of(uri) not in self.schemes:
+            raise AdapterSourceError(
+                f"{type(self).__name__} cannot fetch {uri!r} (schemes: {', '.join(self.schemes)})",
+                field="uri",
+            )
+        await asyncio.to_thread(self.settings.policy.check, uri)  # defence in depth
+        source = await self.open(uri)
+        try:
+            sizes = _check_listing(uri, source.files, max_bytes)
+        except BaseException:
+            await source.aclose()
+            raise
+        for name in extra_files:
+            if name in source.files and name not in sizes:
+                sizes[name] = source.files[name]
+        return source, sizes
 
     async def _transfer(
         self,

@@ -134,6 +134,10 @@ class _LocalSource(AdapterSource):
     async def aclose(self) -> None:
         self.close()
 
+    def local_fd(self, name: str) -> int | None:
+        fd = self._fds.get(name)
+        return None if fd is None else os.dup(fd)  # read with pread: offsets are shared
+
     def close(self) -> None:
         fds, self._fds = self._fds, {}
         _close_all(fds.values())
