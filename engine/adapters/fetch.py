@@ -31,34 +31,33 @@ run and the staging directory's quota are read together whenever one of them cha
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from loraplex.engine.adapters.added_tokens import check_adapter_vocab
-from loraplex.engine.adapters.digest import adapter_digest
+from loraplex.engine.adapters.fetch_pass import fetch_and_check
 from loraplex.engine.adapters.host_pool import HostPool
 from loraplex.engine.adapters.loader_procs import LoaderInit, LoaderProcesses
-from loraplex.engine.adapters.parse import check_adapter_values
-from loraplex.engine.adapters.preflight import PreflightReport, preflight
+from loraplex.engine.adapters.parse import LoRAAdapter
 from loraplex.engine.adapters.staging import AdapterStager
 from loraplex.engine.adapters.version import AdapterVersion
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.errors import AdapterConfigError, AdapterDigestError
+from loraplex.engine.errors import AdapterConfigError
 from loraplex.engine.model.config import ModelConfig
 from loraplex.plugins import PluginManager
 from loraplex.resolvers import TOKENIZER_FILES, ResolverSettings, SourcePolicy
 from loraplex.resolvers.policy import is_local
 
-__all__ = ["AdapterFetcher", "valid_adapter_name", "fetch_and_check"]
+__all__ = ["AdapterFetcher", "valid_adapter_name", "fetch_and_check"]  # (fetch_pass.py)
 
 
 _ENV_PREFIXES = ("HF_", "AWS_", "HUGGING")  # what resolvers read at fetch time
@@ -156,9 +155,17 @@ class AdapterFetcher:
     # -- stages ---------------------------------------------------------------------------------
 
     async def fetch_verify(
-        self, v: AdapterVersion, sha256: str | None = None, *, trusted: bool = False
-    ) -> None:
-        """resolve + fetch + verify + preflight; sets ``v.local_dir`` and ``v.digest``.
+        self,
+        v: AdapterVersion,
+        sha256: str | None = None,
+        *,
+        trusted: bool = False,
+        stage: tuple[torch.dtype, bool] | None = None,
+    ) -> LoRAAdapter | None:
+        """resolve + fetch + verify + preflight + value checks, one pass per byte
+        (fetch_pass.py); sets ``v.local_dir`` and ``v.digest``. ``stage`` = (dtype, pin): the
+        same pass also packs the slot image (into a host-pool region when the engine has a
+        pool: sets ``v.region``) and the staged adapter is returned; else None.
 
         ``trusted``: a static source the operator configured (see ``allow_static``).
         """
@@ -171,62 +178,75 @@ class AdapterFetcher:
             await self.allow_static(uri)
         policy = self.policy if trusted else self.base_policy
         if self._fetch_in_helpers():
-            r = await self.procs.call(  # type: ignore[union-attr]
-                "prepare",
-                {
-                    "uri": uri,
-                    "name": v.name,
-                    "prefix": f"v{v.version}-",
-                    "sha256": sha256,
-                    "expect_digest": v.digest,
-                    "max_bytes": self.config.max_adapter_bytes,
-                    "max_lora_rank": self.config.max_lora_rank,
-                    "full_modules": self.config.max_full_module_loras > 0,
-                    "extra_files": self._extra_files(),
-                },
-                shared={  # sent to a helper again only once changed
-                    "policy": policy if uri == v.uri else self.policy,
-                    "resolver_policy": self.policy,
-                    "env": {k: x for k, x in os.environ.items() if k.startswith(_ENV_PREFIXES)},
-                },
-            )
+            payload = {
+                "uri": uri,
+                "name": v.name,
+                "prefix": f"v{v.version}-",
+                "sha256": sha256,
+                "expect_digest": v.digest,
+                "max_bytes": self.config.max_adapter_bytes,
+                "max_lora_rank": self.config.max_lora_rank,
+                "full_modules": self.config.max_full_module_loras > 0,
+                "extra_files": self._extra_files(),
+            }
+            shared = {  # sent to a helper again only once changed
+                "policy": policy if uri == v.uri else self.policy,
+                "resolver_policy": self.policy,
+                "env": {k: x for k, x in os.environ.items() if k.startswith(_ENV_PREFIXES)},
+            }
+
+            async def call(region: tuple[int, int] | None, on_end: Any) -> dict:
+                if region is not None:
+                    payload["region"] = region
+                    payload["dtype"] = str(stage[0]).removeprefix("torch.")  # type: ignore[index]
+                return await self.procs.call("prepare", payload, shared=shared, on_end=on_end)  # type: ignore[union-attr]
+
+            r, adapter = await self.stager.in_helper(v, call, stage)
             v.local_dir, v.digest = Path(r["local_dir"]), r["digest"]
             v.pinned_uri, v.nbytes = r["pinned_uri"], r["nbytes"]
             v.lora_rank, v.dora, v.full = r["rank"], r["dora"], r["full"]
             v.vocab_rows = r["vocab_rows"]
             t.update(r["timings"])
-            await self._added_tokens(v)
-            return
+            await self._added_tokens(v, adapter)
+            return adapter
         t0 = time.perf_counter()
         resolver = self.plugins.resolver_for(uri)
         await asyncio.to_thread(policy.check, v.uri)
         t1 = time.perf_counter()
         dest = Path(tempfile.mkdtemp(prefix=f"v{v.version}-", dir=self.cache_dir))
-        result, digest, stages, report = await fetch_and_check(
-            resolver, uri, dest, name=v.name, shown_uri=v.uri, sha256=sha256,
-            expect_digest=v.digest, model_config=self.model_config,
-            max_lora_rank=self.config.max_lora_rank, max_bytes=self.config.max_adapter_bytes,
-            progress=self._progress(v), full_modules=self.config.max_full_module_loras > 0,
-            extra_files=self._extra_files(),
-        )  # fmt: skip
+
+        async def run(out: torch.Tensor | None) -> Any:
+            return await fetch_and_check(
+                resolver, uri, dest, name=v.name, shown_uri=v.uri, sha256=sha256,
+                expect_digest=v.digest, model_config=self.model_config,
+                max_lora_rank=self.config.max_lora_rank, max_bytes=self.config.max_adapter_bytes,
+                progress=self._progress(v), full_modules=self.config.max_full_module_loras > 0,
+                extra_files=self._extra_files(), dtype=stage[0] if stage else None,
+                pin=bool(stage and stage[1]), out=out,
+            )  # fmt: skip
+
+        got, adapter = await self.stager.in_thread(v, run, stage)
+        report = got.checked.report
         v.local_dir, v.digest, v.pinned_uri, v.nbytes = (
-            result.local_dir,
-            digest,
-            result.pinned_uri,
-            result.nbytes,
+            got.result.local_dir,
+            got.digest,
+            got.result.pinned_uri,
+            got.result.nbytes,
         )
         v.lora_rank, v.dora, v.full = report.rank, report.config.use_dora, bool(report.full)
         v.vocab_rows = report.vocab_rows
-        t.update(resolve=t1 - t0, **stages)
-        await self._added_tokens(v)
+        t.update(resolve=t1 - t0, **got.stages)
+        await self._added_tokens(v, adapter)
+        return adapter
 
     def _extra_files(self) -> tuple[str, ...]:
         """Files fetched besides the adapter's: its tokenizer, where tokens may be added."""
         return TOKENIZER_FILES if self.config.lora_extra_vocab_size else ()
 
-    async def _added_tokens(self, v: AdapterVersion) -> None:
+    async def _added_tokens(self, v: AdapterVersion, adapter: LoRAAdapter | None) -> None:
         """An adapter that added tokens (tables past the base vocabulary): its tokenizer,
-        checked against the base's (``v.tokenizer``); on a refusal its files are removed."""
+        checked against the base's (``v.tokenizer``); on a refusal its files are removed (and
+        the region of an image the pass made goes back to the pool)."""
         vocab = self.model_config.vocab_size
         if v.vocab_rows <= vocab:
             v.tokenizer = None
@@ -246,6 +266,8 @@ class AdapterFetcher:
             assert self.load_tokenizer is not None and v.local_dir is not None
             v.tokenizer = await asyncio.to_thread(self.load_tokenizer, v.local_dir)
         except BaseException:
+            if adapter is not None:
+                self.stager.release(v)
             if v.local_dir is not None:
                 await asyncio.to_thread(shutil.rmtree, v.local_dir, True)
                 v.local_dir = None
@@ -293,67 +315,3 @@ class AdapterFetcher:
                 asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, path, True)
             except RuntimeError:
                 shutil.rmtree(path, ignore_errors=True)
-
-
-async def fetch_and_check(
-    resolver: Any,
-    uri: str,
-    dest: Path,
-    *,
-    name: str,
-    shown_uri: str,
-    sha256: str | None,
-    expect_digest: str,
-    model_config: Any,
-    max_lora_rank: int,
-    max_bytes: int,
-    progress: Any = None,
-    full_modules: bool = False,
-    extra_files: tuple[str, ...] = (),
-    cpu_gate: AbstractContextManager[Any] | None = None,
-) -> tuple[Any, str, dict[str, float], PreflightReport]:
-    """Fetch ``uri`` into ``dest`` (removed again on any failure) and check it; returns the
-    resolver's FetchResult, the digest, the seconds of fetch / verify / preflight and the
-    preflight's report (rank, config). ``full_modules``: modules_to_save tables are served;
-    ``extra_files``: optional files fetched too (an adapter's tokenizer, added_tokens.py);
-    ``cpu_gate``: held around the header and value checks (a loader helper's one-at-a-time
-    gate for GIL-bound work)."""
-    t1 = time.perf_counter()
-    try:
-        more = {"extra_files": extra_files} if extra_files else {}  # (plugin resolvers)
-        result = await resolver.fetch(uri, dest, progress, max_bytes=max_bytes, **more)
-        t2 = time.perf_counter()
-        digest = await asyncio.to_thread(adapter_digest, result.local_dir)
-        if sha256 is not None and sha256.lower().removeprefix("sha256:") != digest:
-            raise AdapterDigestError(
-                f"sha256 mismatch for adapter {name!r} from {shown_uri!r}: configured "
-                f"{sha256.lower()}, content has {digest}",
-                field="sha256",
-            )
-        if expect_digest and expect_digest != digest:
-            raise AdapterDigestError(
-                f"adapter {name!r} at {shown_uri!r} changed: digest {digest[:12]}..., "
-                f"expected {expect_digest[:12]}...",
-                field="sha256",
-            )
-        t3 = time.perf_counter()
-
-        def checks() -> PreflightReport:
-            with cpu_gate or contextlib.nullcontext():
-                report = preflight(
-                    result.local_dir, model_config, max_lora_rank=max_lora_rank,
-                    max_bytes=max_bytes, full_modules=full_modules,
-                )  # fmt: skip
-                check_adapter_values(
-                    result.local_dir, model_config, max_lora_rank=max_lora_rank,
-                    full_modules=full_modules,
-                )  # fmt: skip
-            return report
-
-        report = await asyncio.to_thread(checks)
-        t4 = time.perf_counter()
-    except BaseException:
-        await asyncio.to_thread(shutil.rmtree, dest, True)
-        raise
-    stages = {"fetch": t2 - t1, "verify": t3 - t2, "preflight": t4 - t3}
-    return result, digest, stages, report

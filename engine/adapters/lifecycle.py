@@ -288,10 +288,11 @@ class AdapterLifecycle:
             if v.parts:
                 adapter = await self._stage_combination(v)
             else:
-                await self._fetched(v)
-                adapter = await self.stager.stage(
-                    v, self.model.dtype, pin=self.device.type == "cuda"
-                )
+                # a version not fetched yet is fetched, checked and staged in one pass
+                stage = (self.model.dtype, self.device.type == "cuda")
+                adapter = await self._fetched(v, stage)
+                if adapter is None:  # its verified copy is staged: packed from there
+                    adapter = await self.stager.stage(v, stage[0], pin=stage[1])
                 if adapter.config.use_dora:  # the row scales need the base weights: here
                     await asyncio.to_thread(self._dora, v, adapter)
             if self._prepare_shards is not None:  # every rank's shard, off the step thread
@@ -318,14 +319,19 @@ class AdapterLifecycle:
         fold_dora(adapter, row_scales(self.model, adapter.name, adapter.weights, mags))
         v.timings["dora"] = time.perf_counter() - t0
 
-    async def _fetched(self, v: AdapterVersion) -> None:
-        """Make sure ``v``'s files are in the staging dir (fetched again if they went)."""
+    async def _fetched(
+        self, v: AdapterVersion, stage: tuple[Any, bool] | None = None
+    ) -> LoRAAdapter | None:
+        """Make sure ``v``'s files are in the staging dir (fetched again if they went);
+        ``stage`` = (dtype, pin): a fetch also stages ``v`` in the same pass and returns it."""
         if v.local_dir is not None and not await asyncio.to_thread(v.local_dir.is_dir):
             log.warning("adapter_staging_lost", name=v.name, path=str(v.local_dir))
             v.local_dir = None  # fetched again below; the digest must not change
         if v.local_dir is None:
-            await self.fetcher.fetch_verify(v, trusted=v.trusted)
+            adapter = await self.fetcher.fetch_verify(v, trusted=v.trusted, stage=stage)
             await self.fetcher.trim_staging(self.registry.versions(), keep=v)
+            return adapter
+        return None
 
     async def _stage_combination(self, v: AdapterVersion) -> LoRAAdapter:
         """A combination's components' files (held as users meanwhile, so that no staging

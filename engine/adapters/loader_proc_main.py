@@ -144,25 +144,38 @@ class _Helper:
         await asyncio.to_thread(p["policy"].check, p["uri"])
         t1 = time.perf_counter()
         dest = Path(tempfile.mkdtemp(prefix=p["prefix"], dir=self.init.cache_dir))
-        result, digest, stages, report = await fetch_and_check(
+        dtype, out = None, None
+        if p.get("region") is not None:  # the same pass packs the slot image into the region
+            import torch
+
+            dtype = getattr(torch, p["dtype"])
+            offset, nbytes = p["region"]
+            out = self.pool[offset : offset + nbytes].view(dtype)
+        got = await fetch_and_check(
             resolver, p["uri"], dest, name=p["name"], shown_uri=p["uri"], sha256=p["sha256"],
             expect_digest=p["expect_digest"], model_config=self.init.model_config,
             max_lora_rank=p["max_lora_rank"], max_bytes=p["max_bytes"],
             full_modules=p["full_modules"], extra_files=tuple(p.get("extra_files", ())),
-            cpu_gate=self.cpu_gate.hold(urgent=False),
+            cpu_gate=self.cpu_gate.hold(urgent=out is not None), dtype=dtype, out=out,
         )  # fmt: skip
-        t = {"resolve": t1 - t0, **stages}
-        return {
-            "local_dir": str(result.local_dir),
-            "digest": digest,
-            "pinned_uri": result.pinned_uri,
-            "nbytes": result.nbytes,
+        report = got.checked.report
+        reply = {
+            "local_dir": str(got.result.local_dir),
+            "digest": got.digest,
+            "pinned_uri": got.result.pinned_uri,
+            "nbytes": got.result.nbytes,
             "rank": report.rank,
             "dora": report.config.use_dora,
             "full": bool(report.full),
             "vocab_rows": report.vocab_rows,
-            "timings": t,
+            "timings": {"resolve": t1 - t0, **got.stages},
         }
+        packed = got.checked.packed
+        if packed is not None:
+            reply["config"] = report.config
+            reply["numel"] = packed.buffer.numel()
+            reply["entries"] = [tuple(vars(e).values()) for e in packed.entries.values()]
+        return reply
 
     async def _stage(self, p: dict) -> dict:
         # NOTE: the "cancelled" reply frees the region on the engine's side: it may only go

@@ -18,22 +18,18 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from loraplex.engine.adapters.checks import fold_scale_into
 from loraplex.engine.adapters.combine import combine_adapters
 from loraplex.engine.adapters.host_pool import HostPool, Region
 from loraplex.engine.adapters.loader_procs import LoaderProcesses
-from loraplex.engine.adapters.parse import (
-    LoRAAdapter,
-    ModuleDims,
-    PairSink,
-    load_adapter,
-    load_full_tables,
-)
-from loraplex.engine.adapters.thread_jobs import StageStopped, run_to_end
+from loraplex.engine.adapters.onepass import PassResult, PassSource, read_pass
+from loraplex.engine.adapters.parse import LoRAAdapter, load_adapter, load_full_tables
+from loraplex.engine.adapters.thread_jobs import run_to_end
 from loraplex.engine.adapters.version import AdapterVersion
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.errors import AdapterNotFoundError
@@ -42,12 +38,10 @@ from loraplex.engine.model.lora.slot_image import (
     PackedAdapter,
     PackedWeights,
     PackEntry,
-    layout_of,
-    new_buffer,
     pack_adapter,
 )
 
-__all__ = ["AdapterStager", "stage_packed", "stage_file", "adopt_packed"]
+__all__ = ["AdapterStager", "stage_packed", "stage_file", "adopt_packed", "adapter_of"]
 
 
 class AdapterStager:
@@ -114,6 +108,70 @@ class AdapterStager:
         v.timings["stage"] = r["stage_s"]
         v.region = region
         return adapter
+
+    async def in_thread(
+        self,
+        v: AdapterVersion,
+        run: Callable[[torch.Tensor | None], Awaitable[Any]],
+        stage: tuple[torch.dtype, bool] | None,
+    ) -> tuple[Any, LoRAAdapter | None]:
+        """A fetch whose pass also stages (``stage`` = (dtype, pin); fetch_pass.py) in this
+        process: ``run(out)`` into a host-pool region (or a new buffer without a pool); on any
+        failure the region goes back to the pool (the pass's thread has stopped by then:
+        ``run_to_end``). Sets ``v.region``; returns run's result and the staged adapter."""
+        if stage is None:
+            return await run(None), None
+        region = await self._region() if self.pool is not None else None
+        try:
+            out = self.pool.view(region, stage[0]) if region is not None else None  # type: ignore[union-attr]
+            got = await run(out)
+            t0 = time.perf_counter()
+            adapter = await asyncio.to_thread(
+                adapter_of, got.checked, v.name, str(got.result.local_dir), self.model_config,
+                stage[0], True,
+            )  # fmt: skip
+        except BaseException:
+            if region is not None:
+                self.pool.release(region)  # type: ignore[union-attr]
+            raise
+        v.timings["stage"] = time.perf_counter() - t0
+        v.region = region
+        return got, adapter
+
+    async def in_helper(
+        self,
+        v: AdapterVersion,
+        call: Callable[[tuple[int, int] | None, Any], Awaitable[dict]],
+        stage: tuple[torch.dtype, bool] | None,
+    ) -> tuple[dict, LoRAAdapter | None]:
+        """The same in a loader process: ``call(region, on_end)`` runs the helper's job, which
+        packs into the region (offset, bytes); the region goes back to the pool on failure,
+        once no helper writes into it any more."""
+        if stage is None or self.pool is None:
+            return await call(None, None), None
+        region = await self._region()
+        ended: list[bool] = []
+
+        def end(ok: bool) -> None:
+            ended.append(ok)
+            if not ok:
+                self.pool.release(region)  # type: ignore[union-attr]
+
+        try:
+            r = await call((region.offset, region.nbytes), end)
+            t0 = time.perf_counter()
+            adapter = await asyncio.to_thread(self._adopt, v, r, region, stage[0])
+            if adapter.config.modules_to_save:  # not in the region: read here (model/lora/full.py)
+                adapter.full = await asyncio.to_thread(
+                    load_full_tables, r["local_dir"], self.model_config, stage[0]
+                )
+        except BaseException:
+            if ended == [True]:  # the helper finished; the failure is ours
+                self.pool.release(region)
+            raise
+        v.timings["stage"] = time.perf_counter() - t0
+        v.region = region
+        return r, adapter
 
     async def stage_combination(
         self, v: AdapterVersion, dtype: torch.dtype, *, pin: bool
@@ -184,7 +242,8 @@ class AdapterStager:
         packed = PackedAdapter(
             self.pool.view(region, dtype, r["numel"]), entries, self.config.max_lora_rank
         )
-        adapter = LoRAAdapter(name=v.name, path=r["path"], config=r["config"], weights={})
+        path = r.get("path") or r["local_dir"]
+        adapter = LoRAAdapter(name=v.name, path=path, config=r["config"], weights={})
         adopt_packed(adapter, packed)
         return adapter
 
@@ -212,9 +271,8 @@ def stage_packed(
     return packed
 
 
-@torch.no_grad()
 def stage_file(
-    path: str,
+    path: str | Path,
     model_config: ModelConfig,
     max_rank: int,
     *,
@@ -226,31 +284,44 @@ def stage_file(
     out: torch.Tensor | None = None,
     stop: threading.Event | None = None,
 ) -> LoRAAdapter:
-    """``stage_packed(load_adapter(path, ...))`` without the adapter's own tensors: every
-    check of ``load_adapter``, then each module's A and scaled B written straight from the
-    file's bytes into the slot image (one pass per tensor, the same values bit for bit).
-    ``stop``: checked before each module is written; set, the stage raises StageStopped."""
-    made: list[PackedAdapter] = []
+    """An adapter folder (the engine's verified staging copy) packed into its slot image in
+    one pass (onepass.py: every header and value check again, no hash), the same values bit
+    for bit as ``stage_packed(load_adapter(...))``. ``read_full``: also read modules_to_save
+    tables into ``adapter.full``; ``stop``: checked before each chunk; set, the stage raises
+    StageStopped."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise AdapterNotFoundError(f"adapter folder {str(path)!r} does not exist")
+    try:
+        src = PassSource.open_dir(folder)
+    except FileNotFoundError:
+        load_adapter(folder, model_config, max_lora_rank=max_rank, keep=False)  # its typed error
+        raise
+    try:
+        got = read_pass(
+            src, model_config, max_lora_rank=max_rank, max_bytes=None,
+            full_modules=full_modules, dtype=dtype, pin=pin, out=out, hash_bytes=False, stop=stop,
+        )  # fmt: skip
+    finally:
+        src.close()
+    return adapter_of(got, name or folder.name, str(folder), model_config, dtype, read_full)
 
-    def sink_for(dims: ModuleDims) -> PairSink:
-        entries, numel = layout_of(dims, max_rank)
-        made.append(PackedAdapter(new_buffer(numel, dtype, pin, out), entries, max_rank))
-        packed = made[0]
 
-        def put(key: tuple[int, str], a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
-            if stop is not None and stop.is_set():
-                raise StageStopped(f"staging {name or path!r} stopped: its load was cancelled")
-            e = entries[key]
-            packed.a(e).copy_(a)
-            fold_scale_into(packed.b(e), b, scale)
-
-        return put
-
-    adapter = load_adapter(
-        path, model_config, max_lora_rank=max_rank, name=name, dtype=dtype,
-        full_modules=full_modules, read_full=read_full, sink_for=sink_for,
-    )  # fmt: skip
-    adopt_packed(adapter, made[0])
+def adapter_of(
+    got: PassResult,
+    name: str,
+    path: str,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    read_full: bool,
+) -> LoRAAdapter:
+    """The adapter a pass packed: its weights are views of the slot image; ``read_full``: its
+    modules_to_save tables read from ``path`` (not in the image)."""
+    assert got.packed is not None
+    adapter = LoRAAdapter(name=name, path=path, config=got.config, weights={})
+    adopt_packed(adapter, got.packed)
+    if read_full and got.config.modules_to_save:
+        adapter.full = load_full_tables(path, model_config, dtype)
     return adapter
 
 

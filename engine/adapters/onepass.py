@@ -1,0 +1,409 @@
+"""One pass per byte: an adapter's files read once, hashed as they are read, checked, packed
+straight into its slot image and (optionally) written to the staging copy, all in that pass.
+
+    config bytes -> hash, parse, config checks
+    weights header (8 + n bytes) -> hash, structure + shape checks, the slot layout
+    data section, in chunks of whole tensors -> hash (a thread of its own: hashlib drops the
+        GIL on large buffers) and staging copy; meanwhile in the caller's thread: value
+        checks of every tensor (NaN, Inf, bounds: checks.py) and the pack into the image
+    end -> the digest (DESIGN.md's: digest.py) compared with every expected one
+
+Each byte is read once into a private chunk buffer, so the hash, the checks, the image and
+the copy see the same bytes even if the source changes meanwhile. Every failure raises its
+typed error (AdapterDigestError, AdapterValueError, AdapterFormatError, ...) after the
+hashing thread stopped; nothing the pass wrote is usable then: the caller gives the image's
+memory back, and the copy is only renamed into place once the digest matched and every check
+passed. Blocking: run it in a worker thread (``stop`` ends it between chunks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loraplex.engine.adapters.checks import (
+    MAX_ADAPTER_WEIGHT,
+    check_folded_values,
+    check_weight_values,
+    fold_scale_into,
+)
+from loraplex.engine.adapters.files import (
+    CONFIG_FILE,
+    DEFAULT_MAX_HEADER_BYTES,
+    ITEMSIZE,
+    TORCH_DTYPES,
+    WEIGHTS_FILE,
+    TensorEntry,
+    header_length,
+    parse_safetensors_header,
+)
+from loraplex.engine.adapters.peft_config import PeftLoRAConfig
+from loraplex.engine.adapters.preflight import PreflightReport, check_config, check_header
+from loraplex.engine.adapters.targets import base_module_name
+from loraplex.engine.adapters.thread_jobs import StageStopped
+from loraplex.engine.errors import AdapterFormatError, AdapterTooLargeError
+from loraplex.engine.model.config import ModelConfig
+from loraplex.engine.model.lora.slot_image import PackedAdapter, PackEntry, layout_of, new_buffer
+
+__all__ = ["PassResult", "PassSource", "read_pass"]
+
+CHUNK_BYTES = 8 << 20  # a chunk holds whole tensors (one larger than this: its own chunk)
+
+
+@dataclass
+class PassSource:
+    """The two files as open descriptors (read with ``os.pread``; the pass closes neither)
+    and their sizes: a local source's, or the staging copy's."""
+
+    config_fd: int
+    weights_fd: int
+    config_size: int
+    weights_size: int
+
+    @staticmethod
+    def open_dir(folder: Path) -> PassSource:
+        """The adapter files of a folder (the caller closes both: ``close``)."""
+        cfd = os.open(folder / CONFIG_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            wfd = os.open(folder / WEIGHTS_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        except BaseException:
+            os.close(cfd)
+            raise
+        return PassSource(cfd, wfd, os.fstat(cfd).st_size, os.fstat(wfd).st_size)
+
+    def close(self) -> None:
+        for fd in (self.config_fd, self.weights_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+@dataclass
+class PassResult:
+    digest: str  # DESIGN.md's adapter digest ("" when the pass did not hash)
+    config: PeftLoRAConfig
+    report: PreflightReport
+    packed: PackedAdapter | None  # the slot image (None: the pass only checked)
+    nbytes: int  # both files
+    header_s: float = 0.0  # seconds of the config and header checks, before any tensor byte
+
+
+def _pread_exact(fd: int, buf: memoryview, offset: int) -> None:
+    """Fill ``buf`` from ``fd`` at ``offset`` (the GIL is released during each read)."""
+    done, n = 0, len(buf)
+    while done < n:
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got <= 0:
+            raise AdapterFormatError(
+                f"{WEIGHTS_FILE}: short read at byte {offset + done} of the listed size (the "
+                "file changed while it was read?)",
+                field=WEIGHTS_FILE,
+            )
+        done += got
+
+
+def _chunks(tensors: list[TensorEntry]) -> list[list[TensorEntry]]:
+    """Runs of whole tensors in file order, each up to ``CHUNK_BYTES`` (or one tensor)."""
+    out: list[list[TensorEntry]] = []
+    cur: list[TensorEntry] = []
+    size = 0
+    for t in sorted(tensors, key=lambda t: t.begin):
+        if cur and size + t.end - t.begin > CHUNK_BYTES:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(t)
+        size += t.end - t.begin
+    if cur:
+        out.append(cur)
+    return out
+
+
+def read_pass(
+    src: PassSource,
+    model_config: ModelConfig,
+    *,
+    max_lora_rank: int,
+    max_bytes: int | None,
+    full_modules: bool = False,
+    dtype: torch.dtype | None = None,
+    pin: bool = False,
+    out: torch.Tensor | None = None,
+    copy_to: Path | None = None,
+    expect: Callable[[str], None] | None = None,
+    hash_bytes: bool = True,
+    stop: threading.Event | None = None,
+) -> PassResult:
+    """The pass (see the module docstring). ``dtype``: pack the slot image in this dtype (into
+    ``out``, a host-pool region's view, else a new buffer, pinned if ``pin``); None: no image.
+    ``copy_to``: a folder that gets both files (the weights only once everything passed);
+    ``expect(digest)``: raises if the digest is not the expected one (before anything is
+    usable); ``hash_bytes=False``: a re-read of the engine's own verified copy."""
+    total = src.config_size + src.weights_size
+    if max_bytes is not None and total > max_bytes:
+        raise AdapterTooLargeError(
+            f"adapter files are {total} bytes ({WEIGHTS_FILE}: {src.weights_size}), above the "
+            f"quota of {max_bytes}",
+            field=WEIGHTS_FILE,
+        )
+    t0 = time.perf_counter()
+    hasher = _Hasher(copy_to) if hash_bytes or copy_to is not None else None
+    ok = False
+    try:
+        raw_config = bytearray(src.config_size)
+        _pread_exact(src.config_fd, memoryview(raw_config), 0)
+        config = check_config(bytes(raw_config), model_config, full_modules=full_modules)
+        if copy_to is not None:
+            (copy_to / CONFIG_FILE).write_bytes(raw_config)
+        config_hex = hashlib.sha256(raw_config).hexdigest() if hash_bytes else ""
+        prefix = bytearray(8)
+        _pread_exact(src.weights_fd, memoryview(prefix), 0)
+        n = header_length(bytes(prefix), src.weights_size, DEFAULT_MAX_HEADER_BYTES)
+        raw = bytearray(n)
+        _pread_exact(src.weights_fd, memoryview(raw), 8)
+        header = parse_safetensors_header(bytes(raw), src.weights_size)
+        report = check_header(header, config, model_config, max_lora_rank, total)
+        header_s = time.perf_counter() - t0
+        if hasher is not None:
+            hasher.feed(bytes(prefix + raw), hash_bytes)
+        packer = _Packer(report, config, max_lora_rank, dtype, pin, out) if dtype else None
+        _data_pass(src.weights_fd, 8 + n, header.tensors, report, config, model_config,
+                   hasher, hash_bytes, packer, stop)  # fmt: skip
+        weights_hex = hasher.finish() if hasher is not None else ""
+        digest = ""
+        if hash_bytes:
+            text = f"{config_hex}  {CONFIG_FILE}\n{weights_hex}  {WEIGHTS_FILE}\n"
+            digest = hashlib.sha256(text.encode()).hexdigest()
+            if expect is not None:
+                expect(digest)
+        if copy_to is not None:
+            os.replace(copy_to / f".{WEIGHTS_FILE}.part", copy_to / WEIGHTS_FILE)
+        ok = True
+        packed = packer.packed if packer else None
+        return PassResult(digest, config, report, packed, total, header_s)
+    finally:
+        if hasher is not None:
+            hasher.close(ok)
+
+
+def _data_pass(
+    fd: int,
+    base: int,
+    tensors: list[TensorEntry],
+    report: PreflightReport,
+    config: PeftLoRAConfig,
+    mc: ModelConfig,
+    hasher: _Hasher | None,
+    hash_bytes: bool,
+    packer: _Packer | None,
+    stop: threading.Event | None,
+) -> None:
+    """Read the data section chunk by chunk into two buffers that take turns: chunk i is
+    hashed (and copied) in the hashing thread while this thread checks and packs it and then
+    reads chunk i + 1 into the other buffer."""
+    roles = _roles(report, mc)
+    scales = {key: config.scale_for(base_module_name(*key)) for key in report.modules}
+    runs = _chunks(tensors)
+    width = max((r[-1].end - r[0].begin for r in runs), default=0)
+    bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(min(2, len(runs)))]
+    views = [memoryview((ctypes.c_char * width).from_address(b.data_ptr())).cast("B")
+             for b in bufs]  # fmt: skip
+    pending: list[Future | None] = [None, None]
+    try:
+        _chunk_loop(fd, base, runs, bufs, views, pending, roles, scales, hasher, hash_bytes,
+                    packer, stop)  # fmt: skip
+    finally:  # the hashing thread reads the buffers: they live until it is done with them
+        for f in pending:
+            if f is not None:
+                with contextlib.suppress(BaseException):
+                    f.result()
+    for f in pending:
+        if f is not None:
+            f.result()  # its error (a failed write of the copy), if any
+
+
+def _chunk_loop(
+    fd: int,
+    base: int,
+    runs: list[list[TensorEntry]],
+    bufs: list[torch.Tensor],
+    views: list[memoryview],
+    pending: list[Future | None],
+    roles: dict[str, tuple[str, Any]],
+    scales: dict[tuple[int, str], float],
+    hasher: _Hasher | None,
+    hash_bytes: bool,
+    packer: _Packer | None,
+    stop: threading.Event | None,
+) -> None:
+    for i, run in enumerate(runs):
+        if stop is not None and stop.is_set():
+            raise StageStopped("the adapter's load was cancelled")
+        k = i % 2
+        if pending[k] is not None:  # the hashing thread is done with this buffer
+            pending[k].result()  # type: ignore[union-attr]
+        lo, hi = run[0].begin, run[-1].end
+        _pread_exact(fd, views[k][: hi - lo], base + lo)
+        if hasher is not None:
+            pending[k] = hasher.feed(views[k][: hi - lo], hash_bytes)
+        checked = _chunk_within_bounds(bufs[k][: hi - lo], run, lo, roles, scales)
+        for t in run:
+            role = roles.get(t.key)
+            if role is None:
+                continue  # PEFT's copies of base tables: never read (as the parser)
+            x = bufs[k][t.begin - lo : t.end - lo]
+            if (t.begin - lo) % ITEMSIZE[t.dtype]:
+                x = x.clone()  # not aligned in the buffer
+            x = x.view(TORCH_DTYPES[t.dtype]).view(t.shape)
+            what, key = role
+            if checked:
+                pass
+            elif what == "B":
+                check_folded_values(x, t.key, scales[key])
+            elif what == "M":
+                check_weight_values(x.float(), t.key)
+            else:
+                check_weight_values(x, t.key)
+            if packer is not None and what in ("A", "B"):
+                packer.put(key, what, x, scales[key])
+    if packer is not None:
+        packer.finish()
+
+
+def _chunk_within_bounds(
+    buf: torch.Tensor,
+    run: list[TensorEntry],
+    lo: int,
+    roles: dict[str, tuple[str, Any]],
+    scales: dict[tuple[int, str], float],
+) -> bool:
+    """Every tensor of the chunk passes its value check, found with one min/max pass over the
+    chunk: true if the chunk is one dtype, aligned, and its largest magnitude times the
+    largest LoRA scale of its B tensors is within the bound (rounding is monotonic, so each
+    tensor's own check passes too). False: check tensor by tensor (and word the error)."""
+    dtype = run[0].dtype
+    if any(t.dtype != dtype for t in run) or len(buf) % ITEMSIZE[dtype]:
+        return False
+    if any(roles.get(t.key, ("", None))[0] == "M" for t in run):
+        return False  # (checked in float32)
+    s = max(
+        [abs(scales[roles[t.key][1]]) for t in run if roles.get(t.key, ("",))[0] == "B"] + [1.0]
+    )
+    lo_hi = torch.aminmax(buf.view(TORCH_DTYPES[dtype]))
+    peak = torch.maximum(lo_hi[0].float().abs(), lo_hi[1].float().abs())
+    return bool(peak * s <= MAX_ADAPTER_WEIGHT)
+
+
+def _roles(report: PreflightReport, mc: ModelConfig) -> dict[str, tuple[str, Any]]:
+    """tensor key -> ("A" | "B", (layer, module)), ("M", key) for DoRA magnitudes, ("FULL",
+    module) for modules_to_save tables: what the pass checks (and packs)."""
+    roles: dict[str, tuple[str, Any]] = {}
+    for key, m in report.modules.items():
+        roles[m.a_key], roles[m.b_key] = ("A", key), ("B", key)
+        if m.m_key is not None:
+            roles[m.m_key] = ("M", key)
+    for module, tkey in report.tables.items():
+        roles[tkey] = ("FULL", module)
+    return roles
+
+
+class _Packer:
+    """Writes each module's A and scaled B into the slot image as the pass reaches them."""
+
+    def __init__(
+        self,
+        report: PreflightReport,
+        config: PeftLoRAConfig,
+        max_rank: int,
+        dtype: torch.dtype,
+        pin: bool,
+        out: torch.Tensor | None,
+    ) -> None:
+        dims = {key: (m.rank, *m.in_out) for key, m in report.modules.items()}
+        entries, numel = layout_of(dims, max_rank)
+        self.packed = PackedAdapter(new_buffer(numel, dtype, pin, out), entries, max_rank)
+        self.dtype = dtype
+        # B blocks copied but not scaled yet, by layer: one product over a layer's B blocks
+        # (they lie back to back) instead of one per module, once the layer is complete
+        self.unscaled: dict[int, list[tuple[PackEntry, float]]] = {}
+
+    @torch.no_grad()
+    def put(self, key: tuple[int, str], what: str, x: torch.Tensor, scale: float) -> None:
+        e = self.packed.entries[key]
+        if what == "A":
+            self.packed.a(e).copy_(x)
+        elif x.dtype == self.dtype or self.dtype == torch.float32:
+            # fold_scale_into's exact form (copy, then one float32 product), the product later
+            self.packed.b(e).t().copy_(x.t())
+            self.unscaled.setdefault(e.layer, []).append((e, scale))
+        else:
+            fold_scale_into(self.packed.b(e), x, scale)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Every B block scaled: per layer one product when its modules share the scale and
+        their blocks are contiguous, else one per module (the same values either way)."""
+        buf = self.packed.buffer
+        for blocks in self.unscaled.values():
+            blocks.sort(key=lambda es: es[0].b_offset)
+            scale = blocks[0][1]
+            spans = [(e.b_offset, e.b_offset + e.rank * e.out_features) for e, _ in blocks]
+            joined = all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+            if joined and all(s == scale for _, s in blocks):
+                if scale != 1.0:
+                    buf[spans[0][0] : spans[-1][1]].mul_(scale)
+                continue
+            for (_e, s), (b0, b1) in zip(blocks, spans, strict=True):
+                if s != 1.0:
+                    buf[b0:b1].mul_(s)
+        self.unscaled.clear()
+
+
+class _Hasher:
+    """sha256 of the weights file, fed in order by one thread of its own, which also writes
+    the staging copy's ``.part`` file."""
+
+    def __init__(self, copy_to: Path | None) -> None:
+        self.h = hashlib.sha256()
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="loraplex-hash")
+        self.part = copy_to / f".{WEIGHTS_FILE}.part" if copy_to is not None else None
+        self.fd = (
+            os.open(self.part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            if self.part is not None
+            else None
+        )
+
+    def feed(self, data: Any, hash_bytes: bool) -> Future:
+        return self.pool.submit(self._take, data, hash_bytes)
+
+    def _take(self, data: Any, hash_bytes: bool) -> None:
+        if hash_bytes:
+            self.h.update(data)
+        if self.fd is not None:
+            view, done = memoryview(data), 0
+            while done < len(view):
+                done += os.write(self.fd, view[done:])
+
+    def finish(self) -> str:
+        self.pool.shutdown(wait=True)
+        return self.h.hexdigest()
+
+    def close(self, ok: bool) -> None:
+        """Stop the thread (after what it runs now: it may read a chunk buffer) and, unless
+        the pass succeeded, remove the partial copy."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+            if not ok and self.part is not None:
+                with contextlib.suppress(OSError):
+                    self.part.unlink()

@@ -1,0 +1,136 @@
+"""One pass per byte (adapters/onepass.py, fetch_pass.py): a corrupt byte anywhere in the weights
+file is caught before anything the pass wrote is usable, the image is the parser's bit for bit,
+and in an engine a load that fails its digest or value check leaves no slot or region in use
+while the next good load works."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex.engine import AsyncEngine, errors
+from loraplex.engine.adapters.digest import adapter_digest
+from loraplex.engine.adapters.onepass import PassSource, read_pass
+from loraplex.engine.adapters.parse import load_adapter
+from loraplex.engine.adapters.staging import stage_packed
+from loraplex.engine.model.config import ModelConfig
+from tests.helpers.lifecycle import (
+    GREEDY,
+    PROMPT,
+    assert_idle,
+    collect,
+    config,
+    pool_idle,
+    proc_config,
+    staged_leftovers,
+    wait_until,
+)
+from tests.helpers.peft_oracle import HFReference, compare
+
+W = "adapter_model.safetensors"
+R = 64
+
+
+def _mc(model_dir: Path) -> ModelConfig:
+    return ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+
+
+def _corrupt(src: Path, dst: Path, where: str) -> None:
+    """A copy of ``src`` with one byte flipped: in the header's JSON (a digit of an offset:
+    still valid JSON), or in the data section at its start, middle or end."""
+    shutil.copytree(src, dst)
+    raw = bytearray((dst / W).read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    if where == "header":
+        at = 8 + raw[8 : 8 + n].index(b'"shape":[') + len('"shape":[')
+        raw[at] = ord("9") if raw[at] != ord("9") else ord("8")
+    else:
+        lo, hi = 8 + n, len(raw) - 1
+        at = {"start": lo, "middle": (lo + hi) // 2, "end": hi}[where]
+        raw[at] ^= 0x01  # a low mantissa bit: the values stay finite and small
+    (dst / W).write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("where", ["header", "start", "middle", "end"])
+def test_a_corrupt_byte_anywhere_fails_the_pass_and_keeps_no_copy(tiny, tmp_path, where):
+    model_dir, adapters = tiny
+    good = adapter_digest(adapters["sql"])
+    bad = tmp_path / "bad"
+    _corrupt(adapters["sql"], bad, where)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+
+    def expect(digest: str) -> None:
+        if digest != good:
+            raise errors.AdapterDigestError("changed", field="sha256")
+
+    src = PassSource.open_dir(bad)
+    try:
+        with pytest.raises((errors.AdapterDigestError, errors.AdapterFormatError,
+                            errors.AdapterShapeError)):  # fmt: skip
+            read_pass(src, _mc(model_dir), max_lora_rank=R, max_bytes=None,
+                      dtype=torch.float32, copy_to=copy, expect=expect)  # fmt: skip
+    finally:
+        src.close()
+    assert not (copy / W).exists() and not (copy / f".{W}.part").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pass_packs_the_parsers_image_and_the_digest(tiny, tmp_path, dtype):
+    model_dir, adapters = tiny
+    mc = _mc(model_dir)
+    src = PassSource.open_dir(adapters["sql"])
+    try:
+        got = read_pass(src, mc, max_lora_rank=R, max_bytes=None, dtype=dtype,
+                        copy_to=tmp_path)  # fmt: skip
+    finally:
+        src.close()
+    assert got.digest == adapter_digest(adapters["sql"]) == adapter_digest(tmp_path)
+    ref = stage_packed(
+        load_adapter(adapters["sql"], mc, max_lora_rank=R, dtype=dtype), R, pin=False
+    )
+    assert got.packed is not None and got.packed.entries == ref.entries
+    assert torch.equal(got.packed.buffer.view(torch.uint8), ref.buffer.view(torch.uint8))
+
+
+@pytest.mark.parametrize("procs", [0, 1])
+async def test_a_refetch_that_fails_its_digest_leaves_no_slot_and_the_next_load_works(
+    tiny, tmp_path, procs
+):
+    """A registered adapter whose staged copy went is fetched, verified and staged again in one
+    pass; its source changed by one byte: the request fails typed, no slot, region or staged
+    file stays in use, decoding goes on, and a good adapter loads next (PEFT's tokens)."""
+    model_dir, adapters = tiny
+    root = tmp_path / "root"
+    shutil.copytree(adapters["sql"], root / "sql")
+    shutil.copytree(adapters["poem"], root / "poem")
+    kw = dict(adapter_cache_dir=str(tmp_path / "cache"), max_cpu_loras=2)
+    cfg = proc_config(model_dir, tmp_path, **kw) if procs else config(model_dir, **kw)
+    async with AsyncEngine(cfg) as engine:
+        a = engine.testing.adapters
+        await engine.add_adapter("poem", f"file://{root / 'poem'}")
+        shutil.rmtree(a.registry.get("poem").local_dir)
+        shutil.rmtree(root / "poem")
+        _corrupt(adapters["poem"], root / "poem", "middle")
+
+        async def refused() -> None:
+            with pytest.raises(errors.AdapterDigestError, match="changed"):
+                await collect(engine, PROMPT, GREEDY, adapter="poem")
+
+        base, _ = await asyncio.gather(collect(engine, PROMPT, GREEDY), refused())
+        assert len(base[0]) == GREEDY.max_tokens
+        v = a.registry.get("poem")
+        assert a.slots.slot_of(v) is None and v.region is None and v.adapter is None
+        if a.pool is not None:
+            pool_idle(engine)
+        await engine.add_adapter("sql", f"file://{root / 'sql'}")
+        sql, _, _ = await collect(engine, PROMPT, GREEDY, adapter="sql")
+        assert_idle(engine)
+        await wait_until(lambda: not staged_leftovers(engine), "failed load's files removed")
+    hf = HFReference(model_dir, {"sql": adapters["sql"]})
+    compare(sql, *hf.greedy(PROMPT, "sql", GREEDY.max_tokens))
