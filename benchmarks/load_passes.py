@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -81,14 +82,25 @@ def sha256_floor(folder: Path, repeats: int = 3) -> tuple[float, int]:
     return best, sum(len(d) for d in data)
 
 
-async def one_load(fetcher: AdapterFetcher, folder: Path, n: int) -> dict[str, float]:
+async def one_load(
+    fetcher: AdapterFetcher, folder: Path, n: int, dynamic: bool
+) -> dict[str, float]:
     uri = folder.as_uri()
     await fetcher.allow_static(uri)
     v = AdapterVersion(name=folder.name, uri=uri, digest="", version=n)
     t0 = time.perf_counter()
-    await fetcher.fetch_verify(v, trusted=True)  # add_adapter's part
-    t1 = time.perf_counter()
-    await fetcher.stager.stage(v, torch.float32, pin=False)  # the first request's part
+    if dynamic:  # a first request for a name never fetched: the lifecycle's _fetched + stage
+        try:
+            staged = await fetcher.fetch_verify(v, trusted=True, stage=(torch.float32, False))
+        except TypeError:  # (before the one pass: no stage along the fetch)
+            staged = await fetcher.fetch_verify(v, trusted=True)
+        t1 = time.perf_counter()
+        if staged is None:  # (before the one pass: a separate stage step)
+            await fetcher.stager.stage(v, torch.float32, pin=False)
+    else:
+        await fetcher.fetch_verify(v, trusted=True)  # add_adapter's part
+        t1 = time.perf_counter()
+        await fetcher.stager.stage(v, torch.float32, pin=False)  # the first request's part
     t2 = time.perf_counter()
     fetcher.stager.release(v)
     fetcher.discard(v)
@@ -98,6 +110,8 @@ async def one_load(fetcher: AdapterFetcher, folder: Path, n: int) -> dict[str, f
 
 
 async def run(args: argparse.Namespace) -> None:
+    # the torch threads of a CPU engine (startup.py: one core fewer than the machine has)
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
     mc = ModelConfig.from_dict(LLAMA3_8B)
     work = Path(tempfile.mkdtemp(prefix="load-passes-"))
     config = EngineConfig(device="cpu", dtype="float32", max_lora_rank=args.rank,
@@ -119,7 +133,7 @@ async def run(args: argparse.Namespace) -> None:
                 folder = work / f"{size}-{n}"
                 write_adapter(folder, tensors, targets, args.rank, n)
                 floor, nbytes = sha256_floor(folder)
-                t = await one_load(fetcher, folder, n)
+                t = await one_load(fetcher, folder, n, args.dynamic)
                 if n == 0:
                     continue
                 for k, s in t.items():
@@ -131,6 +145,7 @@ async def run(args: argparse.Namespace) -> None:
     finally:
         await asyncio.to_thread(fetcher.close)
     mode = f"{args.helpers} loader process(es)" if args.helpers else "threads"
+    mode += ", dynamic name" if args.dynamic else ", add_adapter then a request"
     print(f"mode: {mode}; medians of {args.repeats} loads; stage times / sha256 of the same bytes")
     cols = ("resolve", "fetch", "verify", "preflight", "stage", "add", "first", "total")
     print("| adapter | sha256 ms | " + " | ".join(cols) + " |")
@@ -152,6 +167,12 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--helpers", type=int, default=0, help="loader processes (0: threads)")
     ap.add_argument("--pool", action="store_true", help="threads, but into a host pool")
+    ap.add_argument(
+        "--dynamic",
+        action="store_true",
+        help="a first request for a name never fetched (else add_adapter, request)",
+    )
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: cores - 1)")
     asyncio.run(run(ap.parse_args()))
 
 
