@@ -8,9 +8,12 @@ import torch
 
 from loraplex.engine.model.backend import KERNEL_BACKENDS
 
-__all__ = ["EngineConfig", "QUANTIZATIONS"]
+__all__ = ["ADAPTER_EVICTIONS", "EngineConfig", "QUANTIZATIONS"]
 
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization, besides None (model/quant.py)
+# EngineConfig.adapter_eviction: the names of adapters/eviction.py's POLICIES (this module may
+# not import the adapters layer; a test keeps the two equal)
+ADAPTER_EVICTIONS = ("lru", "lfu", "gdsf", "gdf")
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,10 @@ class EngineConfig:
     # LoRA capacity
     max_loras: int = 4  # GPU slots (distinct adapters per step)
     max_cpu_loras: int = 8  # pinned host tier
+    # which idle adapter a full tier gives up, one policy instance per tier (GPU slots, host
+    # tier; adapters/eviction.py): lru | lfu (LFU with ageing) | gdsf | gdf (cost-aware
+    # GreedyDual-Frequency). lru stays the default until the engine's own study decides
+    adapter_eviction: str = "lru"
     max_lora_rank: int = 16
     max_adapter_bytes: int = 2 << 30
     # full-table slots for adapters whose modules_to_save replaces embed_tokens / lm_head
@@ -116,6 +123,11 @@ class EngineConfig:
             raise ValueError(
                 f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, "
                 f"not {self.kernel_backend!r}"
+            )
+        if self.adapter_eviction not in ADAPTER_EVICTIONS:
+            raise ValueError(
+                f"adapter_eviction (--adapter-eviction) must be one of "
+                f"{', '.join(ADAPTER_EVICTIONS)}, not {self.adapter_eviction!r}"
             )
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_lora_rank"):
             if getattr(self, name) < 1:

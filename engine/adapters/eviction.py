@@ -20,9 +20,10 @@ The tier calls:
 
 Policies (``POLICIES``; ``make_policy(name)``):
 
-- ``lru``: least recently touched first. Today's order in both tiers (``min`` over
-  ``last_used``), reproduced exactly when touched where ``last_used`` is set: ties go to the
-  first candidate, a key never touched goes before any touched one.
+- ``lru``: least recently touched first: ties go to the first candidate, a key never touched
+  goes before any touched one. The engine's tiers build theirs with ``tier_policy``: it orders
+  by the version's own ``last_used`` (the one record of recency, which the tiers set on every
+  use), so the default is the tiers' ``min`` / stable sort over ``last_used`` by construction.
 - ``lfu``: LFU with dynamic ageing (LFU-DA). Priority = L + uses; the lowest goes; L (the clock)
   rises to each victim's priority. Plain LFU keeps a formerly popular entry forever; with the
   clock, new entries enter at the current L, so an old count is worth less the more evictions
@@ -43,9 +44,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from operator import attrgetter
+from typing import Any, Protocol
 
-__all__ = ["POLICIES", "EvictionPolicy", "GDF", "GDSF", "LFUDA", "LRU", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "EvictionPolicy",
+    "GDF",
+    "GDSF",
+    "LFUDA",
+    "LRU",
+    "make_policy",
+    "tier_policy",
+]
 
 # seconds per byte assumed for an unmeasured cost until some entry's cost is measured
 # (~1 GB/s: the order of one pass of sha256 over the bytes; only ratios between entries matter)
@@ -70,20 +81,25 @@ def _check(candidates: Sequence[Hashable]) -> None:
 
 
 class LRU:
-    """Least recently touched first (today's order)."""
+    """Least recently touched first. ``recency``: where the caller keeps each key's last use
+    (``tier_policy``: the version's ``last_used``); the policy then orders by it and holds no
+    state of its own (touch and forget do nothing)."""
 
     name = "lru"
 
-    def __init__(self) -> None:
+    def __init__(self, recency: Callable[[Any], float] | None = None) -> None:
         self._last: dict[Hashable, float] = {}
+        self._recency = recency
 
     def touch(self, key: Hashable, *, now: float, size: int = 0, cost: float | None = None) -> None:
-        self._last[key] = now
+        if self._recency is None:
+            self._last[key] = now
 
     def victim(self, candidates: Sequence[Hashable], *, now: float) -> Hashable:
         _check(candidates)
+        last = self._recency or (lambda k: self._last.get(k, -math.inf))
         # NOTE: min keeps the first of equal keys, as the tiers' min / stable sort did
-        key = min(candidates, key=lambda k: self._last.get(k, -math.inf))
+        key = min(candidates, key=last)
         self._last.pop(key, None)
         return key
 
@@ -217,3 +233,12 @@ def make_policy(name: str) -> EvictionPolicy:
             f"unknown adapter eviction policy {name!r}; choose one of: {', '.join(POLICIES)}"
         )
     return factory()
+
+
+def tier_policy(name: str = "lru") -> EvictionPolicy:
+    """A policy for one of the engine's adapter tiers, whose keys are ``AdapterVersion``
+    objects: ``lru`` orders by each version's ``last_used`` (see the module docstring), the
+    others as ``make_policy``. ValueError naming the choices for an unknown name."""
+    if name == "lru":
+        return LRU(recency=attrgetter("last_used"))
+    return make_policy(name)

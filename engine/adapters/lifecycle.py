@@ -25,6 +25,7 @@ from typing import Any
 import structlog
 
 from loraplex.engine.adapters.checks import fold_dora
+from loraplex.engine.adapters.eviction import tier_policy
 from loraplex.engine.adapters.fetch import AdapterFetcher
 from loraplex.engine.adapters.host_pool import HostPool
 from loraplex.engine.adapters.parse import LoRAAdapter, load_magnitudes
@@ -89,9 +90,10 @@ class AdapterLifecycle:
         self.fetcher.load_tokenizer = load_tokenizer
         self.stager = self.fetcher.stager
         self.pool = pool
+        # one eviction policy instance per tier, of the configured kind
         self.slots = SlotStore(
             config.max_loras, config.max_full_module_loras, writer=writer, ranks=ranks,
-            pool=pool, generation=generation,
+            pool=pool, generation=generation, eviction=tier_policy(config.adapter_eviction),
         )  # fmt: skip
         self.registry = AdapterRegistry(
             max_loras=config.max_loras,
@@ -102,6 +104,7 @@ class AdapterLifecycle:
             on_drop=self.fetcher.discard,
             on_unload=self.stager.release,
             slots=self.slots,
+            eviction=tier_policy(config.adapter_eviction),
         )
         self.stager.make_room = self.registry.make_room
         self._load_gate: asyncio.Semaphore | None = None

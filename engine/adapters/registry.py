@@ -3,10 +3,15 @@
 Identity is (name, digest). Re-adding a name with new content makes a new version; requests
 already holding the old version finish on it. Tiers:
 
-    CPU tier  (max_cpu_loras, LRU)  parsed tensors, pinned when serving on CUDA
-    GPU slots (max_loras, LRU)      slot buffers inside every LoRA layer; slots
-                                    0..max_full-1 also hold full tables (model/lora/full.py), the
-                                    only ones an adapter with modules_to_save tables takes
+    CPU tier  (max_cpu_loras)  parsed tensors, pinned when serving on CUDA
+    GPU slots (max_loras)      slot buffers inside every LoRA layer; slots 0..max_full-1 also
+                               hold full tables (model/lora/full.py), the only ones an adapter
+                               with modules_to_save tables takes
+
+Each tier gives up idle entries by its own eviction policy instance (adapters/eviction.py,
+``EngineConfig.adapter_eviction``; default LRU): every use of a version touches both (through
+the slot store's ``use``), a finished load touches the CPU tier's with what the load cost, and
+a version that leaves (unloaded, collected) is forgotten by them.
 
 A version in a GPU slot stays in the CPU tier. The slots themselves (which version holds
 which, references, writes) are the slot store's (slot_store.py), which the registry holds:
@@ -27,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from loraplex.engine.adapters.eviction import EvictionPolicy, tier_policy
 from loraplex.engine.adapters.slot_store import SlotFullError, SlotStore
 from loraplex.engine.adapters.version import (
     AdapterState,
@@ -64,7 +70,8 @@ class AdapterRegistry:
     slots. ``loader`` is the async load itself; ``on_change`` is called when a load ends
     (either way), ``on_drop`` when a version is forgotten, ``on_unload`` when its CPU-tier
     tensors are dropped. ``slots``: the engine's slot store (default: one of ``max_loras``
-    slots that cannot write, for tests of the registry alone).
+    slots that cannot write, for tests of the registry alone); ``eviction``: the CPU tier's
+    policy (``tier_policy``; default LRU).
     """
 
     def __init__(
@@ -78,6 +85,7 @@ class AdapterRegistry:
         on_drop: Callable[[AdapterVersion], None] = lambda v: None,
         on_unload: Callable[[AdapterVersion], None] = lambda v: None,
         slots: SlotStore | None = None,
+        eviction: EvictionPolicy | None = None,
     ) -> None:
         self.max_loras = max_loras
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
@@ -92,6 +100,8 @@ class AdapterRegistry:
         self._versions: list[AdapterVersion] = []  # every version still alive
         self.slots = slots if slots is not None else SlotStore(max_loras, max_full)
         self.slots.pinned, self.slots.on_taken = self._pinned, self._taken
+        self.slots.on_use = self._touch
+        self.eviction = eviction if eviction is not None else tier_policy()
         self._combos: dict[str, AdapterVersion] = {}  # digest -> combination version
         self._counter = itertools.count(1)
         self.stats = {
@@ -216,7 +226,7 @@ class AdapterRegistry:
     def add_user(self, v: AdapterVersion) -> str:
         """A request starts using ``v``; returns the tier that serves it: gpu, cpu or cold."""
         v.users += 1
-        v.last_used = time.monotonic()
+        self.slots.use(v)  # last_used and both tiers' policies
         if v.cold_pending:  # loaded for this request before it was tokenized
             v.cold_pending = False
             tier = "cold"
@@ -283,19 +293,28 @@ class AdapterRegistry:
             self.stats["load_failures"] += 1
         else:
             v.state = AdapterState.CPU
+            self._touch(v, time.monotonic())  # (LRU: no change; the others learn the cost)
             self._evict_cpu(keep=v)
         finally:
             v.load_task = None
             self._on_change()
 
+    def _touch(self, v: AdapterVersion, now: float) -> None:
+        """A use of ``v`` (or its load's end) for the CPU tier's policy: its bytes and what its
+        last load cost (its stage timings; None before any)."""
+        cost = sum(t for stage, t in v.timings.items() if stage != "h2d")
+        self.eviction.touch(v, now=now, size=v.nbytes, cost=cost if cost > 0 else None)
+
     def _unload(self, v: AdapterVersion) -> None:
-        """Drop ``v``'s CPU-tier tensors (its host-pool region goes back, see on_unload)."""
+        """Drop ``v``'s CPU-tier tensors (its host-pool region goes back, see on_unload); the
+        CPU tier's policy forgets it."""
         v.adapter = None
+        self.eviction.forget(v)
         self._on_unload(v)
 
     def _evict_cpu(self, keep: AdapterVersion | None, excess: int | None = None) -> int:
-        """Evict idle CPU-tier versions (LRU) beyond ``max_cpu_loras`` (or ``excess`` of them);
-        returns how many."""
+        """Evict idle CPU-tier versions beyond ``max_cpu_loras`` (or ``excess`` of them), as
+        the tier's policy picks them; returns how many."""
         loaded = [v for v in self._versions if v.state is AdapterState.CPU]
         if excess is None:
             excess = len(loaded) - self.max_cpu_loras
@@ -304,7 +323,11 @@ class AdapterRegistry:
         idle = [
             v for v in loaded if v is not keep and self.slots.slot_of(v) is None and v.users == 0
         ]
-        victims = sorted(idle, key=lambda v: v.last_used)[:excess]
+        victims = []
+        now = time.monotonic()
+        for _ in range(min(excess, len(idle))):
+            victims.append(self.eviction.victim(idle, now=now))
+            idle.remove(victims[-1])
         for v in victims:
             self._unload(v)
             v.state = AdapterState.REGISTERED
@@ -312,7 +335,8 @@ class AdapterRegistry:
         return len(victims)
 
     def make_room(self) -> bool:
-        """Evict the least recently used idle CPU-tier version (a load needs its host memory)."""
+        """Evict one idle CPU-tier version, as the policy picks it (a load needs its host
+        memory)."""
         return self._evict_cpu(None, excess=1) > 0
 
     def reset_failed(self, v: AdapterVersion) -> None:

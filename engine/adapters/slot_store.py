@@ -6,8 +6,12 @@ Ownership. Slots ``0 .. num_full - 1`` also hold full tables (model/lora/full.py
 ones an adapter with modules_to_save tables may take; other adapters take them last. A slot is
 taken from its owner only when the owner is idle: no running request reads it (``refs`` 0),
 its write has landed, no operator pin holds it, and (unless ``force``: a starved request needs
-a slot) no request waits for it; among idle owners the least recently used loses its slot
-(``on_taken`` tells the registry, which counts the eviction and trims the CPU tier).
+a slot) no request waits for it; among idle owners the eviction policy (``eviction``,
+adapters/eviction.py; default: the least recently used) picks the one that loses its slot
+(``on_taken`` tells the registry, which counts the eviction and trims the CPU tier). ``use``
+records every use of a version (a request admitted, a slot assigned, a request reading it) for
+the policy, and for the registry's through ``on_use``; ``free`` makes the policy forget a
+version that gives its slot back for good.
 
 Writes, the one path. On the event loop, ``begin`` (from ``StepExecutor.prepare``) makes a
 ``SlotJob`` per write a step plans: a snapshot of the version's adapter and host-pool region
@@ -33,6 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex.engine.adapters.eviction import EvictionPolicy, tier_policy
 from loraplex.engine.adapters.host_pool import HostPool
 from loraplex.engine.adapters.slot_writer import InlineWriter, SlotJob, SlotWriter
 from loraplex.engine.adapters.version import AdapterState, AdapterVersion, _has_full
@@ -85,8 +90,10 @@ class SlotStore:
     ``writer``: how writes are issued (default: one that refuses, for registry-only tests);
     ``ranks``: the runner's ``SlotRanks`` (this store is its only writer); ``pool``: the host
     pool whose regions writes copy from (held until issued); ``generation``: the model's
-    per-module writes (``SlotBuffers.generation``). The registry binds ``pinned`` (whether an
-    operator pin holds a version's slot) and ``on_taken(old, new)``.
+    per-module writes (``SlotBuffers.generation``); ``eviction``: this tier's policy
+    (``tier_policy``). The registry binds ``pinned`` (whether an operator pin holds a version's
+    slot), ``on_taken(old, new)`` and ``on_use(v, now)`` (a use of a version: the host tier's
+    policy).
     """
 
     num_slots: int
@@ -97,6 +104,8 @@ class SlotStore:
     generation: Callable[[], int] = lambda: 0
     pinned: Callable[[AdapterVersion], bool] = lambda v: False
     on_taken: Callable[[AdapterVersion, AdapterVersion], None] = lambda old, new: None
+    on_use: Callable[[AdapterVersion, float], None] = lambda v, now: None
+    eviction: EvictionPolicy = field(default_factory=tier_policy)
 
     def __post_init__(self) -> None:
         self._slots = [_Slot() for _ in range(self.num_slots)]
@@ -149,12 +158,12 @@ class SlotStore:
                         f"all {what} GPU slots are pinned; adapter {v.name!r} cannot be served"
                     )
                 return None
-            old = min(idle, key=lambda o: o.last_used)
+            old = self.eviction.victim(idle, now=time.monotonic())
             slot = self._of.pop(old)
         s = self._slots[slot]
         s.owner, s.ready, s.joined, s.job = v, False, False, None
         self._of[v] = slot
-        v.last_used = time.monotonic()
+        self.use(v)
         if old is not None:
             self.on_taken(old, v)
         return slot
@@ -179,9 +188,19 @@ class SlotStore:
             and (force or s.owner.users == 0)
         )
 
+    def use(self, v: AdapterVersion) -> None:
+        """A use of ``v`` now: its ``last_used`` (the LRU order), this tier's policy (its
+        bytes, and what its slot write cost when one landed, ``timings["h2d"]``; else the
+        policy estimates it) and ``on_use``."""
+        now = v.last_used = time.monotonic()
+        self.eviction.touch(v, now=now, size=v.nbytes, cost=v.timings.get("h2d"))
+        self.on_use(v, now)
+
     def free(self, v: AdapterVersion) -> None:
-        """``v`` (forgotten) gives its slot back; a write of it still in flight lands unseen
-        (the next owner's write is issued behind it on the same stream)."""
+        """``v`` (forgotten) gives its slot back and leaves the policy (which would otherwise
+        keep it alive); a write of it still in flight lands unseen (the next owner's write is
+        issued behind it on the same stream)."""
+        self.eviction.forget(v)
         slot = self._of.get(v)
         if slot is not None:
             s = self._slots[slot]
@@ -196,7 +215,7 @@ class SlotStore:
         request joins); the slot keeps its owner while such references remain. Returns it."""
         slot = self._of[v]
         self._slots[slot].refs += 1
-        v.last_used = time.monotonic()
+        self.use(v)
         return slot
 
     def release(self, v: AdapterVersion) -> None:
