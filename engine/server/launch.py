@@ -32,6 +32,11 @@ __all__ = [
 ]
 
 
+# EngineConfig.adapter_eviction's names (engine/config.py's ADAPTER_EVICTIONS, which this
+# import-light module does not import; a test keeps them equal)
+ADAPTER_EVICTIONS = ("lru", "lfu", "gdsf", "gdf")
+
+
 def _names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
@@ -76,6 +81,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--max-loras", type=int, help="GPU adapter slots")
     p.add_argument("--max-cpu-loras", type=int, help="adapters held in the host tier")
+    p.add_argument(
+        "--adapter-eviction", choices=ADAPTER_EVICTIONS, default="lru", metavar="NAME",
+        help="which idle adapter a full GPU-slot or host tier gives up: lru (default), lfu "
+        "(LFU with ageing), gdsf, gdf (cost-aware: uses x measured reload cost; won the "
+        "modeled study); the engine's own study decides the default",
+    )  # fmt: skip
     p.add_argument("--max-lora-rank", type=int, help="largest adapter rank served")
     p.add_argument(
         "--max-full-module-loras", type=int, metavar="N",
@@ -177,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "local_roots": tuple(str(Path(r).expanduser().resolve()) for r in args.lora_local_root),
         "enabled_plugins": tuple(args.plugins) if args.plugins is not None else None,
         "kernel_backend": args.kernel_backend,
+        "adapter_eviction": args.adapter_eviction,
         "cuda_graphs": not args.enforce_eager,
         "cuda_graph_sizes": tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
         "async_scheduling": not args.no_async_scheduling,

@@ -136,6 +136,22 @@ def test_flags_map_onto_engine_config(tmp_path):
             EngineConfig(cuda_graph_sizes=bad)  # type: ignore[arg-type]
 
 
+def test_adapter_eviction_flag(capsys):
+    from loraplex.engine.config import ADAPTER_EVICTIONS
+    from loraplex.engine.server import launch
+
+    assert launch.ADAPTER_EVICTIONS == ADAPTER_EVICTIONS  # the parser's choices: the config's
+    assert config_from_args(build_parser().parse_args(["serve"])).adapter_eviction == "lru"
+    for command in ("serve", "serve-ray"):  # serve-ray passes serve flags on
+        args = build_parser().parse_args([command, "--adapter-eviction", "gdf"])
+        assert config_from_args(args).adapter_eviction == "gdf"
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["serve", "--adapter-eviction", "arc"])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "--adapter-eviction" in err and "'arc'" in err and "gdf" in err
+
+
 def test_serve_ray_refuses_adapters_that_add_tokens():
     from loraplex.engine.serve_ray.launch import run
 
