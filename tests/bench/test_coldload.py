@@ -267,6 +267,42 @@ def test_sweep_parsing() -> None:
             parse_sweep(bad)
 
 
+def test_adapter_eviction_is_a_point_field_flag_and_sweep_key() -> None:
+    from loraplex.engine.bench.coldload.config import EVICTIONS
+    from loraplex.engine.bench.coldload.run import engine_config
+    from loraplex.engine.config import ADAPTER_EVICTIONS
+
+    assert EVICTIONS == ADAPTER_EVICTIONS
+    assert engine_config(PointConfig(device="cpu"), {}).adapter_eviction == "lru"
+    sweep = parse_sweep(["adapter-eviction=lru,gdf"])
+    assert sweep == {"adapter_eviction": ["lru", "gdf"]}
+    points = grid(PointConfig(device="cpu"), sweep)
+    assert [engine_config(p, {}).adapter_eviction for _, p in points] == ["lru", "gdf"]
+    assert label_of(points[1][0]) == "adapter_eviction-gdf"
+    with pytest.raises(ValueError, match="'arc'"):
+        parse_sweep(["adapter_eviction=lru,arc"])  # before any point runs
+    with pytest.raises(ValueError, match="adapter_eviction"):
+        PointConfig(adapter_eviction="arc")
+    p = argparse.ArgumentParser()
+    coldload_cli.add_arguments(p)
+    args = p.parse_args(["--adapter-eviction", "gdsf"])
+    assert coldload_cli.point_from_args(args).adapter_eviction == "gdsf"
+    assert coldload_cli.point_from_args(p.parse_args([])).adapter_eviction == "lru"
+
+
+def test_eviction_ab_runs_one_trace_per_policy(tmp_path: Path) -> None:
+    sweep = parse_sweep(["adapter_eviction=lru,gdf"])
+    study = run_study(_point(), tmp_path, sweep=sweep, progress=False, quiet=True)
+    lru, gdf = study.results
+    assert (lru.label, gdf.label) == ("adapter_eviction-lru", "adapter_eviction-gdf")
+    for res in (lru, gdf):
+        doc = _check_point_dir(tmp_path / "points" / res.label)
+        _check_consistent(doc)
+        assert doc["config"]["adapter_eviction"] == res.values["adapter_eviction"]
+    # the same arrivals at both points: only the policy differs
+    assert [q["adapter"] for q in lru.requests] == [q["adapter"] for q in gdf.requests]
+
+
 def test_warm_yardstick_serves_the_same_trace_without_cold_loads(tmp_path: Path) -> None:
     study = run_study(_point(warm_yardstick=True), tmp_path, progress=False, quiet=True)
     (res,) = study.results

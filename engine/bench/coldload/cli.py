@@ -14,7 +14,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from loraplex.engine.bench.coldload.config import SOURCES, SYNTHETIC, Lengths, PointConfig
+from loraplex.engine.bench.coldload.config import (
+    EVICTIONS,
+    SOURCES,
+    SYNTHETIC,
+    Lengths,
+    PointConfig,
+)
 
 __all__ = ["HELP", "DESCRIPTION", "add_arguments", "point_from_args", "run", "main"]
 
@@ -72,6 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--loader-processes", type=int, default=_D.loader_processes,
         help="loader helper processes (-1: the engine's default)",
+    )  # fmt: skip
+    e.add_argument(
+        "--adapter-eviction", choices=EVICTIONS, default=_D.adapter_eviction,
+        help="both adapter tiers' eviction policy (--sweep adapter_eviction=lru,gdf: the A/B "
+        "on one trace)",
     )  # fmt: skip
     r = p.add_argument_group("run")
     r.add_argument(
@@ -132,6 +143,7 @@ def point_from_args(args: argparse.Namespace) -> PointConfig:
         cuda_graphs=not args.no_cuda_graphs,
         max_concurrent_loads=args.max_concurrent_loads,
         loader_processes=args.loader_processes,
+        adapter_eviction=args.adapter_eviction,
         warmup=not args.no_warmup,
         drain_timeout=args.drain_timeout,
         warm_yardstick=args.warm_yardstick,

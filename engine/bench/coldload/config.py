@@ -7,10 +7,22 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Lengths", "PointConfig", "SOURCES", "SYNTHETIC", "parse_sweep", "grid", "label_of"]
+__all__ = [
+    "EVICTIONS",
+    "Lengths",
+    "PointConfig",
+    "SOURCES",
+    "SYNTHETIC",
+    "parse_sweep",
+    "grid",
+    "label_of",
+]
 
 SOURCES = ("local", "s3", "hub")
 SYNTHETIC = ("tiny", "llama3-8b")
+# EngineConfig.adapter_eviction's names (this module stays import-light: the ``loraplex``
+# parser imports it for every command; a test keeps the two equal)
+EVICTIONS = ("lru", "lfu", "gdsf", "gdf")
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,9 @@ class PointConfig:
     cuda_graphs: bool = True
     max_concurrent_loads: int = 0  # 0: the engine's default
     loader_processes: int = -1  # -1: the engine's default (helpers on CUDA, none on CPU)
+    # both adapter tiers' eviction policy (EngineConfig.adapter_eviction): sweep
+    # ``adapter_eviction=lru,gdf`` for the A/B on one trace (the arrivals depend on the seed)
+    adapter_eviction: str = "lru"
     # run
     warmup: bool = True
     drain_timeout: float = 60.0
@@ -81,6 +96,11 @@ class PointConfig:
             raise ValueError("num_adapters, rank, rate and duration must be positive")
         if not 0.0 <= self.base_fraction <= 1.0:
             raise ValueError("base_fraction must lie in [0, 1]")
+        if self.adapter_eviction not in EVICTIONS:
+            raise ValueError(
+                f"adapter_eviction must be one of {', '.join(EVICTIONS)}, "
+                f"not {self.adapter_eviction!r}"
+            )
         if self.max_cpu_loras < self.max_loras:  # the engine backs every slot by the CPU tier
             object.__setattr__(self, "max_cpu_loras", self.max_loras)
 
@@ -113,6 +133,8 @@ def _convert(name: str, text: str) -> Any:
     default = fields[name].default
     if name == "targets":
         return tuple(t for t in text.split("+") if t)
+    if name == "adapter_eviction" and text not in EVICTIONS:  # (refused before any run)
+        raise ValueError(f"adapter_eviction: {text!r} is not one of {', '.join(EVICTIONS)}")
     if isinstance(default, Lengths):
         return Lengths.parse(text)
     if isinstance(default, bool):

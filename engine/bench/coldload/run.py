@@ -68,6 +68,7 @@ def engine_config(
         max_model_len=max_len,
         kv_cache_bytes=int(point.kv_cache_gb * (1 << 30)) or None,
         cuda_graphs=point.cuda_graphs,
+        adapter_eviction=point.adapter_eviction,
         seed=point.seed,
         **(
             {"max_concurrent_loads": point.max_concurrent_loads}
