@@ -26,6 +26,7 @@ from loraplex.engine.errors import (
     AdapterValueError,
 )
 from loraplex.engine.model.config import LORA_MODULES, VOCAB_LAYER, VOCAB_LORA_MODULES, ModelConfig
+from loraplex.engine.model.moe.lora_names import FUSED_PARAMS, PROJ_ROLE, expert_module
 
 __all__ = [
     "check_added_rows",
@@ -41,6 +42,10 @@ __all__ = [
     "fold_dora",
     "fold_scale_into",
     "parse_key",
+    "resolve_expert_module",
+    "is_targeted",
+    "module_dims",
+    "check_expert_forms",
 ]
 
 
@@ -186,6 +191,11 @@ def check_dora_pair(pair: dict[str, Any], config: PeftLoRAConfig, full: str, key
 
 
 _MODULE_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
+# an expert module: PEFT's wrapped fused experts (``experts``, ``experts.base_layer`` ... one
+# ``base_layer`` per parameter wrapped after it) or one expert's projection
+_EXPERT_RE = re.compile(
+    r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(experts(?:\.base_layer)*|experts\.\d+\.\w+)"
+)
 # Largest |w| accepted in lora_A and in lora_B with the LoRA scale folded in. Trained adapters
 # sit orders of magnitude below: PEFT starts A at U(+-1/sqrt(in)) and B at 0, trained entries
 # stay O(0.01-1) and scales (alpha/r, alpha/sqrt(r)) are O(1-100). It is also below float16's
@@ -199,6 +209,17 @@ def _resolve_module(name: str, num_layers: int) -> tuple[int, str]:
     if short is not None:
         return VOCAB_LAYER, short
     m = _MODULE_RE.fullmatch(name)
+    x = _EXPERT_RE.fullmatch(name)
+    sub = x.group(2) if x is not None else ""
+    if sub == "experts" or sub.startswith("experts.base_layer") or sub.rsplit(".")[-1] in PROJ_ROLE:
+        assert x is not None
+        layer = int(x.group(1))
+        if layer >= num_layers:
+            raise AdapterTargetError(
+                f"adapter weights target {name!r}: layer {layer} >= num_layers {num_layers}",
+                field=name,
+            )
+        return layer, sub
     if m is None or m.group(3) not in LORA_MODULES or _PARENT[m.group(3)] != m.group(2):
         raise AdapterTargetError(
             f"adapter weights target module {name!r}, which is not a LoRA module of the base "
@@ -262,10 +283,89 @@ def parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
     return layer, short, parts[i][-1]
 
 
+def resolve_expert_module(
+    layer: int, module: str, key: str, config: PeftLoRAConfig, mc: ModelConfig
+) -> str:
+    """``module`` as ``parse_key`` found it -> the module it names: PEFT's wrapped fused
+    experts (``experts`` + one ``.base_layer`` per parameter wrapped after this one) become
+    ``experts.gate_up_proj`` / ``experts.down_proj``. PEFT wraps the targeted parameters in
+    the model's parameter order (``FUSED_PARAMS``), the first innermost: which key is which
+    parameter follows that order, not the config's list. Other names come back unchanged."""
+    if module != "experts" and not module.startswith("experts.base_layer"):
+        return module
+    depth = module.count(".base_layer")
+    wrapped = [
+        p for p in FUSED_PARAMS if config.targets_parameter(f"model.layers.{layer}.mlp.experts.{p}")
+    ]
+    if depth >= len(wrapped):
+        raise AdapterTargetError(
+            f"{WEIGHTS_FILE}: tensor {key!r} is for a wrapped experts parameter that "
+            f"{CONFIG_FILE}'s target_parameters do not name (it names "
+            f"{list(config.target_parameters) or 'none'} for layer {layer})",
+            field=key,
+        )
+    return f"experts.{wrapped[len(wrapped) - 1 - depth]}"
+
+
+def module_dims(layer: int, module: str, mc: ModelConfig) -> tuple[int, int, int]:
+    """(in, out, experts) of a LoRA module the base has (``check_module_exists`` passed):
+    ``experts`` > 1 for a fused experts module (its A holds that many rank-r blocks)."""
+    dims = mc.expert_module_shape(module)
+    if dims is not None:
+        return dims
+    shapes = mc.vocab_lora_shapes() if layer == VOCAB_LAYER else mc.lora_module_shapes()
+    return (*shapes[module], 1)
+
+
+def check_expert_forms(keys: dict[tuple[int, str], str], config: PeftLoRAConfig) -> None:
+    """``keys``: a tensor key per (layer, module) of an adapter. A layer's experts come in one
+    layout (fused or per expert), plain LoRA (no DoRA: PEFT has none for experts either)."""
+    forms: dict[int, set[bool]] = {}
+    for (layer, module), key in sorted(keys.items()):
+        em = expert_module(module)
+        if em is None:
+            continue
+        if config.use_dora:
+            raise AdapterConfigError(
+                f"{CONFIG_FILE}: use_dora on the experts ({key!r}) is not supported",
+                field="use_dora",
+            )
+        seen = forms.setdefault(layer, set())
+        seen.add(em.fused)
+        if len(seen) > 1:
+            raise AdapterFormatError(
+                f"{WEIGHTS_FILE}: layer {layer}'s experts have both fused (target_parameters) "
+                f"and per-expert tensors ({key!r}): one layout per layer",
+                field=key,
+            )
+
+
+def is_targeted(config: PeftLoRAConfig, full: str, module: str) -> bool:
+    """Whether the config targets the module of full name ``full``: a fused experts module by
+    target_parameters, everything else by target_modules."""
+    em = expert_module(module)
+    if em is not None and em.fused:
+        return config.targets_parameter(full)
+    return config.targets(full)
+
+
 def check_module_exists(layer: int, module: str, key: str, mc: ModelConfig) -> None:
     """A LoRA tensor must be for a projection the base has: a mixture-of-experts model's
     sparse layers have experts instead of a dense MLP, so ``mlp.gate_proj`` there names
     nothing (expert LoRA is refused by its own checks)."""
+    em = expert_module(module)
+    if em is not None and not mc.has_module(layer, module):
+        moe = mc.moe
+        if moe is None:
+            why = f"the base ({mc.architecture}) has no experts"
+        elif not moe.is_sparse(layer):
+            why = f"layer {layer} is a dense layer (no experts)"
+        else:
+            why = f"the base has {moe.num_experts} experts (0 .. {moe.num_experts - 1})"
+        raise AdapterTargetError(
+            f"{WEIGHTS_FILE}: tensor {key!r} is for {base_module_name(layer, module)!r}: {why}",
+            field=key,
+        )
     if layer != VOCAB_LAYER and not mc.has_module(layer, module):
         raise AdapterTargetError(
             f"{WEIGHTS_FILE}: tensor {key!r} is for {base_module_name(layer, module)!r}, which "

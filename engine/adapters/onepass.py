@@ -328,7 +328,7 @@ class _Packer:
         pin: bool,
         out: torch.Tensor | None,
     ) -> None:
-        dims = {key: (m.rank, *m.in_out) for key, m in report.modules.items()}
+        dims = {key: (m.rank, *m.in_out, m.experts) for key, m in report.modules.items()}
         entries, numel = layout_of(dims, max_rank)
         self.packed = PackedAdapter(new_buffer(numel, dtype, pin, out), entries, max_rank)
         self.dtype = dtype
@@ -356,7 +356,7 @@ class _Packer:
         for blocks in self.unscaled.values():
             blocks.sort(key=lambda es: es[0].b_offset)
             scale = blocks[0][1]
-            spans = [(e.b_offset, e.b_offset + e.rank * e.out_features) for e, _ in blocks]
+            spans = [(e.b_offset, e.b_offset + e.rows * e.out_features) for e, _ in blocks]
             joined = all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
             if joined and all(s == scale for _, s in blocks):
                 if scale != 1.0:

@@ -16,6 +16,7 @@ from loraplex.engine.adapters.checks import (
     MAX_ADAPTER_WEIGHT,
     check_added_rows,
     check_dora_pair,
+    check_expert_forms,
     check_folded_values,
     check_full_modules_allowed,
     check_full_table,
@@ -25,7 +26,10 @@ from loraplex.engine.adapters.checks import (
     check_weight_values,
     fold_scale_into,
     is_table_copy,
+    is_targeted,
+    module_dims,
     parse_key,
+    resolve_expert_module,
 )
 from loraplex.engine.adapters.files import (
     CONFIG_FILE,
@@ -72,7 +76,7 @@ _DTYPES = TORCH_DTYPES
 # (layer, module) -> (r, in, out) of every targeted module, and what receives each module's
 # checked tensors: (layer, module), A (r, in), B (out, r) unscaled, the LoRA scale. The tensors
 # are views of the file's read buffer: copy what is kept.
-ModuleDims = dict[tuple[int, str], tuple[int, int, int]]
+ModuleDims = dict[tuple[int, str], tuple[int, int, int, int]]  # (r, in, out, experts)
 PairSink = Callable[[tuple[int, str], torch.Tensor, torch.Tensor, float], None]
 
 
@@ -99,7 +103,7 @@ class LoRAAdapter:
         """Largest rank over all modules."""
         if isinstance(self.weights, WeightsView):
             return self.weights.rank
-        return max((w.a.shape[0] for w in self.weights.values()), default=0)
+        return max((w.a.shape[0] // w.experts for w in self.weights.values()), default=0)
 
     @property
     def nbytes(self) -> int:
@@ -147,6 +151,7 @@ def _index(
             check_table_copy(key, list(f.get_slice(key).get_shape()), mc)
             continue
         layer, module, ab = parse_key(key, mc.num_layers)
+        module = resolve_expert_module(layer, module, key, config, mc)
         full = base_module_name(layer, module)
         if ab == "BASE":
             _check_base_table(key, list(f.get_slice(key).get_shape()), module, mc)
@@ -157,7 +162,7 @@ def _index(
             seen[module] = key
             rows[module] = sl.get_shape()[0]
             continue
-        if not config.targets(full):
+        if not is_targeted(config, full, module):
             raise AdapterTargetError(
                 f"{WEIGHTS_FILE}: tensor {key!r} is for {full!r}, which {CONFIG_FILE} does not target",
                 field=key,
@@ -169,6 +174,7 @@ def _index(
                 f"{WEIGHTS_FILE}: two lora_{ab} tensors for {full!r}", field=key
             )
         pair[ab] = key
+    check_expert_forms({k: next(iter(p.values())) for k, p in found.items()}, config)
     for (layer, module), pair in found.items():
         check_dora_pair(pair, config, base_module_name(layer, module), lambda k: k)
         if "A" not in pair or "B" not in pair:
@@ -200,11 +206,20 @@ def _check_base_table(key: str, shape: list[int], module: str, mc: ModelConfig) 
 
 
 def _check_pair(
-    f: safe_open, pair: dict[str, str], r: int, in_out: tuple[int, int], max_rank: int
+    f: safe_open, pair: dict[str, str], r: int, dims: tuple[int, int, int], max_rank: int
 ) -> None:
-    """Check dtype, shapes (A: (r, in), B: (out, r)) and rank against the limit."""
-    d_in, d_out = in_out
-    for ab, want in (("A", [r, d_in]), ("B", [d_out, r])):
+    """Check dtype, shapes (A: (r, in), B: (out, r); a fused experts module's: r * E for r)
+    and rank against the limit."""
+    d_in, d_out, experts = dims
+    rows = list(f.get_slice(pair["A"]).get_shape())[:1]
+    if experts > 1 and rows != [r * experts]:
+        raise AdapterShapeError(
+            f"{WEIGHTS_FILE}: tensor {pair['A']!r} has {rows} rows; it wants rank {r} x "
+            f"{experts} experts = {r * experts} (an adapter for another expert count does not "
+            "fit this base)",
+            field=pair["A"],
+        )
+    for ab, want in (("A", [r * experts, d_in]), ("B", [d_out, r * experts])):
         key = pair[ab]
         sl = f.get_slice(key)
         if sl.get_dtype() not in _DTYPES:
@@ -267,7 +282,6 @@ def load_adapter(
     # duplicate keys)
 
     header = read_safetensors_header(wfile, max_header_bytes=DEFAULT_MAX_HEADER_BYTES)
-    shapes = model_config.adapter_module_shapes()
     weights: dict[tuple[int, str], LoRAWeights] = {}
     tables: dict[str, str] = {}
     full_tables: dict[str, torch.Tensor] = {}
@@ -278,8 +292,9 @@ def load_adapter(
             dims: ModuleDims = {}
             for key in order:  # check every header first, then read data
                 r = config.rank_for(base_module_name(*key))
-                _check_pair(f, found[key], r, shapes[key], max_lora_rank)
-                dims[key] = (r, *shapes[key])
+                mdims = module_dims(*key, model_config)
+                _check_pair(f, found[key], r, mdims, max_lora_rank)
+                dims[key] = (r, *mdims)
             sink = sink_for(dims) if sink_for is not None else None
             data = FileTensors(wfile, header, [k for p in found.values() for k in (p["A"], p["B"])])
             for layer, module in order:
@@ -295,7 +310,9 @@ def load_adapter(
                 elif keep:  # own copies: nothing may point into the read buffer
                     fb = torch.empty(b.shape, dtype=dtype)
                     fold_scale_into(fb, b, scale)
-                    weights[(layer, module)] = LoRAWeights(a=a.to(dtype, copy=True), b=fb)
+                    weights[(layer, module)] = LoRAWeights(
+                        a=a.to(dtype, copy=True), b=fb, experts=dims[(layer, module)][3]
+                    )
             if read_full:
                 full_tables = _read_tables(f, tables, dtype)
     except (SafetensorError, OSError, ValueError) as e:

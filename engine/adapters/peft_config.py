@@ -52,7 +52,6 @@ _REJECT_IF_SET = (
     "use_qalora",
     "lora_bias",
     "fan_in_fan_out",
-    "target_parameters",
     "trainable_token_indices",
     "layer_replication",
     "alora_invocation_tokens",
@@ -82,6 +81,13 @@ class PeftLoRAConfig:
     # PEFT's ensure_weight_tying: on a base with tied embeddings, a LoRA on embed_tokens also
     # wraps lm_head (and the other way round), saved as a LoRA of its own on the partner
     ensure_weight_tying: bool = False
+    # PEFT's target_parameters: parameters wrapped directly (the fused experts' ``gate_up_proj``
+    # / ``down_proj``, moe/lora_names.py), matched as PEFT does: equal or a "."-suffix
+    target_parameters: tuple[str, ...] = ()
+
+    def targets_parameter(self, name: str) -> bool:
+        """Whether PEFT wraps parameter ``name`` (e.g. ``model.layers.0.mlp.experts.down_proj``)."""
+        return any(name == t or name.endswith("." + t) for t in self.target_parameters)
 
     def rank_for(self, module_name: str) -> int:
         """Rank of ``module_name``: the first matching ``rank_pattern`` key, else ``r``."""
@@ -266,17 +272,25 @@ def _modules_to_save(raw: dict[str, Any]) -> tuple[str, ...]:
     return tuple(sorted(set(out)))
 
 
-def _targets(raw: dict[str, Any]) -> tuple[str, ...] | str:
+def _targets(raw: dict[str, Any], params: tuple[str, ...]) -> tuple[str, ...] | str:
+    """target_modules; missing or empty only next to target_parameters (PEFT saves [] then)."""
     tm = raw.get("target_modules")
     if isinstance(tm, str):
         _check_regex("target_modules", tm)
         return tm
-    if tm is None:
+    if tm is None and not params:
         raise _fail("target_modules", "is missing")
-    out = _str_list("target_modules", tm)
-    if not out:
+    out = _str_list("target_modules", tm if tm is not None else [])
+    if not out and not params:
         raise _fail("target_modules", "is empty")
     return tuple(sorted(set(out)))
+
+
+def _target_parameters(raw: dict[str, Any]) -> tuple[str, ...]:
+    tp = raw.get("target_parameters")
+    if not tp:
+        return ()
+    return tuple(sorted(set(_str_list("target_parameters", tp))))
 
 
 def _layers(raw: dict[str, Any], targets: tuple[str, ...] | str) -> tuple[int, ...] | None:
@@ -349,7 +363,8 @@ def parse_peft_config(raw: dict[str, Any]) -> PeftLoRAConfig:
     use_dora = raw.get("use_dora", False)
     if use_dora is not None and not isinstance(use_dora, bool):
         raise _fail("use_dora", f"must be true or false, got {_show(use_dora)}")
-    targets = _targets(raw)
+    params = _target_parameters(raw)
+    targets = _targets(raw, params)
     layers_pattern = _layers_pattern(raw)
     layers = _layers(raw, targets)
     if layers_pattern and isinstance(targets, str):
@@ -369,6 +384,7 @@ def parse_peft_config(raw: dict[str, Any]) -> PeftLoRAConfig:
         use_dora=bool(use_dora),
         modules_to_save=_modules_to_save(raw),
         ensure_weight_tying=_flag(raw, "ensure_weight_tying"),
+        target_parameters=params,
     )
 
 

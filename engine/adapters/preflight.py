@@ -15,13 +15,17 @@ from pathlib import Path
 from loraplex.engine.adapters.checks import (
     check_added_rows,
     check_dora_pair,
+    check_expert_forms,
     check_full_modules_allowed,
     check_full_table,
     check_full_tables_present,
     check_module_exists,
     check_table_copy,
     is_table_copy,
+    is_targeted,
+    module_dims,
     parse_key,
+    resolve_expert_module,
 )
 from loraplex.engine.adapters.files import (
     CONFIG_FILE,
@@ -78,6 +82,9 @@ class ModuleReport:
     b_key: str
     in_out: tuple[int, int] = (0, 0)  # the base module's (in_features, out_features)
     m_key: str | None = None  # DoRA's magnitude vector
+    # a fused experts module (model/moe/lora_names.py): E rank-r pairs in one A (r*E, in) and
+    # B (out, r*E); ``rank`` is r. 1 for every other module
+    experts: int = 1
 
 
 @dataclass(frozen=True)
@@ -198,6 +205,7 @@ def _check_modules(
             check_table_copy(t.key, list(t.shape), mc)
             continue
         layer, module, ab = parse_key(t.key, mc.num_layers)
+        module = resolve_expert_module(layer, module, t.key, config, mc)
         full = base_module_name(layer, module)
         if ab == "FULL":
             check_full_table(t.key, module, list(t.shape), t.dtype, config, mc)
@@ -213,7 +221,7 @@ def _check_modules(
                     field=t.key,
                 )
             continue
-        if not config.targets(full):
+        if not is_targeted(config, full, module):
             raise AdapterTargetError(
                 f"{WEIGHTS_FILE}: tensor {t.key!r} is for {full!r}, which {CONFIG_FILE} does not "
                 "target",
@@ -232,7 +240,9 @@ def _check_modules(
         raise AdapterFormatError(f"{WEIGHTS_FILE} holds no LoRA weights", field=WEIGHTS_FILE)
     check_full_tables_present(tables, config)
     check_added_rows(rows, mc)
-    shapes = mc.adapter_module_shapes()
+    check_expert_forms(
+        {k: p["A" if "A" in p else next(iter(p))].key for k, p in found.items()}, config
+    )
     out: dict[tuple[int, str], ModuleReport] = {}
     for (layer, module), pair in sorted(found.items()):
         full = base_module_name(layer, module)
@@ -245,10 +255,11 @@ def _check_modules(
             )
         a, b = pair["A"], pair["B"]
         m = pair.get("M")
-        if m is not None and m.shape != (shapes[(layer, module)][1],):
+        d_in, d_out, experts = module_dims(layer, module, mc)
+        if m is not None and m.shape != (d_out,):
             raise AdapterShapeError(
                 f"{WEIGHTS_FILE}: tensor {m.key!r} has shape {m.shape}, expected "
-                f"({shapes[(layer, module)][1]},) for {full!r} of the base",
+                f"({d_out},) for {full!r} of the base",
                 field=m.key,
             )
         for t in (a, b):
@@ -257,7 +268,14 @@ def _check_modules(
                     f"{WEIGHTS_FILE}: tensor {t.key!r} has shape {t.shape}; LoRA weights are 2-D",
                     field=t.key,
                 )
-        r, r_cfg = a.shape[0], config.rank_for(full)
+        r, r_cfg = a.shape[0] // experts, config.rank_for(full)
+        if experts > 1 and a.shape[0] != r_cfg * experts:
+            raise AdapterShapeError(
+                f"{WEIGHTS_FILE}: tensor {a.key!r} has {a.shape[0]} rows; {full!r} wants rank "
+                f"{r_cfg} ({CONFIG_FILE}) x {experts} experts = {r_cfg * experts} rows (an "
+                "adapter for another expert count does not fit this base)",
+                field=a.key,
+            )
         if max(r, r_cfg) > max_rank:
             raise AdapterRankError(
                 f"tensor {a.key!r} has rank {r} ({CONFIG_FILE} says {r_cfg}), above "
@@ -270,8 +288,7 @@ def _check_modules(
                 f"{full!r} rank {r_cfg}",
                 field=a.key,
             )
-        d_in, d_out = shapes[(layer, module)]
-        for t, want in ((a, (r, d_in)), (b, (d_out, r))):
+        for t, want in ((a, (r * experts, d_in)), (b, (d_out, r * experts))):
             if t.shape != want:
                 raise AdapterShapeError(
                     f"{WEIGHTS_FILE}: tensor {t.key!r} has shape {t.shape}, expected {want} "
@@ -279,7 +296,9 @@ def _check_modules(
                     field=t.key,
                 )
         mkey = m.key if m is not None else None
-        out[(layer, module)] = ModuleReport(layer, module, r, a.key, b.key, (d_in, d_out), mkey)
+        out[(layer, module)] = ModuleReport(
+            layer, module, r, a.key, b.key, (d_in, d_out), mkey, experts
+        )
     return out
 
 

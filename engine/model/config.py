@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.engine.model.errors import ModelConfigError
+from loraplex.engine.model.moe.lora_names import expert_module, expert_module_order, per_expert_name
 from loraplex.engine.model.moe.spec import QK_NORM_MODEL_TYPES, MoeSpec, parse_moe
 from loraplex.engine.model.quant import Fp8Format, parse_quantization_config
 from loraplex.engine.model.registry import architecture_for
@@ -39,8 +40,19 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 # delta is onehot(ids) @ A^T @ B^T) and (hidden, vocab) for the head.
 VOCAB_LORA_MODULES = ("embed_tokens", "lm_head")
 VOCAB_LAYER = -1
+
+
+class _ModuleOrder(dict):
+    """The dense and vocab modules' order; an expert module's (moe/lora_names.py) on lookup."""
+
+    def __missing__(self, module: str) -> int:
+        return expert_module_order(module)
+
+
 # (layer, module) keys sort as (layer, MODULE_ORDER[module]): slot images, packing, composition
-MODULE_ORDER = {m: i for i, m in enumerate(LORA_MODULES + VOCAB_LORA_MODULES)}
+MODULE_ORDER: dict[str, int] = _ModuleOrder(
+    {m: i for i, m in enumerate(LORA_MODULES + VOCAB_LORA_MODULES)}
+)
 
 
 @dataclass(frozen=True)
@@ -103,9 +115,37 @@ class ModelConfig:
 
     def has_module(self, layer: int, module: str) -> bool:
         """Whether decoder layer ``layer`` has LoRA module ``module`` (a MoE model's sparse
-        layers have no dense MLP projections)."""
+        layers have no dense MLP projections, only they have expert modules)."""
         moe = self.moe
+        em = expert_module(module)
+        if em is not None:
+            sparse = moe is not None and moe.is_sparse(layer)
+            return sparse and (em.expert is None or em.expert < moe.num_experts)  # type: ignore[union-attr]
         return moe is None or module not in MLP_MODULES or not moe.is_sparse(layer)
+
+    def expert_module_shape(self, module: str) -> tuple[int, int, int] | None:
+        """(in, out, experts) of an expert LoRA module (moe/lora_names.py): ``experts`` E for
+        the fused form (its A holds E rank-r blocks), 1 per expert; None for other names."""
+        em = expert_module(module)
+        if em is None or self.moe is None:
+            return None
+        d_in, d_out = em.shape(self.hidden_size, self.moe.expert_size)
+        return d_in, d_out, self.moe.num_experts if em.fused else 1
+
+    def expert_module_shapes(self) -> dict[tuple[int, str], tuple[int, int]]:
+        """(layer, module) -> (in, out) of every per-expert LoRA module (the largest expert
+        layout: per expert gate, up and down, each rank R, outweighs the fused form's)."""
+        moe = self.moe
+        if moe is None:
+            return {}
+        mixtral = self.model_type == "mixtral"
+        out = {}
+        for i in moe.sparse_layers:
+            for e in range(moe.num_experts):
+                for role in ("gate", "up", "down"):
+                    name = per_expert_name(e, role, mixtral)
+                    out[(i, name)] = self.expert_module_shape(name)[:2]  # type: ignore[index]
+        return out
 
     def adapter_module_shapes(self) -> dict[tuple[int, str], tuple[int, int]]:
         """(layer, module) -> (in, out) of every LoRA target of the model, vocab ones included."""

@@ -206,7 +206,6 @@ CONFIG_REJECTS = [
     ("peft_type", None),
     ("use_qalora", True),
     ("lora_bias", True),
-    ("target_parameters", ["mlp.experts.gate_up_proj"]),
     ("r", None),
     ("r", 0),
     ("r", "8"),

@@ -6,6 +6,9 @@ modules (in ``MODULE_ORDER``) are laid out as
 
     [B^T_m0 (r, out) | B^T_m1 (r, out) | ... | A_m0 (r, in) | A_m1 (r, in) | ...]
 
+A fused experts module (model/moe/lora_names.py, ``experts`` = E) keeps the file's A (r*E, in)
+and B^T (r*E, out) as they are (r*E rows, PEFT's order); the slot write splits them per expert.
+
 Both keep the adapter's own r rows, whatever R = max_lora_rank the slots have: the slots store
 A and B rank-major (model/lora/layers.py), so row j of B^T lands on the slot's contiguous
 ``lora_b[slot, lo:hi, j]`` and row j of A on ``lora_a[s, slot, j]``; rows r..R are zero-filled on
@@ -63,6 +66,12 @@ class PackEntry:
     out_features: int
     a_offset: int  # A: (r, in)
     b_offset: int  # B^T: (r, out)
+    experts: int = 1  # a fused experts module's E: A (r*E, in), B^T (r*E, out); rank is r
+
+    @property
+    def rows(self) -> int:
+        """Rows of the A and B^T blocks."""
+        return self.rank * self.experts
 
 
 class LayoutKey:
@@ -119,15 +128,15 @@ class PackedAdapter:
         return LayoutKey.intern((self.max_rank, tuple(self.entries.values())))
 
     def a(self, e: PackEntry) -> torch.Tensor:
-        """View of e's A block, (r, in)."""
-        return self.buffer[e.a_offset : e.a_offset + e.rank * e.in_features].view(
-            e.rank, e.in_features
+        """View of e's A block, (r, in) (fused experts: (r*E, in))."""
+        return self.buffer[e.a_offset : e.a_offset + e.rows * e.in_features].view(
+            e.rows, e.in_features
         )
 
     def b(self, e: PackEntry) -> torch.Tensor:
-        """View of e's B, (out, r) (the transpose of its (r, out) block)."""
-        n = e.out_features * e.rank
-        return self.buffer[e.b_offset : e.b_offset + n].view(e.rank, e.out_features).t()
+        """View of e's B, (out, r) (the transpose of its (r, out) block; fused experts: r*E)."""
+        n = e.out_features * e.rows
+        return self.buffer[e.b_offset : e.b_offset + n].view(e.rows, e.out_features).t()
 
 
 def model_max_rank(model: CausalLM) -> int:
@@ -143,9 +152,10 @@ def _align(n: int) -> int:
 
 
 def layout_of(
-    shapes: dict[tuple[int, str], tuple[int, int, int]], max_rank: int
+    shapes: dict[tuple[int, str], tuple[int, ...]], max_rank: int
 ) -> tuple[dict[tuple[int, str], PackEntry], int]:
-    """Offsets of every (layer, module) -> (r, in, out) block, and the buffer's numel."""
+    """Offsets of every (layer, module) -> (r, in, out[, experts]) block, and the buffer's
+    numel (a fused experts module's blocks have r * experts rows)."""
     keys = sorted(shapes, key=lambda k: (k[0], _ORDER[k[1]]))
     entries: dict[tuple[int, str], PackEntry] = {}
     off = 0
@@ -154,24 +164,31 @@ def layout_of(
         b_offs = {}
         for k in mods:  # B blocks first, back to back
             b_offs[k] = off
-            off += shapes[k][2] * shapes[k][0]
+            off += shapes[k][2] * shapes[k][0] * _experts(shapes[k])
         off = _align(off)
         for k in mods:
-            r, d_in, d_out = shapes[k]
-            entries[k] = PackEntry(layer, k[1], r, d_in, d_out, off, b_offs[k])
-            off = _align(off + r * d_in)
+            r, d_in, d_out = shapes[k][:3]
+            n = _experts(shapes[k])
+            entries[k] = PackEntry(layer, k[1], r, d_in, d_out, off, b_offs[k], n)
+            off = _align(off + r * n * d_in)
     return entries, off
+
+
+def _experts(dims: tuple[int, ...]) -> int:
+    return dims[3] if len(dims) > 3 else 1
 
 
 def full_layout(
     model_config: ModelConfig, max_rank: int
 ) -> tuple[dict[tuple[int, str], PackEntry], int]:
     """Layout of the largest packed adapter: every module of every layer (the embedding and
-    the LM head included) at rank R."""
-    shapes = {
+    the LM head included, a MoE model's experts in their larger, per-expert layout) at rank R."""
+    shapes: dict[tuple[int, str], tuple[int, ...]] = {
         key: (max_rank, d_in, d_out)
         for key, (d_in, d_out) in model_config.adapter_module_shapes().items()
     }
+    for key, (d_in, d_out) in model_config.expert_module_shapes().items():
+        shapes[key] = (max_rank, d_in, d_out)
     return layout_of(shapes, max_rank)
 
 
@@ -198,12 +215,13 @@ def pack_adapter(
     max_rank = model if isinstance(model, int) else model_max_rank(model)
     shapes = {}
     for k, w in adapter.weights.items():
-        r, d_in = w.a.shape
-        if r > max_rank or w.b.shape[1] != r:
+        rows, d_in = w.a.shape
+        r = rows // w.experts
+        if r > max_rank or w.b.shape[1] != rows or r * w.experts != rows:
             raise ValueError(
                 f"{k}: A {tuple(w.a.shape)} / B {tuple(w.b.shape)} do not fit rank {max_rank}"
             )
-        shapes[k] = (r, d_in, w.b.shape[0])
+        shapes[k] = (r, d_in, w.b.shape[0], w.experts)
     entries, numel = layout_of(shapes, max_rank)
     if dtype is None:
         first = next(iter(adapter.weights.values()), None)
@@ -237,13 +255,14 @@ class PackedWeights(WeightsView):
         entries = packed.entries.values()
         self.rank = max((e.rank for e in entries), default=0)
         elem = packed.buffer.element_size()
-        self.nbytes = sum(e.rank * (e.in_features + e.out_features) for e in entries) * elem
+        self.nbytes = sum(e.rows * (e.in_features + e.out_features) for e in entries) * elem
 
     def __getitem__(self, key: tuple[int, str]) -> LoRAWeights:
         w = self._made.get(key)
         if w is None:
             e = self.packed.entries[key]  # KeyError for a module the adapter does not target
-            w = self._made[key] = LoRAWeights(a=self.packed.a(e), b=self.packed.b(e))
+            w = LoRAWeights(a=self.packed.a(e), b=self.packed.b(e), experts=e.experts)
+            self._made[key] = w
         return w
 
     def __iter__(self) -> Iterator[tuple[int, str]]:

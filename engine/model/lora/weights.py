@@ -20,8 +20,9 @@ __all__ = ["LoRAWeights", "WeightsView", "HasWeights", "SlotSource"]
 
 @dataclass(frozen=True)
 class LoRAWeights:
-    a: torch.Tensor  # (r, in)
-    b: torch.Tensor  # (out, r), LoRA scale already folded in
+    a: torch.Tensor  # (r, in); a fused experts module (model/moe/lora_names.py): (r * E, in)
+    b: torch.Tensor  # (out, r), LoRA scale already folded in; fused experts: (out, r * E)
+    experts: int = 1  # E of a fused experts module (its per-expert rank is r), else 1
 
 
 class WeightsView(Mapping[tuple[int, str], LoRAWeights]):
