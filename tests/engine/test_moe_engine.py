@@ -16,7 +16,7 @@ from loraplex.engine.errors import AdapterShapeError, AdapterTargetError
 from loraplex.engine.model.config import ModelConfig
 from tests.helpers.engine import assert_idle, collect, config, register
 from tests.helpers.models import copy_adapter, make_peft_adapter, write_adapter
-from tests.helpers.moe_models import MOE_KINDS, make_tiny_moe
+from tests.helpers.moe_models import MOE_KINDS, make_expert_adapter, make_tiny_moe, to_per_expert
 from tests.helpers.peft_oracle import HFReference, compare
 from tests.helpers.tokenizers import make_tokenizer
 
@@ -55,6 +55,28 @@ async def test_moe_engine_streams_match_hf_peft(moe):
 
 def _config(**kw) -> dict:
     return dict(peft_type="LORA", r=4, lora_alpha=8, bias="none", **kw)
+
+
+async def test_expert_adapters_stream_like_hf_peft(moe, tmp_path):
+    """Expert adapters in both layouts (the per-expert one's oracle: PEFT on the same weights
+    in the fused form) registered and served next to base rows and attention-only adapters."""
+    kind, model_dir, adapters = moe
+    fused = make_expert_adapter(
+        model_dir, tmp_path / "fused", r=4, alpha=8, target_modules=["q_proj"], seed=30
+    )
+    twin = make_expert_adapter(model_dir, tmp_path / "twin", r=8, alpha=16, seed=31)
+    per = to_per_expert(twin, tmp_path / "per", kind)
+    refs = {"attn": adapters["attn"], "fused": fused, "per": twin}
+    served = {"attn": adapters["attn"], "fused": fused, "per": per}
+    async with AsyncEngine(config(model_dir)) as engine:
+        await register(engine, served)
+        jobs = [(p, a) for p in PROMPTS for a in (None, *served)]
+        outs = await asyncio.gather(*(collect(engine, p, PARAMS, adapter=a) for p, a in jobs))
+        for (prompt, adapter), (tokens, _, _) in zip(jobs, outs, strict=True):
+            ref = HFReference(model_dir, {adapter or "attn": refs[adapter or "attn"]})
+            want, gaps = ref.greedy(prompt, adapter, PARAMS.max_tokens)
+            compare(tokens, want, gaps)
+        assert_idle(engine)
 
 
 async def test_bad_expert_adapters_are_refused_at_registration(moe, tmp_path):

@@ -45,7 +45,11 @@ class HFReference:
         route = {"adapter_names": [name]}
         # NOTE: PEFT's adapter_names routing skips a modules_to_save table unless the active
         # adapter has it: with such adapters loaded, activate each one (base: adapters off)
-        full = any(getattr(c, "modules_to_save", None) for c in self.model.peft_config.values())
+        # (and with target_parameters: PEFT's ParamWrapper takes no adapter_names either)
+        full = any(
+            getattr(c, "modules_to_save", None) or getattr(c, "target_parameters", None)
+            for c in self.model.peft_config.values()
+        )
         off = contextlib.nullcontext()
         if adapter is not None and (self.model.peft_config[adapter].use_dora or full):
             self.model.set_adapter(adapter)  # PEFT takes no adapter_names with DoRA

@@ -34,6 +34,7 @@ from loraplex.engine.model.config import MODULE_ORDER, VOCAB_LAYER
 from loraplex.engine.model.lora.ops.scatter import ScatterPlan, build_plan, scatter_triton
 from loraplex.engine.model.lora.slot_image import PackedAdapter, pack_adapter
 from loraplex.engine.model.lora.vocab import mark_vocab_slot
+from loraplex.engine.model.moe.lora_names import expert_module
 
 if TYPE_CHECKING:
     from loraplex.engine.model.lora.layers import LoRALinear
@@ -152,7 +153,7 @@ def _plan(
             if rank < view.shape[0]:
                 zero.append(view[rank:])
                 zero_strides.append(stride)
-    if found != len(packed.entries):
+    if found != sum(1 for k in packed.entries if expert_module(k[1]) is None):
         raise ValueError("the packed adapter targets modules this model does not have")
     if strides is not None:
         strides += dst_strides + zero_strides
@@ -266,6 +267,36 @@ def _write_dora(c: _Sites, slot: int, adapter: object, had_dora: bool) -> None:
             site.linear.dora_on[slot].fill_(1)  # type: ignore[union-attr]
 
 
+def _write_experts(
+    model: CausalLM, slot: int, packed: PackedAdapter, base: torch.Tensor | None
+) -> None:
+    """``slot``'s expert LoRA (model/moe/expert_lora.py): cleared where it may hold an
+    earlier adapter's, then the adapter's expert modules from ``base`` (the packed buffer on
+    the device). A model without experts takes none (an adapter with some was refused)."""
+    blocks = dict(getattr(model, "expert_loras", list)())
+    experts = [(k, e) for k, e in packed.entries.items() if expert_module(k[1]) is not None]
+    for block in blocks.values():
+        block.clear(slot)
+    if not experts:
+        return
+    if base is None:
+        raise ValueError("expert modules need the packed buffer on the device")
+    for (layer, module), e in experts:
+        block = blocks.get(layer)
+        if block is None:
+            raise ValueError(f"the packed adapter has experts for layer {layer}, a dense one")
+        em = expert_module(module)
+        assert em is not None
+        a = base[e.a_offset : e.a_offset + e.rows * e.in_features].view(e.rows, e.in_features)
+        n = e.rows * e.out_features
+        b = base[e.b_offset : e.b_offset + n].view(e.rows, e.out_features).t()
+        block.set(slot, em.role, em.expert, a, b)
+
+
+def _has_experts(packed: PackedAdapter) -> bool:
+    return any(expert_module(k[1]) is not None for k in packed.entries)
+
+
 def packed_of(source: SlotSource | PackedAdapter, max_rank: int, **pack: object) -> PackedAdapter:
     """The slot image a write of ``source`` copies: itself, the adapter's attached image
     (``image``, slot_image.py), or the adapter packed now (``pack``: ``pack_adapter``'s
@@ -354,6 +385,7 @@ class SlotBuffers:
         # case when the CPU tier's adapters come from one recipe) skips the zero-fill of the
         # rest, most of the device writes of an attention-only adapter (~52 of ~80 MB at the
         # 8B shape)
+        src = None
         if scatter == "triton":
             plan = _scatter_plan(c, packed, zero_rest)
             src = _source(c, packed, device, dtype, chunk_bytes, pace) if packed.entries else None
@@ -362,16 +394,18 @@ class SlotBuffers:
             scatter_triton(src if src is not None else plan.base, plan, slot)
         else:
             dst, ranges, zero = _plan(c, slot, packed)
-            if dst:
-                base = _source(c, packed, device, dtype, chunk_bytes, pace)
+            if dst or _has_experts(packed):
+                base = src = _source(c, packed, device, dtype, chunk_bytes, pace)
                 if h2d_done is not None:
                     h2d_done.record()
                 views = [
                     base[o : o + n].view(d.shape) for d, (o, n) in zip(dst, ranges, strict=True)
                 ]
-                _copy(dst, views)
+                if dst:
+                    _copy(dst, views)
             if zero and zero_rest:
                 _zero(zero)
+        _write_experts(model, slot, packed, src)
         layers = {m for la, m in packed.entries if la == VOCAB_LAYER}
         mark_vocab_slot(model.lora_vocab(), slot, layers)
         _write_dora(c, slot, source, had_dora)
@@ -386,6 +420,9 @@ class SlotBuffers:
         a_views, b_views = _slot_views(c, slot)
         if a_views:
             _zero(a_views + b_views)
+        for _, block in getattr(self.model, "expert_loras", list)():
+            block.dirty.add(slot)  # unknown: zero it
+            block.clear(slot)
         mark_vocab_slot(self.model.lora_vocab(), slot, set())
         _write_dora(c, slot, None, True)
         _write_full(self.model, slot, None)
@@ -401,6 +438,14 @@ class SlotBuffers:
                     linear.reset_lora(slot, module)
                 else:
                     linear.set_lora(slot, module, w.a, w.b)
+        blocks = dict(getattr(model, "expert_loras", list)())
+        for block in blocks.values():
+            block.dirty.add(slot)
+            block.clear(slot)
+        for (layer_idx, module), w in source.weights.items():
+            em = expert_module(module)
+            if em is not None:
+                blocks[layer_idx].set(slot, em.role, em.expert, w.a, w.b)
         _write_dora(self._sites(), slot, source, True)
         _write_full(model, slot, source)
 

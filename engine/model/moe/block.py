@@ -9,7 +9,8 @@ Weights as transformers 5 holds them in memory (the checkpoint stores them per e
 
 ``forward``: routing (``routing.route``), then the experts' SwiGLU over the pairs sorted by
 expert (``grouped_gemm.moe_experts``): the Triton grouped GEMM or its torch twin. The router
-is not a LoRA target (phase 2 of issue 42 adds the experts' LoRA).
+is not a LoRA target; the experts are (``expert_lora.ExpertLoRA``: slots of per-expert A / B,
+the delta per (token, chosen expert, slot)).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from loraplex.engine.model.moe.expert_lora import ExpertLoRA
 from loraplex.engine.model.moe.grouped_gemm import moe_experts
 from loraplex.engine.model.moe.routing import route
 from loraplex.engine.model.moe.spec import MoeSpec
@@ -26,7 +28,14 @@ __all__ = ["SparseMoe"]
 
 class SparseMoe(torch.nn.Module):
     def __init__(
-        self, hidden: int, spec: MoeSpec, dtype: torch.dtype, device: torch.device | str
+        self,
+        hidden: int,
+        spec: MoeSpec,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        *,
+        max_loras: int = 0,
+        max_rank: int = 16,
     ) -> None:
         super().__init__()
         self.spec = spec
@@ -38,10 +47,17 @@ class SparseMoe(torch.nn.Module):
         # a list: every forward appends its (T, k) expert ids (the decode benchmark counts the
         # experts a step reads); None (serving): nothing kept
         self.routed: list[torch.Tensor] | None = None
+        self.lora: ExpertLoRA | None = None
+        if max_loras > 0:
+            self.lora = ExpertLoRA(
+                e, hidden, i, max_loras=max_loras, max_rank=max_rank, dtype=dtype, device=device
+            )
 
-    def forward(self, h: torch.Tensor, *, triton: bool) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, *, triton: bool, token_slots: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """(T, H) -> (T, H) in the model dtype; ``triton``: the grouped GEMM kernel, else its
-        twin."""
+        twin; ``token_slots`` (T,): each row's adapter slot (-1: base), None: no LoRA."""
         spec = self.spec
         logits = F.linear(h, self.router)  # (T, E)
         weights, experts = route(
@@ -49,7 +65,10 @@ class SparseMoe(torch.nn.Module):
         )
         if self.routed is not None:
             self.routed.append(experts)
-        return moe_experts(h, self.w_gate_up, self.w_down, weights, experts, triton=triton)
+        return moe_experts(
+            h, self.w_gate_up, self.w_down, weights, experts, triton=triton, lora=self.lora,
+            token_slots=token_slots,
+        )  # fmt: skip
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's three projections."""

@@ -11,8 +11,9 @@ Per decoder layer::
     o_aug   = attn @ [Wo; A_o].T
     h       = add_rmsnorm(o_aug, residual)            + LoRA delta, residual add, RMSNorm
     sparse: d = experts(h)                            router GEMM, top-k, sort by expert,
-                                                       grouped GEMM gate_up, SiLU * up, grouped
-                                                       GEMM down (x routing weight), sum over k
+                                                       grouped GEMM gate_up (+ expert LoRA),
+                                                       SiLU * up, grouped GEMM down (+ expert
+                                                       LoRA, x routing weight), sum over k
     dense:  d = down(silu_mul(gate_up(h)))            as fused.py (Qwen3-MoE's dense layers)
     (next layer's add_rmsnorm takes d)
 
@@ -103,7 +104,8 @@ def moe_fused_forward(
             dora=_dora(layer.o_proj, dora),
         )  # fmt: skip
         if layer.mlp is not None:
-            d, down_b, down_dora = layer.mlp(h, triton=triton), None, None
+            d = layer.mlp(h, triton=triton, token_slots=token_slots)
+            down_b, down_dora = None, None
         else:
             gate_up, down = layer.gate_up_proj, layer.down_proj
             assert gate_up is not None and down is not None

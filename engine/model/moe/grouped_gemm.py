@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from loraplex.engine.model.moe.expert_lora import ExpertLoRA, expert_lora_delta
 from loraplex.engine.model.moe.routing import ExpertBlocks, sort_by_expert
 
 __all__ = ["grouped_gemm", "grouped_gemm_torch", "moe_experts", "block_m_for"]
@@ -91,6 +92,8 @@ def moe_experts(
     experts: torch.Tensor,
     *,
     triton: bool,
+    lora: ExpertLoRA | None = None,
+    token_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts' SwiGLU MLP of every token, summed over its k choices::
 
@@ -101,7 +104,11 @@ def moe_experts(
 
     x: (T, H); weights, experts: (T, k) (``routing.route``). HF adds the k terms into the
     output one expert at a time in the model dtype (``index_add_``); here they are summed in
-    float32 and rounded once (the same in float32 up to the order of the sum)."""
+    float32 and rounded once (the same in float32 up to the order of the sum).
+
+    ``lora`` / ``token_slots`` (T,): each pair's expert LoRA delta (moe/expert_lora.py) is
+    added to its gate_up projection before SiLU * up and to its down projection before the
+    routing weight (a pair of a base row, slot -1, gets none)."""
     t, k = experts.shape
     p = t * k
     inter = w_down.shape[2]
@@ -111,8 +118,22 @@ def moe_experts(
         blocks = sort_by_expert(flat, w_gate_up.shape[0], block_m_for(p, w_gate_up.shape[0]))
     gu = torch.empty(p, 2 * inter, dtype=x.dtype, device=x.device)
     grouped_gemm(x, w_gate_up, flat, gu, a_div=k, blocks=blocks, triton=triton)
+    pair_slots = None
+    if lora is not None and token_slots is not None:
+        pair_slots = token_slots[:, None].expand(t, k).reshape(-1)  # (P,)
+        expert_lora_delta(
+            x, lora.a_gate_up, lora.b_gate_up, flat, pair_slots, gu, a_div=k, triton=triton
+        )
     act = F.silu(gu[:, :inter]) * gu[:, inter:]
     y = torch.empty(p, w_down.shape[1], dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1)
-    grouped_gemm(act, w_down, flat, y, a_div=1, scale=scale, blocks=blocks, triton=triton)
+    if pair_slots is None:
+        grouped_gemm(act, w_down, flat, y, a_div=1, scale=scale, blocks=blocks, triton=triton)
+    else:  # the delta goes in before the routing weight
+        assert lora is not None
+        grouped_gemm(act, w_down, flat, y, a_div=1, blocks=blocks, triton=triton)
+        expert_lora_delta(
+            act, lora.a_down, lora.b_down, flat, pair_slots, y, a_div=1, triton=triton
+        )
+        y = (y.float() * scale.float()[:, None]).to(y.dtype)
     return y.view(t, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -9,7 +9,8 @@ layers, Llama's dense MLP (fused gate_up, down). Everything outside the decoder 
 ``LlamaForCausalLM``'s: ``MoeForCausalLM`` is that model with these layers.
 
 LoRA: adapters on q / k / v / o serve as on dense models (and on the MLP modules of dense
-layers); the experts and the router take none yet (issue 42, phase 2).
+layers); the experts take theirs in the sparse block's slots (``expert_lora.py``); the router
+takes none.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from loraplex.engine.model.llama import LlamaForCausalLM, RMSNorm
 from loraplex.engine.model.lora.layers import LoRALinear
 from loraplex.engine.model.lora.mapping import LoRAMapping
 from loraplex.engine.model.moe.block import SparseMoe
+from loraplex.engine.model.moe.expert_lora import ExpertLoRA
 from loraplex.engine.model.rope import apply_rotary
 from loraplex.engine.model.tp import TensorParallel, TensorParallelError
 
@@ -58,7 +60,10 @@ class MoeDecoderLayer(torch.nn.Module):
         self.gate_up_proj: LoRALinear | None = None
         self.down_proj: LoRALinear | None = None
         if cfg.moe.is_sparse(index):
-            self.mlp = SparseMoe(h, cfg.moe, dtype, device)
+            self.mlp = SparseMoe(
+                h, cfg.moe, dtype, device, max_loras=lora_kw["max_loras"],
+                max_rank=lora_kw["max_rank"],
+            )  # fmt: skip
         else:
             i = cfg.intermediate_size
             self.gate_up_proj = LoRALinear(
@@ -105,7 +110,8 @@ class MoeDecoderLayer(torch.nn.Module):
         x = x + self.o_proj(attn.reshape(t, cfg.q_size), mapping)
         h = self.post_attention_layernorm(x)
         if self.mlp is not None:  # the Triton kernel on CUDA, its twin elsewhere
-            return x + self.mlp(h, triton=h.is_cuda)
+            slots = mapping.token_slots if mapping is not None else None
+            return x + self.mlp(h, triton=h.is_cuda, token_slots=slots)
         assert self.gate_up_proj is not None and self.down_proj is not None
         gate, up = self.gate_up_proj(h, mapping).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up, mapping)
@@ -152,6 +158,14 @@ class MoeForCausalLM(LlamaForCausalLM):
         from loraplex.engine.model.moe.forward import moe_fused_forward
 
         return moe_fused_forward(self, *args, **kw)
+
+    def expert_loras(self) -> list[tuple[int, ExpertLoRA]]:
+        """(layer index, its expert LoRA slots) of every sparse layer (none without slots)."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            if layer.mlp is not None and layer.mlp.lora is not None:
+                out.append((i, layer.mlp.lora))
+        return out
 
     def sparse_blocks(self) -> list[SparseMoe]:
         """The sparse MLPs, in layer order."""
