@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one call: GPU-marked tests (kernels, PEFT oracle in bf16/fp16, CUDA graphs),
 # then benchmarks. Results land in $OUT (or ./out). Wheels missing on the GPU machine can be
-# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|rank64|base32|b_layout|overlap|overlap_step [SETTING...]|ncu|fp8|fp8_gemms|storm ARGS...|zipf|load_rate]
+# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|rank64|base32|b_layout|ncu|fp8|fp8_gemms|storm ARGS...|zipf|load_rate]
 # A copy of the tree without its .git (git archive) stamps results with $LORAPLEX_COMMIT:
 # export it (benchmarks/record.py). Several commits side by side in one call (A/B, bisect):
 # benchmarks/ab_snapshots.sh.
@@ -71,20 +71,6 @@ if [[ $what == b_layout ]]; then  # issue 19 item 5: does a column-major B speed
     python3 -m benchmarks.epilogue_configs --rank 64 --batches 32 64 --loras 8 --cold-l2 \
       --b-layout $lay 2>&1 | grep "^| \(silu\|qkv\)" | sort -u | sed "s/^/$lay: /" | tee -a "$OUT/b_layout.log"
   done
-fi
-if [[ $what == overlap ]]; then  # issue 19 item 5: the LoRA beside the base GEMM (~5 min)
-  python3 -m pytest -q -p no:cacheprovider tests/model/test_lora_expand_delta.py 2>&1 \
-    | grep -E "passed|failed|Error|^E " | tail -5
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_mixed_ranks.py -k beside 2>&1 \
-    | grep -E "passed|failed|Error|^E " | tail -5
-  python3 -m benchmarks.lora_overlap --batches 32 64 --check "$@" 2>&1 | tee "$OUT/overlap.log" | tail -16
-fi
-if [[ $what == overlap_step ]]; then  # the step with the side forms against today's (~2 min each)
-  settings=("$@")
-  (( ${#settings[@]} )) || settings=(- LORAPLEX_LORA_SIDE=1)
-  # CASES="0 1 2 3": every adapter case (the side form's default waits on all of them)
-  bash benchmarks/ab_env.sh 1 "${settings[@]}" -- python3 -m benchmarks.mixed_rank --cases ${CASES:-3} 2>&1 \
-    | tee -a "$OUT/overlap_step.log" | tail -6
 fi
 if [[ $what == ncu ]]; then  # issue 19 item 5: why the rank-64 expand reads B at ~2.3 TB/s (~5 min)
   # every launch of one decode layer (32 streams, 8 rank-64 slots, then no LoRA), once each,

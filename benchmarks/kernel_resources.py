@@ -33,7 +33,6 @@ from loraplex.engine.model.kernels.add_rmsnorm import NormConfig, lora_add_rmsno
 from loraplex.engine.model.kernels.qkv_rope import QKVRopeConfig, lora_qkv_rope_triton
 from loraplex.engine.model.kernels.silu_mul import SiluMulConfig, lora_silu_mul_triton
 from loraplex.engine.model.lora.mapping import LoRAMapping
-from loraplex.engine.model.lora.ops.expand_delta import ExpandDeltaConfig, lora_expand_delta
 
 H, INTER, HQ, HKV, D = 4096, 14336, 32, 8, 128
 SM_REGS, SM_SMEM, SM_WARPS = 65536, 228 * 1024, 64  # sm_90 per-SM limits
@@ -151,26 +150,20 @@ def _b(loras: int, n: int, rank: int, column_major: bool) -> torch.Tensor:
 
 
 def launches(op: str, cfg, t: int, loras: int, rank: int, column_major: bool) -> list[Launch]:
-    """``op`` + "+delta": the epilogue fed the delta computed apart (fused.py's side form)."""
+    """The launches of epilogue ``op`` (silu_mul, add_rmsnorm, qkv_rope) under ``cfg``."""
     slots = LoRAMapping(torch.arange(t, dtype=torch.int32) * loras // t)
     bf = torch.bfloat16
-    fed = op.endswith("+delta")
-    op = op.removesuffix("+delta")
 
     def lora(n: int) -> dict:
-        if fed:
-            return {"delta": torch.empty(t, n)}
         return {"lora_b": _b(loras, n, rank, column_major)}
 
     if op == "silu_mul":
         y = torch.zeros(t, 2 * INTER + 2 * loras * rank, dtype=bf)
         kw, out = lora(2 * INTER), torch.empty(t, INTER, dtype=bf)
-        kw.setdefault("lora_b", None)
         return capture(lambda: lora_silu_mul_triton(y, mapping=slots, out=out, config=cfg, **kw))
     if op == "add_rmsnorm":
         y = torch.zeros(t, H + loras * rank, dtype=bf)
         kw, res = lora(H), torch.zeros(t, H, dtype=bf)
-        kw.setdefault("lora_b", None)
         w, out = torch.ones(H, dtype=bf), torch.empty(t, H, dtype=bf)
         return capture(
             lambda: lora_add_rmsnorm_triton(
@@ -178,14 +171,8 @@ def launches(op: str, cfg, t: int, loras: int, rank: int, column_major: bool) ->
             )
         )
     n = (HQ + 2 * HKV) * D
-    if op == "expand_delta":  # qkv's delta on its own (lora_overlap.py's side stream)
-        sh, b = torch.zeros(t, 3 * loras * rank, dtype=bf), _b(loras, n, rank, column_major)
-        out, tri = torch.empty(t, n), LoRAMapping(slots.token_slots, triton=True)
-        offsets = (0, HQ * D, (HQ + HKV) * D, n)
-        return capture(lambda: lora_expand_delta(sh, b, tri, offsets, out, config=cfg))
     y = torch.zeros(t, n + 3 * loras * rank, dtype=bf)
     kw = lora(n)
-    kw.setdefault("lora_b", None)
     pos, cos, sin = torch.arange(t), torch.zeros(4096, D), torch.zeros(4096, D)
     kc = torch.zeros(t, 16, HKV, D, dtype=bf)
     vc, q = torch.zeros_like(kc), torch.empty(t, HQ, D, dtype=bf)
@@ -225,9 +212,6 @@ def main() -> None:
     ]
     cases += [("add_rmsnorm", None)]
     cases += [("add_rmsnorm", NormConfig(bt, 1024, 8, True)) for bt in (1, 2)]
-    cases += [(f"{op}+delta", None) for op in ("silu_mul", "qkv_rope", "add_rmsnorm")]
-    cases += [("expand_delta", ExpandDeltaConfig(16, 128, 4, s)) for s in (0, 2, 3)]
-    cases += [("expand_delta", ExpandDeltaConfig(16, 64, 4, 2))]
     print(
         f"sm_90, Triton {triton.__version__}, T {args.tokens}, {args.loras} slots of rank "
         f"{args.rank}, B {args.b_layout}"

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from loraplex.engine.model.attention import AttentionMetadata
-from loraplex.engine.model.fused import fused_forward, lora_side
+from loraplex.engine.model.fused import fused_forward
 from loraplex.engine.model.gemm import linear, tune
 from loraplex.engine.model.lora.ranks import rank_bucket, rank_buckets
 from loraplex.engine.model.protocol import CausalLM
@@ -164,12 +164,6 @@ class DecodeGraphs:
         """The weights of the GEMMs a graph of rank bucket ``rb`` runs (their prefixes)."""
         layer = self.model.layers[0]
         mods = tuple(dict.fromkeys(layer.lora_linears().values()))  # qkv, o, (gate_up, down)
-        if lora_side() == "1":  # the base rows alone, their LoRA beside them (fused.py's _Side)
-            return [
-                m.aug_rows(rb)[0][: m.out_features] if m.lora_b is not None else m.aug_rows(rb)[0]
-                for m in mods
-                if m.float_base
-            ] + [self.model.lm_head]
         return [m.aug_rows(rb)[0] for m in mods if m.float_base] + [self.model.lm_head]
 
     @property

@@ -24,10 +24,6 @@ The embedding LoRA (``lora_vocab()``, model/lora/vocab.py) is added to the embed
 a slot with a full embedding table (``full_modules``, model/lora/full.py) take theirs; the LM head's
 LoRA and full tables are the caller's (``compute_logits`` / the graphs), on the logits rows.
 
-The side form (``side`` / ``LORAPLEX_LORA_SIDE``; default off): each projection's LoRA on a
-side stream beside its base GEMM (``_Side``, ``_SideStream``), in steps of up to
-``SIDE_MAX_TOKENS`` tokens.
-
 The model must have the Llama layer structure; this forward reads ``embed_tokens``, ``norm``,
 ``rope`` (``cos``, ``sin``) and per layer ``qkv_proj``, ``o_proj``, ``gate_up_proj``,
 ``down_proj`` (``LoRALinear``: ``weight_aug``, ``bias_aug``, ``lora_b``), ``input_layernorm``,
@@ -36,10 +32,7 @@ The model must have the Llama layer structure; this forward reads ``embed_tokens
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +42,6 @@ from loraplex.engine.model.gemm import linear
 from loraplex.engine.model.kernels import lora_add_rmsnorm, lora_qkv_rope, lora_silu_mul, rmsnorm
 from loraplex.engine.model.lora.layers import LoRALinear
 from loraplex.engine.model.lora.mapping import DoraRows, LoRAMapping
-from loraplex.engine.model.lora.ops.expand_delta import lora_expand_delta
 from loraplex.engine.model.paged_attention import paged_attention
 from loraplex.engine.model.protocol import CausalLM
 
@@ -73,80 +65,6 @@ def _dora(lin: LoRALinear, on: bool) -> DoraRows | None:
     return lin.dora_rows() if on else None
 
 
-SIDE_MODES = ("0", "1")
-# steps of at most this many tokens take the side form (decode: bound by bytes, not FLOPs;
-# the side form's fp32 delta of gate_up is 0.11 MB a token)
-SIDE_MAX_TOKENS = 256
-
-
-def lora_side() -> str:
-    """``LORAPLEX_LORA_SIDE``: ``1``, each projection's LoRA beside its base GEMM (``_Side``);
-    ``0`` (default), inside the augmented GEMM and the epilogue. Read by the steps that ask for
-    the environment's choice (the A/B switch of benchmarks/ab_env.sh; BENCHMARKS.md, "Mixed
-    ranks and rank 64", has what it gains)."""
-    raw = os.environ.get("LORAPLEX_LORA_SIDE", "0")
-    if raw not in SIDE_MODES:
-        raise ValueError(f"LORAPLEX_LORA_SIDE={raw!r}: one of {', '.join(SIDE_MODES)}")
-    return raw
-
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
-
-
-class _SideStream:
-    """Work on a side stream beside the step's stream (in a CUDA graph, a parallel branch),
-    joined back before what needs it; where there is no CUDA stream (CPU) in order."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.stream = _side_stream(device) if device.type == "cuda" else None
-
-    @contextmanager
-    def beside(self):
-        if self.stream is None:
-            yield
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            yield
-
-    def join(self) -> None:
-        if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-
-
-class _Side:
-    """Each projection's LoRA beside its GEMM on a side stream (``_SideStream``), joined before
-    the epilogue: on the side stream the shrink, a GEMM of the step's A rows, and
-    ``lora_expand_delta`` into an fp32 (T, N) buffer; on the step's stream the GEMM of the base
-    rows alone; the epilogue reads the delta (``delta=``) instead of computing it. The delta's
-    B reads (and the A rows') can then use the bandwidth the skinny base GEMM leaves. The same
-    sums as the fused epilogues (per row, its slot's rank chunks in order)."""
-
-    def __init__(self, side: _SideStream, mapping: LoRAMapping) -> None:
-        self.side = side
-        self.mapping = mapping
-
-    def project(self, x: torch.Tensor, lin: LoRALinear) -> tuple[torch.Tensor, dict]:
-        """The projection's output and its epilogue's LoRA arguments."""
-        w, bias = lin.aug_rows(self.mapping.rank_bound)
-        n = lin.out_features
-        t = x.shape[0]
-        # on the step's stream: freed there, after the join (no record_stream needed)
-        shrink = torch.empty(t, w.shape[0] - n, dtype=x.dtype, device=x.device)
-        delta = torch.empty(t, n, dtype=torch.float32, device=x.device)
-        with self.side.beside():
-            # A rows (no bias: bias_aug is 0 past N), by cuBLAS: not gemm.linear, whose tuned
-            # choice may be the split-K Triton GEMM, whose counters the base GEMM beside it
-            # may be using (fp8_linear.py: its launches must not overlap)
-            torch.matmul(x, w[n:].t(), out=shrink)
-            lora_expand_delta(shrink, lin.lora_b, self.mapping, lin.slice_offsets, delta)
-        y = linear(x, w[:n], bias[:n] if bias is not None else None)
-        self.side.join()
-        return y, {"lora_b": None, "delta": delta}
-
-
 def fused_forward(
     model: CausalLM,
     input_ids: torch.Tensor,
@@ -159,7 +77,6 @@ def fused_forward(
     triton: bool = True,
     dora: bool = False,
     rank_bound: int | None = None,
-    side: str | None = None,
 ) -> torch.Tensor:
     """input_ids, positions, token_slots: (T,). Returns final normed hidden states (T, H).
 
@@ -170,11 +87,7 @@ def fused_forward(
     slot and projection, read in the kernels: the decode graphs are captured with it, eager
     steps set it only when some row needs it). Not under tensor parallelism (refused there).
     ``rank_bound``: every row's adapter has rank <= it: the GEMMs read only the A rows of
-    ranks below it and the epilogues loop over as many (model/lora/ranks.py); None: all rows.
-    ``side``: ``"1"``, each projection's LoRA beside its base GEMM instead of inside the GEMM
-    and the epilogue (``_Side``); ``"0"``, inside; None: the ``LORAPLEX_LORA_SIDE`` switch.
-    Only steps of up to ``SIDE_MAX_TOKENS`` tokens, not for an fp8 base nor under tensor
-    parallelism (those steps keep the fused form)."""
+    ranks below it and the epilogues loop over as many (model/lora/ranks.py); None: all rows."""
     own = getattr(model, "fused_forward", None)  # a family's own GPU forward (moe/forward.py)
     if own is not None:
         return own(
@@ -190,21 +103,6 @@ def fused_forward(
     tp = getattr(model, "tp", None)  # a tensor-parallel shard (tp.py): o / down all-reduced
     dora = dora and tp is None
     mapping = LoRAMapping(token_slots, triton=triton, dora=dora, rank_bound=rank_bound)
-    side = lora_side() if side is None else side
-    if side not in SIDE_MODES:
-        raise ValueError(f"side={side!r}: one of {', '.join(SIDE_MODES)}")
-    beside = None
-    lora_base = first.qkv_proj.lora_b is not None and first.qkv_proj.float_base
-    decode_sized = t <= SIDE_MAX_TOKENS  # memory-bound steps; prefill keeps the fused form
-    if side == "1" and tp is None and lora_base and decode_sized:
-        beside = _Side(_SideStream(input_ids.device), mapping)
-
-    def project(x: torch.Tensor, lin: LoRALinear) -> tuple[torch.Tensor, dict]:
-        """The projection's output and its epilogue's LoRA arguments."""
-        if beside is None or lin.lora_b is None:
-            return _linear(x, lin, mapping), {"lora_b": lin.lora_b}
-        return beside.project(x, lin)
-
     full = getattr(model, "full_modules", None)  # modules_to_save tables (model/lora/full.py)
     # ids of added tokens (full tables past the vocabulary) reach the base clamped
     ids = full.base_ids(input_ids) if full is not None and full.extra else input_ids
@@ -224,28 +122,30 @@ def fused_forward(
     act = torch.empty(t, cfg.intermediate_size, dtype=h.dtype, device=h.device)
     for i, layer in enumerate(layers):
         k_cache, v_cache = kv_caches[i]
-        qkv, lora = project(h, layer.qkv_proj)
+        qkv = _linear(h, layer.qkv_proj, mapping)
         lora_qkv_rope(
-            qkv, mapping=mapping, positions=positions, cos=model.rope.cos, sin=model.rope.sin,
-            k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping, q_out=q,
-            dora=_dora(layer.qkv_proj, dora), **lora,
+            qkv, layer.qkv_proj.lora_b, mapping, positions=positions, cos=model.rope.cos,
+            sin=model.rope.sin, k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping,
+            q_out=q, dora=_dora(layer.qkv_proj, dora),
         )  # fmt: skip
         attn = attention(q, k_cache, v_cache, meta, layer.scale, cfg.sliding_window)
-        o, lora = project(attn.view(t, cfg.q_size), layer.o_proj)
+        o = _linear(attn.view(t, cfg.q_size), layer.o_proj, mapping)
         if tp is not None:  # base and shrink partials in one all-reduce, then the epilogue
             tp.all_reduce(o)
         lora_add_rmsnorm(
-            o, residual, mapping=mapping, norm_weight=layer.post_attention_layernorm.weight,
-            eps=eps, out=h, dora=_dora(layer.o_proj, dora), **lora,
+            o, residual, layer.o_proj.lora_b, mapping,
+            norm_weight=layer.post_attention_layernorm.weight, eps=eps, out=h,
+            dora=_dora(layer.o_proj, dora),
         )  # fmt: skip
-        gu, lora = project(h, layer.gate_up_proj)
-        lora_silu_mul(gu, mapping=mapping, out=act, dora=_dora(layer.gate_up_proj, dora), **lora)
-        d, lora = project(act, layer.down_proj)
+        gu = _linear(h, layer.gate_up_proj, mapping)
+        gate_up_b = layer.gate_up_proj.lora_b
+        lora_silu_mul(gu, gate_up_b, mapping, out=act, dora=_dora(layer.gate_up_proj, dora))
+        d = _linear(act, layer.down_proj, mapping)
         if tp is not None:
             tp.all_reduce(d)
         norm_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.norm.weight
         lora_add_rmsnorm(
-            d, residual, mapping=mapping, norm_weight=norm_w, eps=eps, out=h,
-            dora=_dora(layer.down_proj, dora), **lora,
+            d, residual, layer.down_proj.lora_b, mapping, norm_weight=norm_w, eps=eps, out=h,
+            dora=_dora(layer.down_proj, dora),
         )  # fmt: skip
     return h

@@ -147,17 +147,15 @@ def test_mixed_ranks_through_rank_bucket_graphs_gpu(setup, dtype):
     _graphs_against_peft_and_eager(setup, dtype, from_step=1)
 
 
-def _graphs_against_peft_and_eager(setup, dtype, *, from_step=0, before_graphs=None) -> None:
+def _graphs_against_peft_and_eager(setup, dtype, *, from_step=0) -> None:
     """Our CUDA-graph steps against PEFT in float32 (within PEFT's own ``dtype`` error) and
-    against our eager steps from step ``from_step`` on; ``before_graphs()`` runs between."""
+    against our eager steps from step ``from_step`` on."""
     model_dir, adapters, prompts, names, _, _ = setup
     run = dict(model_dir=model_dir, adapters=adapters, prompts=prompts, names=names)
     ref_steps, ref_tokens = hf_mixed_batch(**run, dtype=torch.float32, device="cuda")
     hf_steps, _ = hf_mixed_batch(**run, dtype=dtype, device="cuda", force=ref_tokens)
     kw = dict(dtype=dtype, device="cuda", max_rank=MAX_RANK)
     eager = ours(model_dir, adapters, prompts, names, ref_tokens, **kw, use_cuda_graphs=False)
-    if before_graphs is not None:
-        before_graphs()
     graph = ours(model_dir, adapters, prompts, names, ref_tokens, **kw, use_cuda_graphs=True)
     for step in range(len(ref_steps)):
         for row in range(len(prompts)):
@@ -224,76 +222,3 @@ def test_chosen_graph_sizes_gpu(tmp_path):
         assert runner.last_was_graph is graphed
         want = eager.execute(items)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("triton", [False, True])
-@pytest.mark.parametrize("bound", [None, 16])
-def test_fused_forward_with_the_lora_beside_the_gemm_matches_peft(
-    setup, monkeypatch, triton, bound
-):
-    """``side="1"``: each projection's base GEMM alone, its LoRA (a GEMM of the A rows and
-    ``lora_expand_delta``) apart, the epilogues fed the delta; at full rank and at a bound."""
-    from loraplex.engine.model import fused
-
-    calls = []
-    real = fused.lora_expand_delta
-
-    def counted(*args, **kw):
-        calls.append(1)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(fused, "lora_expand_delta", counted)
-    beside = functools.partial(fused_forward, rank_bound=bound, side="1")
-    monkeypatch.setattr(model_runner, "fused_forward", beside)
-    _fused_matches_peft(setup, triton, f"side bound {bound} triton={triton}")
-    assert calls, "the side form never ran"
-
-
-def test_steps_above_the_side_bound_keep_the_fused_form(setup, monkeypatch):
-    """Prefill-sized steps (above ``SIDE_MAX_TOKENS``) keep the fused form: no fp32 delta of
-    every token; the oracle batch's steps all lie above a bound of 0."""
-    from loraplex.engine.model import fused
-
-    calls = []
-    real = fused.lora_expand_delta
-    monkeypatch.setattr(
-        fused, "lora_expand_delta", lambda *a, **k: calls.append(1) or real(*a, **k)
-    )
-    monkeypatch.setattr(fused, "SIDE_MAX_TOKENS", 0)
-    monkeypatch.setenv("LORAPLEX_LORA_SIDE", "1")
-    _fused_matches_peft(setup, False, "side above its bound")
-    assert not calls
-
-
-def test_the_side_switch(monkeypatch) -> None:
-    from loraplex.engine.model.fused import lora_side
-
-    monkeypatch.delenv("LORAPLEX_LORA_SIDE", raising=False)
-    assert lora_side() == "0"
-    for mode in ("1", "0"):
-        monkeypatch.setenv("LORAPLEX_LORA_SIDE", mode)
-        assert lora_side() == mode
-    for bad in ("yes", "prefetch"):  # a form measured slower and removed is an error, not "0"
-        monkeypatch.setenv("LORAPLEX_LORA_SIDE", bad)
-        with pytest.raises(ValueError, match="LORAPLEX_LORA_SIDE"):
-            lora_side()
-
-
-@pytest.mark.gpu
-def test_lora_beside_the_gemm_through_graphs_gpu(setup, monkeypatch):
-    """``LORAPLEX_LORA_SIDE=1`` on CUDA in bfloat16: the decode graphs capture each LoRA on a
-    side stream (a parallel branch) beside the GEMM; against PEFT in float32 within PEFT's own
-    bfloat16 error, and against the eager fused step without the switch."""
-    from loraplex.engine.model import fused
-
-    deltas = []
-    real = fused.lora_expand_delta
-
-    def switch_on() -> None:  # after the eager run (without the switch), before the graphs
-        monkeypatch.setattr(
-            fused, "lora_expand_delta", lambda *a, **k: deltas.append(1) or real(*a, **k)
-        )
-        monkeypatch.setenv("LORAPLEX_LORA_SIDE", "1")
-
-    _graphs_against_peft_and_eager(setup, torch.bfloat16, before_graphs=switch_on)
-    assert deltas, "the side form never ran"

@@ -14,10 +14,8 @@ CPU through ``TRITON_INTERPRET=1``) or the torch twin. The twins (``reference.py
 Triton wrappers take exactly the arguments of the op here; sizes (L, N, R, heads, head_dim)
 come from the tensors' shapes. ``dora`` (``DoraRows``, model/lora/dora.py): the projection's DoRA
 row scales, applied to the base output of rows whose slot is flagged before the delta (None: no
-DoRA). ``delta`` (T, N) fp32, with ``lora_b`` None: the rows' delta computed apart
-(``lora_expand_delta``, on a side stream beside the base GEMM), added where ``lora_b``'s would be. Triton is imported lazily. The checks below read shapes only
-(no device sync), and the Triton launch depends on ``T`` alone, so the GPU path can be
-captured in a CUDA graph.
+DoRA). Triton is imported lazily. The checks below read shapes only (no device sync), and the
+Triton launch depends on ``T`` alone, so the GPU path can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -74,19 +72,6 @@ def _check_lora(
         raise ValueError(f"token_slots must have shape ({y_aug.shape[0]},)")
 
 
-def _check_delta(
-    y_aug: torch.Tensor, n_base: int, lora_b: torch.Tensor | None, delta: torch.Tensor | None
-) -> None:
-    if delta is None:
-        return
-    if lora_b is not None:
-        raise ValueError("delta replaces lora_b's delta: pass one of them")
-    if tuple(delta.shape) != (y_aug.shape[0], n_base) or delta.dtype != torch.float32:
-        raise ValueError(
-            f"delta {tuple(delta.shape)} {delta.dtype}, want ({y_aug.shape[0]}, {n_base}) float32"
-        )
-
-
 def lora_add_rmsnorm(
     y_aug: torch.Tensor,
     residual: torch.Tensor,
@@ -96,7 +81,6 @@ def lora_add_rmsnorm(
     eps: float,
     out: torch.Tensor,
     dora: DoraRows | None = None,
-    delta: torch.Tensor | None = None,
 ) -> None:
     """o_proj / down_proj epilogue, residual add, next RMSNorm (S = 1, N = H = residual width)::
 
@@ -110,10 +94,9 @@ def lora_add_rmsnorm(
         raise ValueError(f"residual {tuple(residual.shape)}, want ({y_aug.shape[0]}, H)")
     n_base = residual.shape[1]
     _check_lora(y_aug, n_base, lora_b, mapping, 1, dora)
-    _check_delta(y_aug, n_base, lora_b, delta)
     if out.shape != residual.shape or tuple(norm_weight.shape) != (n_base,):
         raise ValueError(f"out {tuple(out.shape)}, norm_weight {tuple(norm_weight.shape)}")
-    args = (y_aug, residual, lora_b, mapping, norm_weight, eps, out, dora, delta)
+    args = (y_aug, residual, lora_b, mapping, norm_weight, eps, out, dora)
     if mapping.triton:
         from loraplex.engine.model.kernels.add_rmsnorm import lora_add_rmsnorm_triton
 
@@ -145,7 +128,6 @@ def lora_silu_mul(
     mapping: LoRAMapping,
     out: torch.Tensor,
     dora: DoraRows | None = None,
-    delta: torch.Tensor | None = None,
 ) -> None:
     """gate_up epilogue + SiLU-and-mul (S = 2 slices of width I = out's width, N = 2I)::
 
@@ -156,8 +138,7 @@ def lora_silu_mul(
     if out.dim() != 2 or out.shape[0] != y_aug.shape[0]:
         raise ValueError(f"out {tuple(out.shape)}, want ({y_aug.shape[0]}, I)")
     _check_lora(y_aug, 2 * out.shape[1], lora_b, mapping, 2, dora)
-    _check_delta(y_aug, 2 * out.shape[1], lora_b, delta)
-    args = (y_aug, lora_b, mapping, out, dora, delta)
+    args = (y_aug, lora_b, mapping, out, dora)
     if mapping.triton:
         from loraplex.engine.model.kernels.silu_mul import lora_silu_mul_triton
 
@@ -178,7 +159,6 @@ def lora_qkv_rope(
     slot_mapping: torch.Tensor,
     q_out: torch.Tensor,
     dora: DoraRows | None = None,
-    delta: torch.Tensor | None = None,
 ) -> None:
     """qkv epilogue + rotary (HF rotate_half) + paged KV write (S = 3: q, k, v)::
 
@@ -200,14 +180,12 @@ def lora_qkv_rope(
         if c.dim() != 4 or c.shape[3] != head_dim or c.shape != k_cache.shape:
             raise ValueError(f"{name} {tuple(c.shape)}, want (blocks, block_size, Hkv, {head_dim})")
     _check_lora(y_aug, (hq + 2 * k_cache.shape[2]) * head_dim, lora_b, mapping, 3, dora)
-    _check_delta(y_aug, (hq + 2 * k_cache.shape[2]) * head_dim, lora_b, delta)
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim:
         raise ValueError(f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}: want (P, {head_dim})")
     if tuple(positions.shape) != (t,) or tuple(slot_mapping.shape) != (t,):
         raise ValueError(f"positions / slot_mapping must have shape ({t},)")
     args = (
         y_aug, lora_b, mapping, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, dora,
-        delta,
     )  # fmt: skip
     if mapping.triton:
         from loraplex.engine.model.kernels.qkv_rope import lora_qkv_rope_triton

@@ -115,7 +115,6 @@ def _add_rmsnorm_kernel(
     USE_DOT: tl.constexpr,
     HAS_DORA: tl.constexpr,
     DORA_BIAS: tl.constexpr,
-    FROM_DELTA: tl.constexpr,
 ):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = tok < T
@@ -141,7 +140,7 @@ def _add_rmsnorm_kernel(
                 acc = lora_delta(
                     acc, ya_ptr, b_ptr, tok, slots, cols, c_mask, H, 1, L, L, R,
                     stride_yt, stride_yn, stride_bl, stride_bn, stride_br,
-                    BLOCK_R, USE_DOT, FROM_DELTA=FROM_DELTA,
+                    BLOCK_R, USE_DOT,
                 )  # fmt: skip
                 if HAS_DORA:  # noqa: SIM102 (any_dora exists only under the constexpr)
                     if any_dora:
@@ -180,14 +179,13 @@ def _launch(
     config: NormConfig | None,
     rank_bound: int | None = None,
     dora: DoraRows | None = None,
-    delta: torch.Tensor | None = None,
 ) -> None:
     t, h = residual.shape
     if t == 0:
         return
-    has_lora = lora_b is not None or delta is not None
+    has_lora = lora_b is not None
     ya = y_aug if y_aug is not None else residual
-    b, b_strides, num_slots, rank = lora_source(lora_b, delta, ya)
+    b, b_strides, num_slots, rank = lora_source(lora_b, ya)
     if rank_bound is not None:
         rank = min(rank, rank_bound)  # the step's rank rows (model/lora/ranks.py)
     lora_rank = rank if lora_b is not None and y_aug is not None else 0
@@ -202,7 +200,6 @@ def _launch(
             y_aug, residual, lora_b, token_slots, norm_weight, eps, out, rank=rank,
             block_h=cfg.block_h, num_warps=cfg.num_warps, block_t=cfg.block_t,
             block_r=block_r(rank, use_dot, cfg.block_t * cfg.block_h, cfg.num_warps), dora=dora,
-            delta=delta,
         )  # fmt: skip
         return
     slots = token_slots if token_slots is not None else ya
@@ -237,7 +234,6 @@ def _launch(
         USE_DOT=use_dot,
         HAS_DORA=has_dora,
         DORA_BIAS=dora_bias,
-        FROM_DELTA=delta is not None,
         num_warps=cfg.num_warps,
     )
 
@@ -251,14 +247,13 @@ def lora_add_rmsnorm_triton(
     eps: float,
     out: torch.Tensor,
     dora: DoraRows | None = None,
-    delta: torch.Tensor | None = None,
     *,
     config: NormConfig | None = None,
 ) -> None:
     """Triton ``lora_add_rmsnorm``; see ``reference.lora_add_rmsnorm_torch``."""
     _launch(
         y_aug, residual, lora_b, mapping.token_slots, norm_weight, eps, out, config,
-        mapping.rank_bound, dora, delta,
+        mapping.rank_bound, dora,
     )  # fmt: skip
 
 

@@ -72,7 +72,6 @@ def _split_kernel(
     USE_DOT: tl.constexpr,
     HAS_DORA: tl.constexpr,
     DORA_BIAS: tl.constexpr,
-    FROM_DELTA: tl.constexpr,
 ):  # fmt: skip
     blk = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -96,7 +95,6 @@ def _split_kernel(
         acc = lora_delta(
             acc, ya_ptr, b_ptr, tok, slots, cols, c_mask, H, 1, L, L, R,
             stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT,
-            FROM_DELTA=FROM_DELTA,
         )  # fmt: skip
         if HAS_DORA:
             on, any_dora = dora_flags(on_ptr, slots)
@@ -148,19 +146,16 @@ def add_rmsnorm_split(
     num_warps: int,
     block_t: int = 1,
     dora: DoraRows | None = None,
-    delta: torch.Tensor | None = None,
 ) -> None:
     """The split launch (``T <= MAX_ROWS``, ``cdiv(H, block_h) <= MAX_CHUNKS``); ``rank``: the
-    step's rank rows, ``block_r`` its chunk; ``block_t`` rows per program (>= 16: dot delta);
-    ``delta``: the rows' delta computed apart, read instead of ``lora_b``'s (``lora_delta``'s
-    FROM_DELTA)."""
+    step's rank rows, ``block_r`` its chunk; ``block_t`` rows per program (>= 16: dot delta)."""
     t, h = residual.shape
     nchunk = triton.cdiv(h, block_h)
     if t > MAX_ROWS or nchunk > MAX_CHUNKS:
         raise ValueError(f"split norm: {t} rows x {nchunk} chunks over its workspace")
     counts, parts = prepare_split_norm(residual.device)
-    b, b_strides, num_slots, _ = lora_source(lora_b, delta, y_aug)
-    has_lora = lora_b is not None or delta is not None
+    b, b_strides, num_slots, _ = lora_source(lora_b, y_aug)
+    has_lora = lora_b is not None
     d_args, (has_dora, dora_bias) = dora_args(dora if has_lora else None, y_aug)
     _split_kernel[(triton.cdiv(t, block_t), nchunk)](
         y_aug, residual, b, token_slots, norm_weight, out, counts, parts,
@@ -176,6 +171,5 @@ def add_rmsnorm_split(
         USE_DOT=block_t >= 16,
         HAS_DORA=has_dora,
         DORA_BIAS=dora_bias,
-        FROM_DELTA=delta is not None,
         num_warps=num_warps,
     )  # fmt: skip

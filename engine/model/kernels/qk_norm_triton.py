@@ -117,7 +117,7 @@ def lora_qk_norm_triton(
         return
     head_dim = q_weight.shape[0]
     kv_heads = (n // head_dim - num_heads) // 2
-    b, b_strides, num_slots, rank = lora_source(lora_b, None, y_aug)
+    b, b_strides, num_slots, rank = lora_source(lora_b, y_aug)
     rank = mapping.rank_rows(rank)
     has_lora = lora_b is not None
     d_args, (has_dora, dora_bias) = dora_args(dora if has_lora else None, y_aug)

@@ -87,7 +87,6 @@ def _qkv_rope_kernel(
     BLOCK_K: tl.constexpr,
     HAS_DORA: tl.constexpr,
     DORA_BIAS: tl.constexpr,
-    FROM_DELTA: tl.constexpr,
 ):  # fmt: skip
     dt = ya_ptr.dtype.element_ty
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -114,13 +113,11 @@ def _qkv_rope_kernel(
         d1 = lora_delta(
             d1, ya_ptr, b_ptr, tok, slots, c1, h_mask, n_base + s * L, 1, 3 * L, L, R,
             stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
-            FROM_DELTA=FROM_DELTA,
         )  # fmt: skip
         d2 = tl.full((BLOCK_T, BLOCK_HALF), 0.0, tl.float32)
         d2 = lora_delta(
             d2, ya_ptr, b_ptr, tok, slots, c2, h_mask, n_base + s * L, 1, 3 * L, L, R,
             stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
-            FROM_DELTA=FROM_DELTA,
         )  # fmt: skip
         if HAS_DORA:  # after the deltas: their loads go out before the flag gather
             on, any_dora = dora_flags(on_ptr, slots)
@@ -176,7 +173,6 @@ def _qkv_rope_kernel(
             dv = lora_delta(
                 dv, ya_ptr, b_ptr, tok, slots, cv, d_mask, n_base + 2 * L, 1, 3 * L, L, R,
                 stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
-                FROM_DELTA=FROM_DELTA,
             )  # fmt: skip
             if HAS_DORA:  # noqa: SIM102 (any_dora exists only under the constexpr)
                 if any_dora:
@@ -205,7 +201,6 @@ def lora_qkv_rope_triton(
     slot_mapping: torch.Tensor,
     q_out: torch.Tensor,
     dora: DoraRows | None = None,
-    delta: torch.Tensor | None = None,
     *,
     config: QKVRopeConfig | None = None,
 ) -> None:
@@ -213,7 +208,7 @@ def lora_qkv_rope_triton(
     t = y_aug.shape[0]
     if t == 0:
         return
-    b, b_strides, num_slots, rank = lora_source(lora_b, delta, y_aug)
+    b, b_strides, num_slots, rank = lora_source(lora_b, y_aug)
     rank = mapping.rank_rows(rank)  # the step's rank rows (model/lora/ranks.py)
     cfg = config or qkv_rope_config(t, num_slots, rank, y_aug.device)
     use_dot = cfg.block_t >= 16
@@ -221,7 +216,7 @@ def lora_qkv_rope_triton(
     hq, head_dim, hkv = q_out.shape[1], q_out.shape[2], k_cache.shape[2]
     q_size, kv_size = hq * head_dim, hkv * head_dim
     slots = mapping.token_slots
-    has_lora = lora_b is not None or delta is not None
+    has_lora = lora_b is not None
     d_args, (has_dora, dora_bias) = dora_args(dora if has_lora else None, y_aug)
     grid = (triton.cdiv(t, cfg.block_t), hq + hkv)
     _qkv_rope_kernel[grid](
@@ -243,7 +238,6 @@ def lora_qkv_rope_triton(
         BLOCK_K=cfg.block_k if use_dot else 0,
         HAS_DORA=has_dora,
         DORA_BIAS=dora_bias,
-        FROM_DELTA=delta is not None,
         num_warps=cfg.num_warps,
         # HF rounds x * cos and rotate_half(x) * sin each to the model dtype before the sum:
         # no fused multiply-add may skip that rounding (with it, ~15 % of bf16 q / k elements

@@ -9,10 +9,6 @@ scale folded in, slice ``s`` owning rows ``lo_s .. hi_s``. ``mapping.token_slots
 
     delta_s[t, j] = sum_{r < Rb} y_aug[t, N + (r * S + s) * L + slot_t] * lora_b[slot_t, lo_s + j, r]
 
-``delta`` (T, N) fp32, instead of ``lora_b`` (None then): the rows' delta computed apart
-(``lora_expand_delta``, e.g. on a side stream beside the base GEMM), read as ``delta_s`` (rows
-of slot -1: none); ``y_aug`` needs only its base columns.
-
 DoRA (``dora``, ``mapping.DoraRows``, model/lora/dora.py): rows whose slot the projection's tables flag
 read their base columns as ``dora(y) = g[slot] * (y - bias) + bias`` in fp32 (unrounded) before
 the delta; other rows read ``y`` unchanged.
@@ -52,19 +48,13 @@ def _projection(
     hi: int,
     num_slices: int,
     dora: DoraRows | None = None,
-    delta: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``round(dora(y_aug[:, lo:hi]) + delta_s)`` in the model dtype (no delta, no DoRA
-    without ``lora_b`` or ``delta``). ``delta`` (T, N) fp32: the rows' delta computed apart
-    (``lora_expand_delta``), columns ``lo .. hi`` taken for ``delta_s``; rows of slot -1 none."""
+    without ``lora_b``)."""
     base = y_aug[:, lo:hi]
-    if delta is not None:
-        live = (mapping.token_slots >= 0).unsqueeze(1)
-        delta = torch.where(live, delta[:, lo:hi].float(), 0.0)
-    elif lora_b is None:
+    if lora_b is None:
         return base
-    else:
-        delta = lora_delta_torch(y_aug, n_base, lora_b, mapping, s, lo, hi, num_slices)
+    delta = lora_delta_torch(y_aug, n_base, lora_b, mapping, s, lo, hi, num_slices)
     y = base.float() if dora is None else dora_rows_torch(base, dora, mapping.token_slots, lo, hi)
     return (y + delta).to(y_aug.dtype)
 
@@ -92,7 +82,6 @@ def lora_add_rmsnorm_torch(
     eps: float,
     out: torch.Tensor,
     dora: DoraRows | None = None,
-    delta: torch.Tensor | None = None,
 ) -> None:
     """Projection epilogue + residual add + RMSNorm (S = 1 slice, N = H = residual width).
     Loop form::
@@ -104,7 +93,7 @@ def lora_add_rmsnorm_torch(
         out[t] = weight * round(v * rsqrt(mean(v * v) + eps))
     """
     n_base = residual.shape[1]
-    y = _projection(y_aug, n_base, lora_b, mapping, 0, 0, n_base, 1, dora, delta)
+    y = _projection(y_aug, n_base, lora_b, mapping, 0, 0, n_base, 1, dora)
     residual.copy_((residual.float() + y.float()).to(residual.dtype))
     _rmsnorm(residual, norm_weight, eps, out)
 
@@ -115,7 +104,6 @@ def lora_silu_mul_torch(
     mapping: LoRAMapping,
     out: torch.Tensor,
     dora: DoraRows | None = None,
-    delta: torch.Tensor | None = None,
 ) -> None:
     """gate_up epilogue + SiLU-and-mul (S = 2 slices of width I = out's width). Loop form::
 
@@ -125,8 +113,8 @@ def lora_silu_mul_torch(
         out[t] = round(round(silu(g)) * u)            # HF: act_fn(gate) * up, silu in fp32
     """
     i = out.shape[1]
-    g = _projection(y_aug, 2 * i, lora_b, mapping, 0, 0, i, 2, dora, delta)
-    u = _projection(y_aug, 2 * i, lora_b, mapping, 1, i, 2 * i, 2, dora, delta)
+    g = _projection(y_aug, 2 * i, lora_b, mapping, 0, 0, i, 2, dora)
+    u = _projection(y_aug, 2 * i, lora_b, mapping, 1, i, 2 * i, 2, dora)
     act = F.silu(g.float()).to(g.dtype)
     out.copy_((act.float() * u.float()).to(out.dtype))
 
@@ -148,7 +136,6 @@ def lora_qkv_rope_torch(
     slot_mapping: torch.Tensor,
     q_out: torch.Tensor,
     dora: DoraRows | None = None,
-    delta: torch.Tensor | None = None,
 ) -> None:
     """qkv epilogue + rotary embedding + paged KV-cache write (S = 3 slices q, k, v); heads and
     head_dim D from ``q_out`` (T, Hq, D) and ``k_cache`` (blocks, block_size, Hkv, D). Loop form::
@@ -167,7 +154,7 @@ def lora_qkv_rope_torch(
     n_base = q_size + 2 * kv_size
     bounds = (0, q_size, q_size + kv_size, n_base)
     q, k, v = (
-        _projection(y_aug, n_base, lora_b, mapping, s, lo, hi, 3, dora, delta)
+        _projection(y_aug, n_base, lora_b, mapping, s, lo, hi, 3, dora)
         for s, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False))
     )
     q = q.reshape(t, -1, head_dim)

@@ -99,7 +99,6 @@ def _silu_mul_kernel(
     BLOCK_K: tl.constexpr,
     HAS_DORA: tl.constexpr,
     DORA_BIAS: tl.constexpr,
-    FROM_DELTA: tl.constexpr,
 ):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = tok < T
@@ -117,12 +116,10 @@ def _silu_mul_kernel(
         dg = lora_delta(
             dg, ya_ptr, b_ptr, tok, slots, cols, c_mask, 2 * inter, 1, 2 * L, L, R,
             stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
-            FROM_DELTA=FROM_DELTA,
         )  # fmt: skip
         du = lora_delta(
             du, ya_ptr, b_ptr, tok, slots, inter + cols, c_mask, 2 * inter + L, 1, 2 * L, L, R,
             stride_yt, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R, USE_DOT, BLOCK_K,
-            FROM_DELTA=FROM_DELTA,
         )  # fmt: skip
         if HAS_DORA:  # after the deltas: their loads go out before the flag gather
             on, any_dora = dora_flags(on_ptr, slots)
@@ -150,7 +147,6 @@ def lora_silu_mul_triton(
     mapping: LoRAMapping,
     out: torch.Tensor,
     dora: DoraRows | None = None,
-    delta: torch.Tensor | None = None,
     *,
     config: SiluMulConfig | None = None,
 ) -> None:
@@ -158,13 +154,13 @@ def lora_silu_mul_triton(
     t = y_aug.shape[0]
     if t == 0:
         return
-    b, b_strides, num_slots, rank = lora_source(lora_b, delta, y_aug)
+    b, b_strides, num_slots, rank = lora_source(lora_b, y_aug)
     rank = mapping.rank_rows(rank)  # the step's rank rows (model/lora/ranks.py)
     cfg = config or silu_mul_config(t, num_slots, rank, y_aug.device)
     use_dot = cfg.block_t >= 16
     inter = out.shape[1]
     slots = mapping.token_slots
-    has_lora = lora_b is not None or delta is not None
+    has_lora = lora_b is not None
     d_args, (has_dora, dora_bias) = dora_args(dora if has_lora else None, y_aug)
     grid = (triton.cdiv(t, cfg.block_t), triton.cdiv(inter, cfg.block_n))
     _silu_mul_kernel[grid](
@@ -191,6 +187,5 @@ def lora_silu_mul_triton(
         BLOCK_K=cfg.block_k if use_dot else 0,
         HAS_DORA=has_dora,
         DORA_BIAS=dora_bias,
-        FROM_DELTA=delta is not None,
         num_warps=cfg.num_warps,
     )

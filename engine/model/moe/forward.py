@@ -19,9 +19,8 @@ Per decoder layer::
 
 Every shape depends on T (the sorted-pair buffers on T * k, E and the block size), no host
 sync: a decode step is captured in a CUDA graph as the dense families' are. ``triton=False``
-runs the epilogues and the grouped GEMM as their torch twins (CPU tests). Not here: the side
-form (``fused.py``'s ``_Side``; MoE steps keep the fused form) and tensor parallelism (refused
-for MoE models).
+runs the epilogues and the grouped GEMM as their torch twins (CPU tests). Not here: tensor
+parallelism (refused for MoE models).
 """
 
 from __future__ import annotations

@@ -61,13 +61,9 @@ def _loaded(adapters):
     return load
 
 
-@pytest.mark.parametrize("backend", ["torch", "fused_twins", "fused", "fused_side"])
-def test_dora_matches_peft_in_a_mixed_batch(setup, backend, monkeypatch):
-    """``fused_side``: the fused forward with each LoRA beside its GEMM (LORAPLEX_LORA_SIDE=1):
-    the epilogues fed the delta apply the row scale as before."""
+@pytest.mark.parametrize("backend", ["torch", "fused_twins", "fused"])
+def test_dora_matches_peft_in_a_mixed_batch(setup, backend):
     model_dir, adapters = setup
-    if backend == "fused_side":
-        monkeypatch.setenv("LORAPLEX_LORA_SIDE", "1")
     g = random.Random(2)
     prompts = [[g.randrange(3, 200) for _ in range(n)] for _, n in ROWS]
     names = [n for n, _ in ROWS]
@@ -96,7 +92,6 @@ def test_dora_matches_peft_in_a_mixed_batch(setup, backend, monkeypatch):
         "torch": {},
         "fused_twins": dict(kernel_backend=KernelBackend(fused=True, triton=False)),
         "fused": dict(kernel_backend="fused"),  # the Triton epilogues (interpreted on CPU)
-        "fused_side": dict(kernel_backend="fused"),
     }
     our_steps = ours(
         model_dir, adapters, prompts, names, hf_tokens, loaded=_loaded(adapters), **kw[backend]

@@ -70,32 +70,6 @@ def _mul_add(acc, h, b, USE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _slot_tiles(
-    h_rows, b_ptr, slots, cols, col_mask, k_col, slot, r0, step_l, step_r, R,
-    stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R: tl.constexpr,
-):  # fmt: skip
-    """One step of the branch-free per-slot loop: (the block rows' shrinks of ``slot`` for
-    ranks ``r0 ..`` (BT, BLOCK_R), other rows 0; that slot's B tile (BLOCK_R, BN), not loaded
-    at all when no row of the block holds the slot)."""
-    offs_r = r0 + tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    sel = slots == slot
-    n_sel = tl.reduce(sel.to(tl.int32), 0, tl.standard._elementwise_max)
-    live = tl.where(col_mask, n_sel, 0) > 0  # (BN,): col_mask, or none for an absent slot
-    h = tl.load(
-        h_rows + (k_col + slot * step_l + offs_r[None, :] * step_r) * stride_yn,
-        mask=sel[:, None] & r_mask[None, :],
-        other=0.0,
-    )
-    b = tl.load(
-        b_ptr + slot * stride_bl + cols[None, :] * stride_bn + offs_r[:, None] * stride_br,
-        mask=r_mask[:, None] & live[None, :],
-        other=0.0,
-    )
-    return h, b
-
-
-@triton.jit
 def lora_delta(
     acc,
     ya_ptr,
@@ -117,8 +91,6 @@ def lora_delta(
     BLOCK_R: tl.constexpr,
     USE_DOT: tl.constexpr,
     BLOCK_K: tl.constexpr = 0,
-    STAGES: tl.constexpr = 0,
-    FROM_DELTA: tl.constexpr = False,
 ):
     """``acc[i, j] += delta[tok[i], cols[j]]``; returns ``acc`` (fp32).
 
@@ -135,29 +107,10 @@ def lora_delta(
     of ``BLOCK_K`` against ``lora_b`` gathered as (R * span, N): one dot per chunk instead of
     one per slot. The same products as the per-slot loop; the fp32 sums in another order.
 
-    ``STAGES > 0`` (``BLOCK_K == 0``): the per-slot loop without a branch, pipelined. One loop
-    over (slot of ``lo .. hi``, rank chunk) loads that slot's shrinks of the block's rows (the
-    other rows masked to zero) and its ``B`` tile (masked off entirely for a slot no row of the
-    block holds), so Triton's software pipeliner keeps ``STAGES - 1`` ``B`` tiles in flight
-    through shared memory while the current one is multiplied, instead of one load, its wait and
-    its dot after another. Only ``lora_expand_delta`` (the delta on its own, fused.py's side
-    form) takes it; the fused epilogues run the branching loop below, which timed faster there.
-
     Otherwise one gather per rank chunk loads every token's own shrinks; the loop over the
     slots present masks them per slot (the masked terms add exact zeros: the same sums, bit
     for bit, as a load per slot).
-
-    ``FROM_DELTA``: the delta was computed apart (``lora_expand_delta``, e.g. on a side stream
-    beside the base GEMM): ``b_ptr`` is that fp32 (T, N) buffer, ``stride_bl`` / ``stride_bn``
-    its row / column strides; rows of slot -1 read none (0). Nothing else is read.
     """
-    if FROM_DELTA:
-        d = tl.load(
-            b_ptr + tok[:, None] * stride_bl + cols[None, :] * stride_bn,
-            mask=(slots >= 0)[:, None] & col_mask[None, :],
-            other=0.0,
-        )
-        return acc + d
     lo = tl.reduce(tl.where(slots >= 0, slots, L), 0, tl.standard._elementwise_min)
     hi = tl.reduce(slots, 0, tl.standard._elementwise_max) + 1
     h_rows = ya_ptr + tok[:, None] * stride_yt  # (BT, 1)
@@ -186,15 +139,6 @@ def lora_delta(
             )  # (BLOCK_K, BN)
             acc += tl.dot(h, b.to(h.dtype), input_precision="ieee")
         return acc
-    if STAGES > 0:
-        n_r = tl.cdiv(R, BLOCK_R)
-        for i in tl.range(0, (hi - lo) * n_r, num_stages=STAGES):
-            h, b = _slot_tiles(
-                h_rows, b_ptr, slots, cols, col_mask, k_col, lo + i // n_r, (i % n_r) * BLOCK_R,
-                step_l, step_r, R, stride_yn, stride_bl, stride_bn, stride_br, BLOCK_R,
-            )  # fmt: skip
-            acc = _mul_add(acc, h, b, USE_DOT)
-        return acc
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_mask = offs_r < R
@@ -221,13 +165,10 @@ def lora_delta(
 
 
 def lora_source(
-    lora_b: torch.Tensor | None, delta: torch.Tensor | None, dummy: torch.Tensor
+    lora_b: torch.Tensor | None, dummy: torch.Tensor
 ) -> tuple[torch.Tensor, tuple[int, int, int], int, int]:
     """What a fused epilogue's ``b_ptr`` reads: ``(tensor, its three strides, slots L, rank
-    R)``. ``delta`` (T, N) fp32, the rows' delta computed apart (``FROM_DELTA``): its row and
-    column strides, no slots; else ``lora_b`` (L, N, R); else ``dummy`` (never read)."""
-    if delta is not None:
-        return delta, (delta.stride(0), delta.stride(1), 0), 0, 1
+    R)``: ``lora_b`` (L, N, R), else ``dummy`` (never read)."""
     if lora_b is not None:
         return lora_b, lora_b.stride(), lora_b.shape[0], lora_b.shape[2]
     return dummy, (0, 0, 0), 0, 1
