@@ -154,7 +154,7 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def fused_forward(self, *args, **kw) -> torch.Tensor:
         """The GPU forward (``moe/forward.py``): ``fused.fused_forward`` hands a model that has
-        this method its arguments (the side form's ``side`` excepted)."""
+        this method its arguments."""
         from loraplex.engine.model.moe.forward import moe_fused_forward
 
         return moe_fused_forward(self, *args, **kw)
