@@ -97,10 +97,13 @@ async def one_load(
         t1 = time.perf_counter()
         if staged is None:  # (before the one pass: a separate stage step)
             await fetcher.stager.stage(v, torch.float32, pin=False)
-    else:
-        await fetcher.fetch_verify(v, trusted=True)  # add_adapter's part
+    else:  # add_adapter's pass also packs the image; the first request stages only if not
+        staged = await fetcher.fetch_verify(
+            v, trusted=True, stage=(torch.float32, False), background=True
+        )
         t1 = time.perf_counter()
-        await fetcher.stager.stage(v, torch.float32, pin=False)  # the first request's part
+        if staged is None:  # (no region free now)
+            await fetcher.stager.stage(v, torch.float32, pin=False)
     t2 = time.perf_counter()
     fetcher.stager.release(v)
     fetcher.discard(v)

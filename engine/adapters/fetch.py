@@ -161,6 +161,7 @@ class AdapterFetcher:
         *,
         trusted: bool = False,
         stage: tuple[torch.dtype, bool] | None = None,
+        background: bool = False,
     ) -> LoRAAdapter | None:
         """resolve + fetch + verify + preflight + value checks, one pass per byte
         (fetch_pass.py); sets ``v.local_dir`` and ``v.digest``. ``stage`` = (dtype, pin): the
@@ -168,6 +169,8 @@ class AdapterFetcher:
         pool: sets ``v.region``) and the staged adapter is returned; else None.
 
         ``trusted``: a static source the operator configured (see ``allow_static``).
+        ``background``: no request waits on this pass (add_adapter): it packs only into a
+        region free now, and in a loader process it yields to stages requests wait on.
         """
         t = v.timings
         uri = v.uri
@@ -199,9 +202,10 @@ class AdapterFetcher:
                 if region is not None:
                     payload["region"] = region
                     payload["dtype"] = str(stage[0]).removeprefix("torch.")  # type: ignore[index]
+                    payload["urgent"] = not background
                 return await self.procs.call("prepare", payload, shared=shared, on_end=on_end)  # type: ignore[union-attr]
 
-            r, adapter = await self.stager.in_helper(v, call, stage)
+            r, adapter = await self.stager.in_helper(v, call, stage, wait=not background)
             v.local_dir, v.digest = Path(r["local_dir"]), r["digest"]
             v.pinned_uri, v.nbytes = r["pinned_uri"], r["nbytes"]
             v.lora_rank, v.dora, v.full = r["rank"], r["dora"], r["full"]
@@ -215,17 +219,17 @@ class AdapterFetcher:
         t1 = time.perf_counter()
         dest = Path(tempfile.mkdtemp(prefix=f"v{v.version}-", dir=self.cache_dir))
 
-        async def run(out: torch.Tensor | None) -> Any:
+        async def run(out: torch.Tensor | None, dtype: torch.dtype | None) -> Any:
             return await fetch_and_check(
                 resolver, uri, dest, name=v.name, shown_uri=v.uri, sha256=sha256,
                 expect_digest=v.digest, model_config=self.model_config,
                 max_lora_rank=self.config.max_lora_rank, max_bytes=self.config.max_adapter_bytes,
                 progress=self._progress(v), full_modules=self.config.max_full_module_loras > 0,
-                extra_files=self._extra_files(), dtype=stage[0] if stage else None,
-                pin=bool(stage and stage[1]), out=out,
+                extra_files=self._extra_files(), dtype=dtype, pin=bool(stage and stage[1]),
+                out=out,
             )  # fmt: skip
 
-        got, adapter = await self.stager.in_thread(v, run, stage)
+        got, adapter = await self.stager.in_thread(v, run, stage, wait=not background)
         report = got.checked.report
         v.local_dir, v.digest, v.pinned_uri, v.nbytes = (
             got.result.local_dir,

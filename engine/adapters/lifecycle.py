@@ -125,6 +125,10 @@ class AdapterLifecycle:
         self, name: str, uri: str, sha256: str | None, *, trusted: bool = True
     ) -> AdapterVersion:
         """Add an adapter now (fetched, verified and preflighted before it is registered).
+        The same pass packs its slot image, which joins the CPU tier as a finished load would
+        (``AdapterRegistry.admit``): its first request only writes a slot. Without a free
+        host-pool region, or when the tier's policy gives the image up, it is not kept (the
+        first request stages it from the verified staging copy).
 
         ``trusted``: operator configuration (``--lora-modules``), allowed verbatim; otherwise
         (runtime admin loads) the source must pass the allowlist policy.
@@ -133,12 +137,32 @@ class AdapterLifecycle:
             raise InvalidRequestError("this engine runs with max_loras=0: adapters are disabled")
         if trusted:
             await self.fetcher.allow_static(uri)
+        t0 = time.perf_counter()
         v = self.registry.new_version(name, uri)
         v.trusted = trusted
-        await self.fetcher.fetch_verify(v, sha256, trusted=trusted)
-        v = self.registry.register(v)
-        await self.fetcher.trim_staging(self.registry.versions(), keep=v)
-        return v
+        stage = (self.model.dtype, self.device.type == "cuda")
+        adapter = await self.fetcher.fetch_verify(
+            v, sha256, trusted=trusted, stage=stage, background=True
+        )
+        if adapter is not None:
+            try:
+                await self._finish(v, adapter)
+            except BaseException:  # DoRA's checks failed, or the caller is gone
+                self.stager.release(v)
+                self.fetcher.discard(v)
+                raise
+        cur = self.registry.register(v)
+        if adapter is not None:
+            if cur is v and self.registry.admit(v, adapter):
+                self.emit(
+                    "adapter_load", name=v.name, uri=v.uri, digest=v.digest, ok=True,
+                    timings=dict(v.timings), total_s=time.perf_counter() - t0,
+                    nbytes=adapter.nbytes,
+                )  # fmt: skip
+            elif cur is not v:  # an equal version was current: this one went (files too)
+                self.stager.release(v)
+        await self.fetcher.trim_staging(self.registry.versions(), keep=cur)
+        return cur
 
     def remove(self, name: str) -> None:
         self.registry.unregister(name)
@@ -296,10 +320,7 @@ class AdapterLifecycle:
                 adapter = await self._fetched(v, stage)
                 if adapter is None:  # its verified copy is staged: packed from there
                     adapter = await self.stager.stage(v, stage[0], pin=stage[1])
-                if adapter.config.use_dora:  # the row scales need the base weights: here
-                    await asyncio.to_thread(self._dora, v, adapter)
-            if self._prepare_shards is not None:  # every rank's shard, off the step thread
-                await asyncio.to_thread(self._prepare_shards, adapter)
+            await self._finish(v, adapter)
             v.adapter = adapter
         except Exception as e:
             self.emit(
@@ -312,6 +333,15 @@ class AdapterLifecycle:
             "adapter_load", **info, ok=True, timings=dict(v.timings),
             total_s=time.perf_counter() - t0, nbytes=v.adapter.nbytes,
         )  # fmt: skip
+
+    async def _finish(self, v: AdapterVersion, adapter: LoRAAdapter) -> None:
+        """What a staged image needs before it serves: DoRA's row scales (they need the base
+        weights: here) and, under tensor parallelism, every rank's shard (off the step
+        thread)."""
+        if not v.parts and adapter.config.use_dora:
+            await asyncio.to_thread(self._dora, v, adapter)
+        if self._prepare_shards is not None:
+            await asyncio.to_thread(self._prepare_shards, adapter)
 
     def _dora(self, v: AdapterVersion, adapter: LoRAAdapter) -> None:
         """Worker thread: a DoRA adapter's row scales against this model (model/lora/dora.py),

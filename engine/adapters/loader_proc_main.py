@@ -156,7 +156,8 @@ class _Helper:
             expect_digest=p["expect_digest"], model_config=self.init.model_config,
             max_lora_rank=p["max_lora_rank"], max_bytes=p["max_bytes"],
             full_modules=p["full_modules"], extra_files=tuple(p.get("extra_files", ())),
-            cpu_gate=self.cpu_gate.hold(urgent=out is not None), dtype=dtype, out=out,
+            cpu_gate=self.cpu_gate.hold(urgent=p.get("urgent", out is not None)), dtype=dtype,
+            out=out,
         )  # fmt: skip
         report = got.checked.report
         reply = {

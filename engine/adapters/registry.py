@@ -334,6 +334,31 @@ class AdapterRegistry:
             self.stats["cpu_evictions"] += 1
         return len(victims)
 
+    def admit(self, v: AdapterVersion, adapter: Any) -> bool:
+        """add_adapter's pass packed ``v``'s image: ``v`` (registered, current, not loaded)
+        joins the CPU tier as if a load had just finished, and the tier's policy picks the
+        victims beyond ``max_cpu_loras`` among the idle versions, ``v`` among them (then its
+        image is dropped: a request stages it again from the staged copy). Returns whether
+        ``v`` stayed in the tier; False also when ``v`` is not admissible (the caller gives
+        the image back)."""
+        if self._current.get(v.name) is not v or v.state is not AdapterState.REGISTERED:
+            return False
+        now = time.monotonic()
+        v.adapter, v.state, v.last_used = adapter, AdapterState.CPU, now
+        self._touch(v, now)
+        self._evict_cpu(keep=None)
+        return v.state is AdapterState.CPU
+
+    def evict(self, v: AdapterVersion) -> bool:
+        """Drop ``v``'s CPU-tier image now if it is idle (no request, no GPU slot); its next
+        request stages it again. Returns whether it was dropped."""
+        if v.state is not AdapterState.CPU or v.users or self.slots.slot_of(v) is not None:
+            return False
+        self._unload(v)
+        v.state = AdapterState.REGISTERED
+        self.stats["cpu_evictions"] += 1
+        return True
+
     def make_room(self) -> bool:
         """Evict one idle CPU-tier version, as the policy picks it (a load needs its host
         memory)."""

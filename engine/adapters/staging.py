@@ -112,19 +112,27 @@ class AdapterStager:
     async def in_thread(
         self,
         v: AdapterVersion,
-        run: Callable[[torch.Tensor | None], Awaitable[Any]],
+        run: Callable[[torch.Tensor | None, torch.dtype | None], Awaitable[Any]],
         stage: tuple[torch.dtype, bool] | None,
+        *,
+        wait: bool = True,
     ) -> tuple[Any, LoRAAdapter | None]:
         """A fetch whose pass also stages (``stage`` = (dtype, pin); fetch_pass.py) in this
-        process: ``run(out)`` into a host-pool region (or a new buffer without a pool); on any
-        failure the region goes back to the pool (the pass's thread has stopped by then:
-        ``run_to_end``). Sets ``v.region``; returns run's result and the staged adapter."""
+        process: ``run(out, dtype)`` packs into a host-pool region (or a new buffer without a
+        pool; ``dtype`` None: no image); on any failure the region goes back to the pool (the
+        pass's thread has stopped by then: ``run_to_end``). Sets ``v.region``; returns run's
+        result and the staged adapter. ``wait=False`` (add_adapter's pass): when no region is
+        free now the pass does not pack (the adapter returned is None)."""
+        region = None
+        if stage is not None and self.pool is not None:
+            region = await self._region() if wait else self._region_now()
+            if region is None:
+                stage = None
         if stage is None:
-            return await run(None), None
-        region = await self._region() if self.pool is not None else None
+            return await run(None, None), None
         try:
             out = self.pool.view(region, stage[0]) if region is not None else None  # type: ignore[union-attr]
-            got = await run(out)
+            got = await run(out, stage[0])
             t0 = time.perf_counter()
             adapter = await asyncio.to_thread(
                 adapter_of, got.checked, v.name, str(got.result.local_dir), self.model_config,
@@ -143,13 +151,17 @@ class AdapterStager:
         v: AdapterVersion,
         call: Callable[[tuple[int, int] | None, Any], Awaitable[dict]],
         stage: tuple[torch.dtype, bool] | None,
+        *,
+        wait: bool = True,
     ) -> tuple[dict, LoRAAdapter | None]:
         """The same in a loader process: ``call(region, on_end)`` runs the helper's job, which
         packs into the region (offset, bytes); the region goes back to the pool on failure,
-        once no helper writes into it any more."""
-        if stage is None or self.pool is None:
+        once no helper writes into it any more. ``wait``: as ``in_thread``'s."""
+        region = None
+        if stage is not None and self.pool is not None:
+            region = await self._region() if wait else self._region_now()
+        if region is None:
             return await call(None, None), None
-        region = await self._region()
         ended: list[bool] = []
 
         def end(ok: bool) -> None:
@@ -246,6 +258,13 @@ class AdapterStager:
         adapter = LoRAAdapter(name=v.name, path=path, config=r["config"], weights={})
         adopt_packed(adapter, packed)
         return adapter
+
+    def _region_now(self) -> Region | None:
+        """A free host-pool region now, else None: for work no request waits on (add_adapter's
+        pass), which neither queues for host memory nor evicts for it (the CPU tier's policy
+        decides, once the image is made, whether it stays: ``AdapterRegistry.admit``)."""
+        assert self.pool is not None
+        return self.pool.acquire()
 
     async def _region(self) -> Region:
         """A free host-pool region; evicts idle CPU-tier versions, else waits for one."""

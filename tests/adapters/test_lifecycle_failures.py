@@ -17,6 +17,7 @@ from tests.helpers.lifecycle import (
     collect,
     config,
     derived_adapter,
+    evict_cpu,
     staged_leftovers,
     wait_until,
 )
@@ -117,6 +118,7 @@ async def test_lost_staging_is_fetched_again_and_must_keep_its_digest(tiny, tmp_
     async with AsyncEngine(config(model_dir, adapter_cache_dir=str(tmp_path / "cache"))) as engine:
         for name in ("sql", "poem"):
             await engine.add_adapter(name, f"file://{root / name}")
+            evict_cpu(engine, name)  # (add_adapter's pass keeps its image: not loaded now)
             shutil.rmtree(engine.testing.adapters.registry.get(name).local_dir)
         derived_adapter(adapters["poem"], root / "poem", seed=9)  # the source changed meanwhile
 

@@ -33,6 +33,7 @@ from tests.helpers.lifecycle import (
     PROMPT,
     assert_idle,
     collect,
+    evict_cpu,
     pool_idle,
     proc_config,
     truncated,
@@ -73,6 +74,7 @@ async def test_killed_helper_is_replaced_and_the_load_retried(tiny, lib, tmp_pat
     cfg = proc_config(model_dir, tmp_path)
     async with AsyncEngine(cfg) as engine:
         await engine.add_adapter("poem", str(lib["poem"]))
+        evict_cpu(engine, "poem")  # its first request stages it (add_adapter's image dropped)
         procs = engine.testing.adapters.fetcher.procs
         base = asyncio.create_task(collect(engine, PROMPT, LONG))
         task = asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="poem"))
@@ -108,6 +110,7 @@ async def test_second_death_fails_only_that_adapter(tiny, lib, tmp_path, monkeyp
     cfg = proc_config(model_dir, tmp_path)
     async with AsyncEngine(cfg) as engine:
         await engine.add_adapter("poem", str(lib["poem"]))
+        evict_cpu(engine, "poem")  # its first request stages it (add_adapter's image dropped)
         procs = engine.testing.adapters.fetcher.procs
         base = asyncio.create_task(collect(engine, PROMPT, LONG))
         task = asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="poem"))
@@ -208,6 +211,7 @@ async def test_cancelled_stage_keeps_its_region_until_the_helper_stopped_writing
     cfg = proc_config(model_dir, tmp_path)
     async with AsyncEngine(cfg) as engine:
         await engine.add_adapter("poem", str(lib["poem"]))
+        evict_cpu(engine, "poem")  # its first request stages it (add_adapter's image dropped)
         procs = engine.testing.adapters.fetcher.procs
         pool = engine.testing.adapters.pool
         task = asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="poem"))

@@ -23,6 +23,7 @@ from tests.helpers.lifecycle import (
     collect,
     config,
     derived_adapter,
+    evict_cpu,
     pool_idle,
     proc_config,
     wait_until,
@@ -37,6 +38,7 @@ async def test_cancelled_load_releases_its_region(tiny, lib, tmp_path, monkeypat
     cfg = proc_config(model_dir, tmp_path)
     async with AsyncEngine(cfg) as engine:
         await engine.add_adapter("poem", str(lib["poem"]))
+        evict_cpu(engine, "poem")  # its first request stages it (add_adapter's image dropped)
         procs = engine.testing.adapters.fetcher.procs
         task = asyncio.create_task(collect(engine, PROMPT, GREEDY, adapter="poem"))
         await wait_until(lambda: any(p.jobs for p in procs.procs), "a stage job in flight")

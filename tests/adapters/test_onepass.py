@@ -25,6 +25,7 @@ from tests.helpers.lifecycle import (
     assert_idle,
     collect,
     config,
+    evict_cpu,
     pool_idle,
     proc_config,
     staged_leftovers,
@@ -114,6 +115,7 @@ async def test_a_refetch_that_fails_its_digest_leaves_no_slot_and_the_next_load_
     async with AsyncEngine(cfg) as engine:
         a = engine.testing.adapters
         await engine.add_adapter("poem", f"file://{root / 'poem'}")
+        evict_cpu(engine, "poem")  # (add_adapter's pass keeps its image: not loaded now)
         shutil.rmtree(a.registry.get("poem").local_dir)
         shutil.rmtree(root / "poem")
         _corrupt(adapters["poem"], root / "poem", "middle")

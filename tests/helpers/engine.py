@@ -36,6 +36,14 @@ async def register(engine, adapters):
         await engine.add_adapter(name, f"file://{path}")
 
 
+def evict_cpu(engine, *names):
+    """Drop the named adapters' CPU-tier images (add_adapter keeps one): their next request
+    loads (stages) them again."""
+    registry = engine.testing.adapters.registry
+    for name in names:
+        assert registry.evict(registry.get(name)), name
+
+
 def assert_idle(engine):
     s = engine.stats()
     assert s["num_used_blocks"] == 0, s

@@ -1,6 +1,7 @@
 """Helpers of the adapter-lifecycle tests (test_lifecycle_*, test_loader_*).
 
-- ``config``, ``collect``, ``assert_idle``: tests/helpers/engine.py's, re-exported.
+- ``config``, ``collect``, ``assert_idle``, ``evict_cpu``: tests/helpers/engine.py's,
+  re-exported.
 - ``proc_config``, ``pool_idle``, ``PROMPT``, ``GREEDY``: engines with loader processes.
 - ``HeldPlugin``: an in-process resolver plugin for ``held://lib/<name>`` URIs, backed by local
   folders, whose downloads wait on a test-controlled ``asyncio.Event`` (``gate``).
@@ -27,7 +28,7 @@ from loraplex.engine import AsyncEngine, SamplingParams
 from loraplex.engine.adapters.registry import AdapterState
 from loraplex.plugins import hookimpl
 from loraplex.resolvers import AdapterSource, Report, Resolver, ResolverSettings, copy_file
-from tests.helpers.engine import assert_idle, collect, config
+from tests.helpers.engine import assert_idle, collect, config, evict_cpu
 from tests.helpers.models import copy_adapter
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "StepGate",
     "assert_idle",
     "collect",
+    "evict_cpu",
     "config",
     "derived_adapter",
     "BROKEN",

@@ -20,7 +20,10 @@ def _samples(family, name: str | None = None) -> list:
     return [s for s in family.samples if name is None or s.name == name]
 
 
-async def test_metrics_after_requests(server):
+async def test_metrics_after_requests(server, tiny):
+    # an adapter added while the metrics follow the engine: add_adapter's pass is a load
+    # (fetch, verify, stage); the fixture's adapters were added before the app existed
+    await server.engine.add_adapter("late", f"file://{tiny.adapters['sql']}")
     client = server.client()
     for model in ("sql", "poem", BASE, "sql"):
         await client.completions.create(model=model, prompt=[5, 6, 7], max_tokens=3)
