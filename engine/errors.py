@@ -26,6 +26,7 @@ __all__ = [
     "AdapterRankError",
     "AdapterTargetError",
     "AdapterDigestError",
+    "StagedCopyChangedError",
     "AdapterSourceError",
     "AdapterPolicyError",
     "AdapterTooLargeError",
@@ -106,6 +107,12 @@ class AdapterTargetError(LoRAError):
 
 class AdapterDigestError(LoRAError):
     """The adapter's content does not match the configured sha256 digest."""
+
+
+class StagedCopyChangedError(AdapterDigestError):
+    """The engine's sealed staging copy of a verified adapter changed on disk since it was
+    sealed (adapters/seal.py): it is not used; the engine fetches and verifies the source
+    again."""
 
 
 class AdapterSourceError(LoRAError):

@@ -206,7 +206,7 @@ class AdapterFetcher:
                 return await self.procs.call("prepare", payload, shared=shared, on_end=on_end)  # type: ignore[union-attr]
 
             r, adapter = await self.stager.in_helper(v, call, stage, wait=not background)
-            v.local_dir, v.digest = Path(r["local_dir"]), r["digest"]
+            v.local_dir, v.digest, v.seal = Path(r["local_dir"]), r["digest"], r["seal"]
             v.pinned_uri, v.nbytes = r["pinned_uri"], r["nbytes"]
             v.lora_rank, v.dora, v.full = r["rank"], r["dora"], r["full"]
             v.vocab_rows = r["vocab_rows"]
@@ -237,6 +237,7 @@ class AdapterFetcher:
             got.result.pinned_uri,
             got.result.nbytes,
         )
+        v.seal = got.checked.seal
         v.lora_rank, v.dora, v.full = report.rank, report.config.use_dora, bool(report.full)
         v.vocab_rows = report.vocab_rows
         t.update(resolve=t1 - t0, **got.stages)

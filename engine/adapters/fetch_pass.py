@@ -17,7 +17,7 @@ import os
 import shutil
 import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch
 
 from loraplex.engine.adapters.files import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.engine.adapters.onepass import PassResult, PassSource, read_pass
+from loraplex.engine.adapters.seal import Seal, seal_folder
 from loraplex.engine.adapters.thread_jobs import run_to_end
 from loraplex.engine.errors import AdapterDigestError
 from loraplex.resolvers.base import FetchResult
@@ -85,6 +86,7 @@ async def fetch_and_check(
     one-at-a-time gate for GIL-bound work)."""
     t1 = time.perf_counter()
     check = _expect(name, shown_uri, sha256, expect_digest)
+    downloaded: Seal | None = None
     try:
         if hasattr(resolver, "open_checked"):
             source, sizes = await resolver.open_checked(
@@ -113,8 +115,11 @@ async def fetch_and_check(
                 else:
                     more = {"extra_files": extra_files} if extra_files else {}
                     got = await resolver.fetch(uri, dest, progress, max_bytes=max_bytes, **more)
-                src, pinned, copy_to = PassSource.open_dir(got.local_dir), got.pinned_uri, None
-                dest = got.local_dir
+                # the download is sealed before the pass reads it: the seal (its digest set
+                # once verified) then holds for exactly the bytes the pass hashed
+                dest, pinned, copy_to = got.local_dir, got.pinned_uri, None
+                downloaded = await asyncio.to_thread(seal_folder, dest, "")
+                src = PassSource.open_dir(dest)
         finally:
             if source is not None:
                 await source.aclose()
@@ -123,11 +128,14 @@ async def fetch_and_check(
 
             def one_pass(stop: Any) -> PassResult:
                 with cpu_gate or contextlib.nullcontext():
-                    return read_pass(
+                    got = read_pass(
                         src, model_config, max_lora_rank=max_lora_rank, max_bytes=max_bytes,
                         full_modules=full_modules, dtype=dtype, pin=pin, out=out,
-                        copy_to=copy_to, expect=check, stop=stop,
+                        copy_to=copy_to, expect=check, stop=stop, sealed=downloaded,
                     )  # fmt: skip
+                if downloaded is not None:
+                    got.seal = replace(downloaded, digest=got.digest)
+                return got
 
             checked = await run_to_end(one_pass)
         finally:

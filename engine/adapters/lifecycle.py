@@ -30,6 +30,7 @@ from loraplex.engine.adapters.fetch import AdapterFetcher
 from loraplex.engine.adapters.host_pool import HostPool
 from loraplex.engine.adapters.parse import LoRAAdapter, load_magnitudes
 from loraplex.engine.adapters.registry import AdapterRegistry
+from loraplex.engine.adapters.seal import sealed_read
 from loraplex.engine.adapters.slot_store import SlotStore
 from loraplex.engine.adapters.slot_writer import SlotWriter
 from loraplex.engine.adapters.version import AdapterState, AdapterVersion
@@ -39,6 +40,7 @@ from loraplex.engine.errors import (
     AdapterNotFoundError,
     InvalidRequestError,
     SlotWriteError,
+    StagedCopyChangedError,
 )
 from loraplex.engine.model.lora.dora import row_scales
 from loraplex.engine.model.lora.ranks import SlotRanks
@@ -319,7 +321,12 @@ class AdapterLifecycle:
                 stage = (self.model.dtype, self.device.type == "cuda")
                 adapter = await self._fetched(v, stage)
                 if adapter is None:  # its verified copy is staged: packed from there
-                    adapter = await self.stager.stage(v, stage[0], pin=stage[1])
+                    try:
+                        adapter = await self.stager.stage(v, stage[0], pin=stage[1])
+                    except StagedCopyChangedError as e:  # (changed while it was read)
+                        self._drop_staged(v, e)
+                        adapter = await self._fetched(v, stage)
+                        assert adapter is not None
             await self._finish(v, adapter)
             v.adapter = adapter
         except Exception as e:
@@ -348,7 +355,8 @@ class AdapterLifecycle:
         checked and folded into its B."""
         t0 = time.perf_counter()
         assert v.local_dir is not None  # (on failure the registry releases v's region)
-        mags = load_magnitudes(v.local_dir, self.model_config)
+        folder = v.local_dir
+        mags = sealed_read(v.seal, folder, lambda: load_magnitudes(folder, self.model_config))
         fold_dora(adapter, row_scales(self.model, adapter.name, adapter.weights, mags))
         v.timings["dora"] = time.perf_counter() - t0
 
@@ -360,11 +368,23 @@ class AdapterLifecycle:
         if v.local_dir is not None and not await asyncio.to_thread(v.local_dir.is_dir):
             log.warning("adapter_staging_lost", name=v.name, path=str(v.local_dir))
             v.local_dir = None  # fetched again below; the digest must not change
+        if v.local_dir is not None and v.seal is not None:
+            try:  # (the stage checks the open files again: this spares a stage that fails)
+                await asyncio.to_thread(v.seal.check_folder, v.local_dir)
+            except StagedCopyChangedError as e:
+                self._drop_staged(v, e)
         if v.local_dir is None:
             adapter = await self.fetcher.fetch_verify(v, trusted=v.trusted, stage=stage)
             await self.fetcher.trim_staging(self.registry.versions(), keep=v)
             return adapter
         return None
+
+    def _drop_staged(self, v: AdapterVersion, why: Exception) -> None:
+        """``v``'s staged copy is not the one verified (seal.py): removed; the next
+        ``_fetched`` fetches and verifies the source again against ``v.digest``."""
+        log.warning("adapter_staging_changed", name=v.name, path=str(v.local_dir), error=str(why))
+        self.fetcher.discard(v)
+        v.local_dir, v.seal = None, None
 
     async def _stage_combination(self, v: AdapterVersion) -> LoRAAdapter:
         """A combination's components' files (held as users meanwhile, so that no staging

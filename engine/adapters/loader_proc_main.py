@@ -163,6 +163,7 @@ class _Helper:
         reply = {
             "local_dir": str(got.result.local_dir),
             "digest": got.digest,
+            "seal": got.checked.seal,
             "pinned_uri": got.result.pinned_uri,
             "nbytes": got.result.nbytes,
             "rank": report.rank,
@@ -197,6 +198,7 @@ class _Helper:
                 name=p["name"], full_modules=p["full_modules"],
                 read_full=False,  # the engine reads the full tables (not in the region)
                 out=self.pool[offset : offset + nbytes].view(dtype), stop=stop,
+                seal=p.get("seal"), expect_digest=p.get("expect_digest"),
             )  # fmt: skip
         packed = adapter.image
         assert packed is not None

@@ -50,6 +50,7 @@ from loraplex.engine.adapters.files import (
 )
 from loraplex.engine.adapters.peft_config import PeftLoRAConfig
 from loraplex.engine.adapters.preflight import PreflightReport, check_config, check_header
+from loraplex.engine.adapters.seal import Seal, seal_folder
 from loraplex.engine.adapters.targets import base_module_name
 from loraplex.engine.adapters.thread_jobs import StageStopped
 from loraplex.engine.errors import AdapterFormatError, AdapterTooLargeError
@@ -96,6 +97,7 @@ class PassResult:
     packed: PackedAdapter | None  # the slot image (None: the pass only checked)
     nbytes: int  # both files
     header_s: float = 0.0  # seconds of the config and header checks, before any tensor byte
+    seal: Seal | None = None  # the staging copy this pass wrote and verified, sealed (seal.py)
 
 
 def _pread_exact(fd: int, buf: memoryview, offset: int) -> None:
@@ -142,12 +144,14 @@ def read_pass(
     expect: Callable[[str], None] | None = None,
     hash_bytes: bool = True,
     stop: threading.Event | None = None,
+    sealed: Seal | None = None,
 ) -> PassResult:
     """The pass (see the module docstring). ``dtype``: pack the slot image in this dtype (into
     ``out``, a host-pool region's view, else a new buffer, pinned if ``pin``); None: no image.
     ``copy_to``: a folder that gets both files (the weights only once everything passed);
     ``expect(digest)``: raises if the digest is not the expected one (before anything is
-    usable); ``hash_bytes=False``: a re-read of the engine's own verified copy."""
+    usable); ``hash_bytes=False``: a re-read of the engine's own verified copy, whose
+    ``sealed`` identity the open files must have before and after the pass (seal.py)."""
     total = src.config_size + src.weights_size
     if max_bytes is not None and total > max_bytes:
         raise AdapterTooLargeError(
@@ -156,6 +160,8 @@ def read_pass(
             field=WEIGHTS_FILE,
         )
     t0 = time.perf_counter()
+    if sealed is not None:
+        sealed.check_fds(src.config_fd, src.weights_fd, "the staged copy")
     hasher = _Hasher(copy_to) if hash_bytes or copy_to is not None else None
     ok = False
     try:
@@ -185,11 +191,15 @@ def read_pass(
             digest = hashlib.sha256(text.encode()).hexdigest()
             if expect is not None:
                 expect(digest)
+        seal = None
         if copy_to is not None:
             os.replace(copy_to / f".{WEIGHTS_FILE}.part", copy_to / WEIGHTS_FILE)
+            seal = seal_folder(copy_to, digest) if digest else None
+        if sealed is not None:  # what the pass read is what was verified
+            sealed.check_fds(src.config_fd, src.weights_fd, "the staged copy")
         ok = True
         packed = packer.packed if packer else None
-        return PassResult(digest, config, report, packed, total, header_s)
+        return PassResult(digest, config, report, packed, total, header_s, seal)
     finally:
         if hasher is not None:
             hasher.close(ok)

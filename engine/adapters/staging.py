@@ -29,10 +29,11 @@ from loraplex.engine.adapters.host_pool import HostPool, Region
 from loraplex.engine.adapters.loader_procs import LoaderProcesses
 from loraplex.engine.adapters.onepass import PassResult, PassSource, read_pass
 from loraplex.engine.adapters.parse import LoRAAdapter, load_adapter, load_full_tables
+from loraplex.engine.adapters.seal import Seal, sealed_read
 from loraplex.engine.adapters.thread_jobs import run_to_end
 from loraplex.engine.adapters.version import AdapterVersion
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.errors import AdapterNotFoundError
+from loraplex.engine.errors import AdapterNotFoundError, StagedCopyChangedError
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.lora.slot_image import (
     PackedAdapter,
@@ -93,13 +94,15 @@ class AdapterStager:
                     "max_lora_rank": self.config.max_lora_rank,
                     "full_modules": self.config.max_full_module_loras > 0,
                     "region": (region.offset, region.nbytes),
+                    "seal": v.seal,
+                    "expect_digest": v.digest,
                 },
                 on_end=end,
             )
             adapter = await asyncio.to_thread(self._adopt, v, r, region, dtype)
             if adapter.config.modules_to_save:  # not in the region: read here (model/lora/full.py)
                 adapter.full = await asyncio.to_thread(
-                    load_full_tables, r["path"], self.model_config, dtype
+                    self._full_tables, v.seal, Path(r["path"]), dtype
                 )
         except BaseException:
             if ended == [True]:  # the helper finished; the failure is ours
@@ -136,7 +139,7 @@ class AdapterStager:
             t0 = time.perf_counter()
             adapter = await asyncio.to_thread(
                 adapter_of, got.checked, v.name, str(got.result.local_dir), self.model_config,
-                stage[0], True,
+                stage[0], True, got.checked.seal,
             )  # fmt: skip
         except BaseException:
             if region is not None:
@@ -175,7 +178,7 @@ class AdapterStager:
             adapter = await asyncio.to_thread(self._adopt, v, r, region, stage[0])
             if adapter.config.modules_to_save:  # not in the region: read here (model/lora/full.py)
                 adapter.full = await asyncio.to_thread(
-                    load_full_tables, r["local_dir"], self.model_config, stage[0]
+                    self._full_tables, r["seal"], Path(r["local_dir"]), stage[0]
                 )
         except BaseException:
             if ended == [True]:  # the helper finished; the failure is ours
@@ -218,9 +221,14 @@ class AdapterStager:
         """A combination (``v.parts``) from its components' staged files."""
         R = self.config.max_lora_rank
         parts = [
-            (load_adapter(c.local_dir, self.model_config, max_lora_rank=R, name=c.name), w)  # type: ignore[arg-type]
+            (
+                sealed_read(c.seal, c.local_dir, lambda c=c: load_adapter(  # type: ignore[arg-type,misc]
+                    c.local_dir, self.model_config, max_lora_rank=R, name=c.name
+                )),
+                w,
+            )
             for c, w in v.parts
-        ]
+        ]  # fmt: skip
         return combine_adapters(parts, name=v.name, max_lora_rank=R, dtype=dtype)
 
     def _stage_here(
@@ -242,10 +250,14 @@ class AdapterStager:
             adapter = stage_file(
                 v.local_dir, self.model_config, self.config.max_lora_rank, dtype=dtype,
                 name=v.name, full_modules=self.config.max_full_module_loras > 0, pin=pin, out=out,
-                stop=stop,
+                stop=stop, seal=v.seal, expect_digest=v.digest,
             )  # fmt: skip
         v.timings["stage"] = time.perf_counter() - t0
         return adapter
+
+    def _full_tables(self, seal: Seal | None, folder: Path, dtype: torch.dtype) -> Any:
+        """An adapter's modules_to_save tables, read from its sealed staging copy."""
+        return sealed_read(seal, folder, lambda: load_full_tables(folder, self.model_config, dtype))
 
     def _adopt(self, v: AdapterVersion, r: dict, region: Region, dtype: torch.dtype) -> LoRAAdapter:
         """The adapter a helper packed into ``region``: tensors are views of the region."""
@@ -302,12 +314,17 @@ def stage_file(
     pin: bool = False,
     out: torch.Tensor | None = None,
     stop: threading.Event | None = None,
+    seal: Seal | None = None,
+    expect_digest: str | None = None,
 ) -> LoRAAdapter:
     """An adapter folder (the engine's verified staging copy) packed into its slot image in
-    one pass (onepass.py: every header and value check again, no hash), the same values bit
-    for bit as ``stage_packed(load_adapter(...))``. ``read_full``: also read modules_to_save
-    tables into ``adapter.full``; ``stop``: checked before each chunk; set, the stage raises
-    StageStopped."""
+    one pass (onepass.py: every header and value check again), the same values bit for bit as
+    ``stage_packed(load_adapter(...))``. ``seal``: the copy's seal (seal.py), checked on the
+    open files before and after the pass, which hashes nothing; without one, an
+    ``expect_digest`` makes the pass hash and compare (the second trust decision a seal
+    spares); a mismatch either way is a StagedCopyChangedError. ``read_full``: also read
+    modules_to_save tables into ``adapter.full``; ``stop``: checked before each chunk; set,
+    the stage raises StageStopped."""
     folder = Path(path)
     if not folder.is_dir():
         raise AdapterNotFoundError(f"adapter folder {str(path)!r} does not exist")
@@ -316,14 +333,26 @@ def stage_file(
     except FileNotFoundError:
         load_adapter(folder, model_config, max_lora_rank=max_rank, keep=False)  # its typed error
         raise
+    hash_bytes = seal is None and bool(expect_digest)
+
+    def expect(digest: str) -> None:
+        if digest != expect_digest:
+            raise StagedCopyChangedError(
+                f"the staged copy at {str(folder)!r} has digest {digest[:12]}..., its version "
+                f"{str(expect_digest)[:12]}...",
+                field="sha256",
+            )
+
     try:
         got = read_pass(
             src, model_config, max_lora_rank=max_rank, max_bytes=None,
-            full_modules=full_modules, dtype=dtype, pin=pin, out=out, hash_bytes=False, stop=stop,
+            full_modules=full_modules, dtype=dtype, pin=pin, out=out, hash_bytes=hash_bytes,
+            expect=expect if hash_bytes else None, stop=stop, sealed=seal,
         )  # fmt: skip
     finally:
         src.close()
-    return adapter_of(got, name or folder.name, str(folder), model_config, dtype, read_full)
+    name = name or folder.name
+    return adapter_of(got, name, str(folder), model_config, dtype, read_full, seal)
 
 
 def adapter_of(
@@ -333,14 +362,18 @@ def adapter_of(
     model_config: ModelConfig,
     dtype: torch.dtype,
     read_full: bool,
+    seal: Seal | None = None,
 ) -> LoRAAdapter:
     """The adapter a pass packed: its weights are views of the slot image; ``read_full``: its
-    modules_to_save tables read from ``path`` (not in the image)."""
+    modules_to_save tables read from ``path`` (not in the image; checked against ``seal``)."""
     assert got.packed is not None
     adapter = LoRAAdapter(name=name, path=path, config=got.config, weights={})
     adopt_packed(adapter, got.packed)
     if read_full and got.config.modules_to_save:
-        adapter.full = load_full_tables(path, model_config, dtype)
+        folder = Path(path)
+        adapter.full = sealed_read(
+            seal, folder, lambda: load_full_tables(folder, model_config, dtype)
+        )
     return adapter
 
 

@@ -46,6 +46,7 @@ class AdapterVersion:
     timings: dict[str, float] = field(default_factory=dict)
     load_task: asyncio.Task | None = None
     region: Any = None  # host-pool Region holding the CPU-tier tensors (host_pool.py)
+    seal: Any = None  # the staged copy's seal (seal.py): a re-stage needs no second hash
     lora_rank: int = 0  # largest module rank, from the preflight (0: not fetched yet)
     dora: bool = False  # a DoRA adapter (preflight)
     full: bool = False  # carries modules_to_save tables (preflight): a full-table slot only
