@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,6 @@ from loraplex.engine.adapters.checks import (
     MAX_ADAPTER_WEIGHT,
     check_folded_values,
     check_weight_values,
-    fold_scale_into,
 )
 from loraplex.engine.adapters.files import (
     CONFIG_FILE,
@@ -48,6 +47,7 @@ from loraplex.engine.adapters.files import (
     header_length,
     parse_safetensors_header,
 )
+from loraplex.engine.adapters.pass_sinks import Hasher, Packer
 from loraplex.engine.adapters.peft_config import PeftLoRAConfig
 from loraplex.engine.adapters.preflight import PreflightReport, check_config, check_header
 from loraplex.engine.adapters.seal import Seal, seal_folder
@@ -55,11 +55,25 @@ from loraplex.engine.adapters.targets import base_module_name
 from loraplex.engine.adapters.thread_jobs import StageStopped
 from loraplex.engine.errors import AdapterFormatError, AdapterTooLargeError
 from loraplex.engine.model.config import ModelConfig
-from loraplex.engine.model.lora.slot_image import PackedAdapter, PackEntry, layout_of, new_buffer
+from loraplex.engine.model.lora.slot_image import PackedAdapter
 
 __all__ = ["PassResult", "PassSource", "read_pass"]
 
-CHUNK_BYTES = 8 << 20  # a chunk holds whole tensors (one larger than this: its own chunk)
+# a chunk holds whole tensors (one larger than this: its own chunk); small enough that the
+# read, the hash and the checks of a chunk find it in the cache
+CHUNK_BYTES = 2 << 20
+_buffers = threading.local()  # each thread's two chunk buffers, kept between passes
+
+
+def _chunk_buffers(width: int) -> list[torch.Tensor]:
+    """Two chunk buffers of at least ``width`` bytes, this thread's own: reused from pass to
+    pass (new ones cost a page fault per 4 KiB on every load)."""
+    bufs = getattr(_buffers, "bufs", None)
+    if bufs is None or bufs[0].numel() < width:
+        bufs = [torch.empty(max(width, CHUNK_BYTES), dtype=torch.uint8) for _ in range(2)]
+        if width <= CHUNK_BYTES:  # (an outsized tensor's buffers are not kept)
+            _buffers.bufs = bufs
+    return bufs
 
 
 @dataclass
@@ -162,7 +176,7 @@ def read_pass(
     t0 = time.perf_counter()
     if sealed is not None:
         sealed.check_fds(src.config_fd, src.weights_fd, "the staged copy")
-    hasher = _Hasher(copy_to) if hash_bytes or copy_to is not None else None
+    hasher = Hasher(copy_to) if hash_bytes or copy_to is not None else None
     ok = False
     try:
         raw_config = bytearray(src.config_size)
@@ -181,7 +195,7 @@ def read_pass(
         header_s = time.perf_counter() - t0
         if hasher is not None:
             hasher.feed(bytes(prefix + raw), hash_bytes)
-        packer = _Packer(report, config, max_lora_rank, dtype, pin, out) if dtype else None
+        packer = Packer(report, config, max_lora_rank, dtype, pin, out) if dtype else None
         _data_pass(src.weights_fd, 8 + n, header.tensors, report, config, model_config,
                    hasher, hash_bytes, packer, stop)  # fmt: skip
         weights_hex = hasher.finish() if hasher is not None else ""
@@ -212,9 +226,9 @@ def _data_pass(
     report: PreflightReport,
     config: PeftLoRAConfig,
     mc: ModelConfig,
-    hasher: _Hasher | None,
+    hasher: Hasher | None,
     hash_bytes: bool,
-    packer: _Packer | None,
+    packer: Packer | None,
     stop: threading.Event | None,
 ) -> None:
     """Read the data section chunk by chunk into two buffers that take turns: chunk i is
@@ -224,8 +238,8 @@ def _data_pass(
     scales = {key: config.scale_for(base_module_name(*key)) for key in report.modules}
     runs = _chunks(tensors)
     width = max((r[-1].end - r[0].begin for r in runs), default=0)
-    bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(min(2, len(runs)))]
-    views = [memoryview((ctypes.c_char * width).from_address(b.data_ptr())).cast("B")
+    bufs = _chunk_buffers(width)
+    views = [memoryview((ctypes.c_char * b.numel()).from_address(b.data_ptr())).cast("B")
              for b in bufs]  # fmt: skip
     pending: list[Future | None] = [None, None]
     try:
@@ -250,9 +264,9 @@ def _chunk_loop(
     pending: list[Future | None],
     roles: dict[str, tuple[str, Any]],
     scales: dict[tuple[int, str], float],
-    hasher: _Hasher | None,
+    hasher: Hasher | None,
     hash_bytes: bool,
-    packer: _Packer | None,
+    packer: Packer | None,
     stop: threading.Event | None,
 ) -> None:
     for i, run in enumerate(runs):
@@ -324,96 +338,3 @@ def _roles(report: PreflightReport, mc: ModelConfig) -> dict[str, tuple[str, Any
     for module, tkey in report.tables.items():
         roles[tkey] = ("FULL", module)
     return roles
-
-
-class _Packer:
-    """Writes each module's A and scaled B into the slot image as the pass reaches them."""
-
-    def __init__(
-        self,
-        report: PreflightReport,
-        config: PeftLoRAConfig,
-        max_rank: int,
-        dtype: torch.dtype,
-        pin: bool,
-        out: torch.Tensor | None,
-    ) -> None:
-        dims = {key: (m.rank, *m.in_out, m.experts) for key, m in report.modules.items()}
-        entries, numel = layout_of(dims, max_rank)
-        self.packed = PackedAdapter(new_buffer(numel, dtype, pin, out), entries, max_rank)
-        self.dtype = dtype
-        # B blocks copied but not scaled yet, by layer: one product over a layer's B blocks
-        # (they lie back to back) instead of one per module, once the layer is complete
-        self.unscaled: dict[int, list[tuple[PackEntry, float]]] = {}
-
-    @torch.no_grad()
-    def put(self, key: tuple[int, str], what: str, x: torch.Tensor, scale: float) -> None:
-        e = self.packed.entries[key]
-        if what == "A":
-            self.packed.a(e).copy_(x)
-        elif x.dtype == self.dtype or self.dtype == torch.float32:
-            # fold_scale_into's exact form (copy, then one float32 product), the product later
-            self.packed.b(e).t().copy_(x.t())
-            self.unscaled.setdefault(e.layer, []).append((e, scale))
-        else:
-            fold_scale_into(self.packed.b(e), x, scale)
-
-    @torch.no_grad()
-    def finish(self) -> None:
-        """Every B block scaled: per layer one product when its modules share the scale and
-        their blocks are contiguous, else one per module (the same values either way)."""
-        buf = self.packed.buffer
-        for blocks in self.unscaled.values():
-            blocks.sort(key=lambda es: es[0].b_offset)
-            scale = blocks[0][1]
-            spans = [(e.b_offset, e.b_offset + e.rows * e.out_features) for e, _ in blocks]
-            joined = all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
-            if joined and all(s == scale for _, s in blocks):
-                if scale != 1.0:
-                    buf[spans[0][0] : spans[-1][1]].mul_(scale)
-                continue
-            for (_e, s), (b0, b1) in zip(blocks, spans, strict=True):
-                if s != 1.0:
-                    buf[b0:b1].mul_(s)
-        self.unscaled.clear()
-
-
-class _Hasher:
-    """sha256 of the weights file, fed in order by one thread of its own, which also writes
-    the staging copy's ``.part`` file."""
-
-    def __init__(self, copy_to: Path | None) -> None:
-        self.h = hashlib.sha256()
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="loraplex-hash")
-        self.part = copy_to / f".{WEIGHTS_FILE}.part" if copy_to is not None else None
-        self.fd = (
-            os.open(self.part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            if self.part is not None
-            else None
-        )
-
-    def feed(self, data: Any, hash_bytes: bool) -> Future:
-        return self.pool.submit(self._take, data, hash_bytes)
-
-    def _take(self, data: Any, hash_bytes: bool) -> None:
-        if hash_bytes:
-            self.h.update(data)
-        if self.fd is not None:
-            view, done = memoryview(data), 0
-            while done < len(view):
-                done += os.write(self.fd, view[done:])
-
-    def finish(self) -> str:
-        self.pool.shutdown(wait=True)
-        return self.h.hexdigest()
-
-    def close(self, ok: bool) -> None:
-        """Stop the thread (after what it runs now: it may read a chunk buffer) and, unless
-        the pass succeeded, remove the partial copy."""
-        self.pool.shutdown(wait=True, cancel_futures=True)
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-            if not ok and self.part is not None:
-                with contextlib.suppress(OSError):
-                    self.part.unlink()
