@@ -129,8 +129,8 @@ class AdapterLifecycle:
         """Add an adapter now (fetched, verified and preflighted before it is registered).
         The same pass packs its slot image, which joins the CPU tier as a finished load would
         (``AdapterRegistry.admit``): its first request only writes a slot. Without a free
-        host-pool region, or when the tier's policy gives the image up, it is not kept (the
-        first request stages it from the verified staging copy).
+        host-pool region, or when the CPU tier is full, no image is kept (the first request
+        stages it from the verified staging copy; registering never evicts a loaded adapter).
 
         ``trusted``: operator configuration (``--lora-modules``), allowed verbatim; otherwise
         (runtime admin loads) the source must pass the allowlist policy.
@@ -142,7 +142,9 @@ class AdapterLifecycle:
         t0 = time.perf_counter()
         v = self.registry.new_version(name, uri)
         v.trusted = trusted
-        stage = (self.model.dtype, self.device.type == "cuda")
+        # the pass packs the image only while the CPU tier has room for it (admit)
+        room = self.registry.cpu_room()
+        stage = (self.model.dtype, self.device.type == "cuda") if room else None
         adapter = await self.fetcher.fetch_verify(
             v, sha256, trusted=trusted, stage=stage, background=True
         )
@@ -161,7 +163,7 @@ class AdapterLifecycle:
                     timings=dict(v.timings), total_s=time.perf_counter() - t0,
                     nbytes=adapter.nbytes,
                 )  # fmt: skip
-            elif cur is not v:  # an equal version was current: this one went (files too)
+            else:  # an equal version was current (this one went, files too), or no room
                 self.stager.release(v)
         await self.fetcher.trim_staging(self.registry.versions(), keep=cur)
         return cur

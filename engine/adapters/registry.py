@@ -334,20 +334,26 @@ class AdapterRegistry:
             self.stats["cpu_evictions"] += 1
         return len(victims)
 
+    def cpu_room(self) -> bool:
+        """Whether the CPU tier holds fewer than ``max_cpu_loras`` versions."""
+        loaded = sum(1 for v in self._versions if v.state is AdapterState.CPU)
+        return loaded < self.max_cpu_loras
+
     def admit(self, v: AdapterVersion, adapter: Any) -> bool:
         """add_adapter's pass packed ``v``'s image: ``v`` (registered, current, not loaded)
-        joins the CPU tier as if a load had just finished, and the tier's policy picks the
-        victims beyond ``max_cpu_loras`` among the idle versions, ``v`` among them (then its
-        image is dropped: a request stages it again from the staged copy). Returns whether
-        ``v`` stayed in the tier; False also when ``v`` is not admissible (the caller gives
-        the image back)."""
+        joins the CPU tier as if a load had just finished, if the tier has room. A
+        registration never pushes a loaded adapter out (registering many adapters into a
+        small tier would otherwise pack and throw away all but the last few): without room the
+        image is not kept and a request stages it again from the staged copy. Returns whether
+        ``v`` joined the tier (the caller gives the image back otherwise)."""
         if self._current.get(v.name) is not v or v.state is not AdapterState.REGISTERED:
+            return False
+        if not self.cpu_room():
             return False
         now = time.monotonic()
         v.adapter, v.state, v.last_used = adapter, AdapterState.CPU, now
         self._touch(v, now)
-        self._evict_cpu(keep=None)
-        return v.state is AdapterState.CPU
+        return True
 
     def evict(self, v: AdapterVersion) -> bool:
         """Drop ``v``'s CPU-tier image now if it is idle (no request, no GPU slot); its next

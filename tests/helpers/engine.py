@@ -44,6 +44,14 @@ def evict_cpu(engine, *names):
         assert registry.evict(registry.get(name)), name
 
 
+def evict_all_cpu(engine):
+    """Drop every idle CPU-tier image (add_adapter keeps one while the tier has room): a
+    scripted run then starts with cold loads."""
+    registry = engine.testing.adapters.registry
+    for v in list(registry.versions()):
+        registry.evict(v)
+
+
 def assert_idle(engine):
     s = engine.stats()
     assert s["num_used_blocks"] == 0, s

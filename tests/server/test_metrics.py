@@ -7,6 +7,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.engine.metrics import OTHER_LABEL, AdapterLabels, Metrics
+from tests.helpers.engine import evict_all_cpu
 from tests.helpers.server import BASE
 
 
@@ -22,7 +23,9 @@ def _samples(family, name: str | None = None) -> list:
 
 async def test_metrics_after_requests(server, tiny):
     # an adapter added while the metrics follow the engine: add_adapter's pass is a load
-    # (fetch, verify, stage); the fixture's adapters were added before the app existed
+    # (fetch, verify, stage) when the CPU tier has room for its image (the fixture's adapters,
+    # added before the app existed, filled it: their images go first)
+    evict_all_cpu(server.engine)
     await server.engine.add_adapter("late", f"file://{tiny.adapters['sql']}")
     client = server.client()
     for model in ("sql", "poem", BASE, "sql"):
