@@ -89,6 +89,7 @@ async def test_staging_quota_evicts_idle_versions_and_refetches(tiny, lib, tmp_p
         versions = {v.name: v for v in engine.testing.adapters.registry.versions()}
         assert versions["sql"].local_dir is None  # least recently used, dropped
         assert versions["math"].local_dir is not None
+        evict_cpu(engine, "sql")  # the image add_adapter kept goes: its files are needed again
         tokens, _, _ = await collect(engine, PROMPT, GREEDY, adapter="sql")  # fetched again
         assert len(tokens) == GREEDY.max_tokens
         assert versions["sql"].local_dir is not None
