@@ -4,6 +4,9 @@
 refusals for anything else), the value bound every weight meets, the full tables
 (modules_to_save, added tokens) and DoRA magnitudes. Each raises a typed error naming the
 tensor or the config field.
+
+One concept, ~450 lines (with the expert-adapter rules of MoE models): what an adapter file may
+contain, read by the preflight and the parser alike so the two never disagree.
 """
 
 from __future__ import annotations
