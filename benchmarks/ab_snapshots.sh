@@ -9,8 +9,6 @@
 # `bash run.sh --only C CMD...`: CMD once in snapshot C alone (its tests, say), with the same
 # imports as the rounds (a plain `cd C && pytest` would import the editable install's package,
 # which is the first snapshot's).
-# Switches of one snapshot (LORAPLEX_* variables) A/B'd in the same build:
-# `bash run.sh --only C bash benchmarks/ab_env.sh ROUNDS SETTING... -- CMD...`.
 # Each snapshot imports its own code (loraplex.* resolves through a per-snapshot package dir)
 # and stamps its tables with its commit (LORAPLEX_COMMIT). Wheels in .whl/ are carried along.
 # Output: $OUT/ab_<commit>_<round>.log.
