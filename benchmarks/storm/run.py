@@ -170,7 +170,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             }
 
         for n, names in zip(args.storms, storms, strict=True):
-            await window(f"register {n}", register(names))
+            # add_adapter packs each image while the CPU tier has room: those loads land in
+            # the register window, the rest (and every slot write) in the requests window
+            nloads = len(loads)
+            w = await window(f"register {n}", register(names))
+            w.info["loads"] = loads[nloads:]
             await window(f"settle {n}", seconds=args.settle_s)
             nloads = len(loads)
             w = await window(f"requests {n}", requests(names))

@@ -24,8 +24,11 @@ def test_storm_smoke(tmp_path) -> None:
         r = rows[name]
         assert r["reference"] == names[names.index(name) - 1]
         assert r["p99_vs_quiet"] > 0 and r["max_vs_quiet_p50"] > 0
-    assert rows["requests 3"]["loads"] == 3  # one load per storm adapter
-    assert rows["requests 3"]["failed_loads"] == 0 and rows["requests 3"]["stage_p50_ms"] > 0
+    # one load per storm adapter: at registration while the CPU tier has room, else at the
+    # first request
+    load_rows = [rows[w] for w in ("register 3", "requests 3") if "loads" in rows[w]]
+    assert sum(r["loads"] for r in load_rows) == 3
+    assert all(r["failed_loads"] == 0 and r["stage_p50_ms"] > 0 for r in load_rows)
     assert rows["requests 3"]["ttft_max_s"] >= rows["requests 3"]["ttft_p50_s"] > 0
     assert result["compiles_while_serving"] == 0
     assert json.loads(out.read_text())["rows"][0]["window"] == "quiet"
