@@ -18,8 +18,8 @@ The module functions ``write_slot`` / ``clear_slot`` / ``write_slot_reference`` 
 writes (tests, benchmarks, the cold-load study) with the safe decisions; they count as
 per-module writes (``generation``), so that a slot store's knowledge of the slots is voided.
 
-One concept, ~400 lines: the plan of a slot's regions, its cached scatter and the copy paths
-are one write read together.
+One concept, ~475 lines (with MoE expert regions): the plan of a slot's regions, its cached
+scatter and the copy paths are one write, read together.
 """
 
 from __future__ import annotations
