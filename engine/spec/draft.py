@@ -38,6 +38,7 @@ import torch
 
 from loraplex.engine.adapters.checks import fold_dora
 from loraplex.engine.adapters.parse import LoRAAdapter, load_adapter, load_magnitudes
+from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.loader import load_model, resolve_dtype
 from loraplex.engine.model.lora.dora import row_scales
@@ -101,7 +102,7 @@ class DraftProposer:
         block_size: int = 16,
         adapters: Mapping[str, str | Path | None] | None = None,
         max_lora_rank: int = 64,
-        kernel_backend: str = "auto",
+        kernel_backend: str | KernelBackend = "auto",
         cuda_graphs: bool = False,
         max_batched_tokens: int = 2048,
         seed: int | None = None,
@@ -112,7 +113,8 @@ class DraftProposer:
         (``draft_check``: a ``DraftModelMismatchError`` naming ``--speculative-model``).
         ``num_blocks`` x ``block_size``: the draft's KV cache (``draft_kv_blocks``).
         ``adapters``: target adapter name -> draft adapter folder (None: the draft's base);
-        ``max_lora_rank``: the largest draft adapter rank accepted. ``cuda_graphs``: capture
+        ``max_lora_rank``: the largest draft adapter rank accepted. ``kernel_backend``: the
+        draft runner's (``model/backend.py``; auto: fused on CUDA). ``cuda_graphs``: capture
         the draft's decode steps (CUDA, fused backend). ``seed``: unseeded requests' draft
         noise (None: torch's default generator).
         """

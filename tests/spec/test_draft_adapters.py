@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.request import Request
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.spec.draft import DraftProposer
@@ -44,7 +45,12 @@ def request(rid: str, prompt: list[int], adapter: str | None) -> Request:
     return Request(rid, list(prompt), GREEDY, adapter=version)  # type: ignore[arg-type]
 
 
-def test_draft_adapters_draft_as_peft(setup, hf):
+# the reference forward, and the GPU forward's structure with torch twins (runs on the CPU)
+BACKENDS = ["torch", KernelBackend(fused=True, triton=False)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=["torch", "fused-twins"])
+def test_draft_adapters_draft_as_peft(setup, hf, backend):
     model, adapters = setup
     # target adapter name -> draft adapter folder; "t-poem2" shares "poem"'s folder (one
     # slot), "t-base" maps to the draft's base
@@ -52,7 +58,7 @@ def test_draft_adapters_draft_as_peft(setup, hf):
         "t-sql": adapters["sql"], "t-poem": adapters["poem"], "t-poem2": adapters["poem"],
         "t-dora": adapters["dora"], "t-base": None,
     }  # fmt: skip
-    d = DraftProposer(model, num_blocks=64, block_size=4, adapters=mapping)
+    d = DraftProposer(model, num_blocks=64, block_size=4, adapters=mapping, kernel_backend=backend)
     assert d.model.max_loras == 3
     cases = [
         ("t-sql", "sql"), ("t-poem", "poem"), ("t-poem2", "poem"), ("t-dora", "dora"),

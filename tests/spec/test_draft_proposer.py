@@ -10,6 +10,7 @@ import inspect
 import pytest
 import torch
 
+from loraplex.engine.model.backend import KernelBackend
 from loraplex.engine.request import Request
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.spec.draft import DraftProposer, draft_kv_blocks
@@ -18,6 +19,7 @@ from loraplex.engine.spec.proposer import Proposal, Proposer
 from tests.helpers.models import make_tiny_model
 
 K = 4
+FUSED_TWINS = KernelBackend(fused=True, triton=False)  # the GPU forward's structure, on CPU
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 PROMPTS = [[1, 17, 33, 92, 5, 200, 41], [1, 250, 3], [1, 9, 9, 9, 9, 14, 77, 123, 66, 8, 31, 2]]
 
@@ -83,8 +85,9 @@ def test_greedy_proposals_are_hf_greedy(draft_dir, hf):
 
 
 @pytest.mark.parametrize("accepted", [0, 2, K])
-def test_rollback_after_partial_acceptance(draft_dir, hf, accepted):
-    d = make(draft_dir)
+@pytest.mark.parametrize("backend", ["torch", FUSED_TWINS], ids=["torch", "fused-twins"])
+def test_rollback_after_partial_acceptance(draft_dir, hf, accepted, backend):
+    d = make(draft_dir, kernel_backend=backend)
     r = req("a", PROMPTS[0], output=[44])  # 8 tokens: a rejection at once frees a block
     first = d.propose([r], K)[0].tokens
     n0 = r.num_tokens
