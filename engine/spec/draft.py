@@ -51,7 +51,7 @@ from loraplex.engine.spec.draft_sample import draft_probs, draw
 from loraplex.engine.spec.proposer import Proposal
 from loraplex.engine.tokenizer import Tokenizer, TokenizerError
 
-__all__ = ["DraftProposer", "draft_kv_blocks"]
+__all__ = ["DraftProposer", "draft_kv_blocks", "draft_kv_bytes_per_block"]
 
 # a seeded request's draft noise comes from its seed xor this (not the target's own stream)
 _DRAFT_SALT = 0x5DEECE66D
@@ -63,6 +63,13 @@ def draft_kv_blocks(kv_tokens: int, block_size: int, max_num_seqs: int, k: int) 
     last block partly empty."""
     per_seq = -(-k // block_size) + 1
     return -(-kv_tokens // block_size) + max_num_seqs * per_seq
+
+
+def draft_kv_bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
+    """Bytes of one draft KV block (K and V of every layer), known before the draft is
+    loaded: start-up sizes the target's KV cache net of the draft's."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
 
 
 @dataclass

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from loraplex.engine.model.backend import KernelBackend
+from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.request import Request
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.spec.draft import DraftProposer, draft_kv_blocks
+from loraplex.engine.spec.draft import DraftProposer, draft_kv_blocks, draft_kv_bytes_per_block
 from loraplex.engine.spec.draft_kv import DraftBlocks
 from loraplex.engine.spec.proposer import Proposal, Proposer
 from tests.helpers.models import make_tiny_model
@@ -157,6 +158,13 @@ def test_full_pool_skips_the_request_this_step(draft_dir):
     d = make(draft_dir, num_blocks=3)  # 12 tokens: the 12-token prompt + drafts do not fit
     props = d.propose([req("a", PROMPTS[2]), req("b", PROMPTS[1])], K)
     assert props[0].tokens == [] and len(props[1].tokens) == K
+
+
+def test_kv_bytes_per_block_is_the_runners(draft_dir):
+    d = make(draft_dir)
+    assert draft_kv_bytes_per_block(d.config, d.model.dtype, 4) == (
+        ModelRunner.kv_bytes_per_block(d.model, 4)
+    )
 
 
 def test_draft_blocks_truncate_and_free():
