@@ -91,7 +91,7 @@ def write_adapters(model: MoeForCausalLM, n: int, experts: bool = False) -> None
     dev, dt = model.device, model.dtype
     for slot in range(n):
         for _, lora in model.expert_loras() if experts else []:
-            e, h, i = lora.a_down.shape[1], lora.b_down.shape[2], lora.width
+            e, h, i = lora.a_down.shape[1], lora.a_gate_up.shape[3], lora.width
             for role, d_in, d_out in (("gate_up", h, 2 * i), ("down", i, h)):
                 a = torch.randn(RANK * e, d_in, generator=g, device=dev) * d_in**-0.5
                 b = torch.randn(d_out, RANK * e, generator=g, device=dev) * 0.01

@@ -144,11 +144,11 @@ def _case(dtype, slices, t, k, block_m, seed, big_r=8):
     num_slots, e, k_in, width = 4, 5, 40, 24
     ranks = torch.tensor([big_r, 3, 0, big_r // 2 + 1], dtype=torch.int32)
     a = torch.randn(num_slots, e, slices * big_r, k_in, generator=g)
-    b = torch.randn(num_slots, e, slices * width, big_r, generator=g)
+    b = torch.randn(num_slots, e, big_r, slices * width, generator=g)  # B^T
     for s, r in enumerate(ranks.tolist()):
         for j in range(slices):
             a[s, :, j * big_r + r : (j + 1) * big_r] = float("nan")
-        b[s, :, :, r:] = float("nan")
+        b[s, :, r:] = float("nan")
     a_div = k if slices == 2 else 1  # gate_up reads a token's row k times, down a pair's row
     x = torch.randn(t * k // a_div, k_in, generator=g)
     experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).reshape(-1)

@@ -5,9 +5,13 @@ Slots (R = max_lora_rank, L = max_loras; rank-r adapters fill rows / columns < r
 beyond)::
 
     a_gate_up: (L, E, 2R, H)   rows 0 .. R: the expert's gate A, R .. 2R: its up A
-    b_gate_up: (L, E, 2I, R)   rows 0 .. I: gate B (scale folded in), I .. 2I: up B
+    b_gate_up: (L, E, R, 2I)   B^T: columns 0 .. I: gate B (scale folded in), I .. 2I: up B
     a_down:    (L, E, R, I)
-    b_down:    (L, E, H, R)
+    b_down:    (L, E, R, H)    B^T
+
+B is held transposed, rank-major as the dense slots (lora/layers.py): each rank row of B^T is
+contiguous, so that a slot write copies the packed image's B^T rows as they are (one batched
+scatter, ``lora/slot_buffers.py``) and the expand kernel reads whole rows of output columns.
 
 A slot costs E * R * 3 * (H + I) elements per sparse layer (docs/architecture.md). PEFT's fused
 form has one A for gate_up: it is written into both halves (model/moe/lora_names.py).
@@ -20,7 +24,7 @@ Semantics (``expert_lora_delta_torch`` is this loop, grouped by (slot, expert)):
         r = ranks[s]                                    # the slot's largest expert rank
         h = x[p // a_div] @ a[s, e, rows i*R .. i*R + r].T      # (S * r,) S slices: 2 or 1
         for i in range(S):                              # slice i: output rows i*N/S ..
-            out[p, i*N/S : (i+1)*N/S] += h[i*r : (i+1)*r] @ b[s, e, i*N/S : (i+1)*N/S, :r].T
+            out[p, i*N/S : (i+1)*N/S] += h[i*r : (i+1)*r] @ b[s, e, :r, i*N/S : (i+1)*N/S]
 
 in float32, rounded once into ``out``'s dtype; a skipped pair's ``out`` row keeps its bits. The
 gate_up delta is added before SiLU * up, the down delta before the routing weight
@@ -60,9 +64,9 @@ class ExpertLoRA(torch.nn.Module):
         kw = {"dtype": dtype, "device": device}
         self.max_rank, self.max_loras, self.width = r, n, i
         self.register_buffer("a_gate_up", torch.zeros(n, e, 2 * r, h, **kw))
-        self.register_buffer("b_gate_up", torch.zeros(n, e, 2 * i, r, **kw))
+        self.register_buffer("b_gate_up", torch.zeros(n, e, r, 2 * i, **kw))
         self.register_buffer("a_down", torch.zeros(n, e, r, i, **kw))
-        self.register_buffer("b_down", torch.zeros(n, e, h, r, **kw))
+        self.register_buffer("b_down", torch.zeros(n, e, r, h, **kw))
         self.register_buffer("ranks", torch.zeros(n, dtype=torch.int32, device=device))
         self._ranks = [0] * n  # the host's copy of ``ranks`` (no read back)
         # host-side: slots that may hold non-zero expert weights (a clear skips the others:
@@ -102,24 +106,31 @@ class ExpertLoRA(torch.nn.Module):
             r = a.shape[0] // e_count
             self._set_rank(slot, max(self._ranks[slot], r))
             a3 = a.reshape(e_count, r, a.shape[1])  # (E, r, in)
-            b3 = b.reshape(b.shape[0], r, e_count).permute(2, 0, 1)  # (E, out, r)
+            bt = b.reshape(b.shape[0], r, e_count).permute(2, 1, 0)  # (E, r, out): B^T
             if role == "gate_up":
                 self.a_gate_up[slot, :, :r].copy_(a3, non_blocking=True)
                 self.a_gate_up[slot, :, big_r : big_r + r].copy_(a3, non_blocking=True)
-                self.b_gate_up[slot, :, :, :r].copy_(b3, non_blocking=True)
+                self.b_gate_up[slot, :, :r].copy_(bt, non_blocking=True)
             else:
                 self.a_down[slot, :, :r].copy_(a3, non_blocking=True)
-                self.b_down[slot, :, :, :r].copy_(b3, non_blocking=True)
+                self.b_down[slot, :, :r].copy_(bt, non_blocking=True)
             return
         r = a.shape[0]
         self._set_rank(slot, max(self._ranks[slot], r))
         if role == "down":
             self.a_down[slot, expert, :r].copy_(a, non_blocking=True)
-            self.b_down[slot, expert, :, :r].copy_(b, non_blocking=True)
+            self.b_down[slot, expert, :r].copy_(b.t(), non_blocking=True)
             return
         half = 0 if role == "gate" else 1
         self.a_gate_up[slot, expert, half * big_r : half * big_r + r].copy_(a, non_blocking=True)
-        self.b_gate_up[slot, expert, half * i : (half + 1) * i, :r].copy_(b, non_blocking=True)
+        bt = b.t()
+        self.b_gate_up[slot, expert, :r, half * i : (half + 1) * i].copy_(bt, non_blocking=True)
+
+    def written(self, slot: int, rank: int) -> None:
+        """``slot`` was written (a batched scatter, ``lora/slot_buffers.py``) with experts of
+        rank up to ``rank``, after a ``clear``."""
+        self.dirty.add(slot)
+        self._set_rank(slot, max(self._ranks[slot], rank))
 
 
 def expert_lora_delta_torch(
@@ -136,8 +147,8 @@ def expert_lora_delta_torch(
 ) -> None:
     """The torch twin: the module docstring's loop, one pair of matmuls per (slot, expert)
     group. Host syncs (CPU path, tests)."""
-    n_slices = a.shape[2] // b.shape[3]
-    big_r = b.shape[3]
+    n_slices = a.shape[2] // b.shape[2]
+    big_r = b.shape[2]
     width = out.shape[1] // n_slices
     pair_slots = token_slots.long().repeat_interleave(top_k)  # (P,)
     rank_of = ranks.long().tolist()
@@ -155,7 +166,7 @@ def expert_lora_delta_torch(
         delta = torch.cat(
             [
                 (rows @ a[s, e, j * big_r : j * big_r + r].float().t())
-                @ b[s, e, j * width : (j + 1) * width, :r].float().t()
+                @ b[s, e, :r, j * width : (j + 1) * width].float()
                 for j in range(n_slices)
             ],
             dim=1,
@@ -178,18 +189,19 @@ def expert_lora_delta(
     blocks: ExpertBlocks | None = None,
 ) -> None:
     """``out`` (P, N) += the delta of the module docstring: x (P / a_div, K), a (L, E, S*R, K),
-    b (L, E, N, R), experts (P,), token_slots (P / top_k,), ranks (L,). ``triton``: the Triton
+    b (L, E, R, N) (B^T), experts (P,), token_slots (P / top_k,), ranks (L,). ``triton``: the Triton
     kernels over ``blocks`` (the grouped GEMM's sort of ``experts``, made here when None), else
     the twin."""
     p, n = out.shape
     num_slots, e, sr, k = a.shape
-    if b.dim() != 4 or b.shape[:3] != (num_slots, e, n) or sr % b.shape[3] or x.shape[1] != k:
+    ok_b = b.dim() == 4 and b.shape[:2] == (num_slots, e) and b.shape[3] == n
+    if not ok_b or sr % b.shape[2] or x.shape[1] != k:
         raise ValueError(
             f"a {tuple(a.shape)}, b {tuple(b.shape)}, x {tuple(x.shape)}, out {(p, n)}"
         )
     if x.shape[0] * a_div != p or token_slots.shape[0] * top_k != p or experts.shape[0] != p:
         raise ValueError(f"x rows {x.shape[0]} x {a_div}, slots {token_slots.shape[0]} x {top_k}")
-    if tuple(ranks.shape) != (num_slots,) or n % (sr // b.shape[3]):
+    if tuple(ranks.shape) != (num_slots,) or n % (sr // b.shape[2]):
         raise ValueError(f"ranks {tuple(ranks.shape)}, want ({num_slots},); out width {n}")
     if not triton:
         expert_lora_delta_torch(x, a, b, experts, token_slots, ranks, out, a_div=a_div, top_k=top_k)

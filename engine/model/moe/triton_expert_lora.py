@@ -5,7 +5,7 @@ every block holds ``block_m`` pairs of one expert), each pair with its token's s
 (``token_slots[pair // top_k]``)::
 
     shrink  grid (B, S*R tiles):     h[p, :S*R] = x[p // a_div] @ A[slot, e, :S*R].T   (float32)
-    expand  grid (B, S * N/S tiles): out[p, slice j] += h[p, j*R : j*R + rank] @ B[slot, e, ...].T
+    expand  grid (B, S * N/S tiles): out[p, slice j] += h[p, j*R : j*R + rank] @ B^T[slot, e, ...]
                                      (the rank looped over in chunks of 16, as the dense expand)
 
 A program loops over the slots: for each slot some of its block's pairs hold, one dot over
@@ -246,12 +246,12 @@ def expert_lora_triton(
     config: ExpertLoRAConfig | None = None,
 ) -> None:
     """``out`` += the expert LoRA delta (module docstring); shapes checked by the caller
-    (``expert_lora.expert_lora_delta``): a (L, E, S*R, K), b (L, E, N, R), out (P, N)."""
+    (``expert_lora.expert_lora_delta``): a (L, E, S*R, K), b (L, E, R, N) (B^T), out (P, N)."""
     p, n = out.shape
     if p == 0:
         return
     num_slots, _, sr, k = a.shape
-    r = b.shape[3]
+    r = b.shape[2]
     slices = sr // r
     block_m = blocks.block_m
     cfg = config or expert_lora_config(block_m, sr, x.device)
@@ -300,7 +300,10 @@ def expert_lora_triton(
         n_tiles,
         h.stride(0),
         h.stride(1),
-        *b.stride(),
+        b.stride(0),
+        b.stride(1),
+        b.stride(3),
+        b.stride(2),
         out.stride(0),
         out.stride(1),
         TOP_K=top_k,
