@@ -122,6 +122,7 @@ fi
 if [[ $what == moe ]]; then  # issue 42 in one call (~6 min): MoE kernels (bfloat16 too), the PEFT
   # oracle with expert adapters on CUDA (graphs), decode with 0 / 8 rank-16 attention + expert adapters
   python3 -m pytest -q -p no:cacheprovider tests/model/test_moe_kernels.py tests/model/test_moe_expert_lora.py \
+    tests/model/test_moe_expert_writes.py \
     tests/engine/test_moe_graphs.py 2>&1 | tee "$OUT/moe_tests.log" | grep -E "passed|failed|Error|^E " | tail -12
   python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_moe_oracle.py 2>&1 | tee "$OUT/moe_oracle.log" \
     | grep -E "passed|failed|Error|^E " | tail -8
