@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one call: GPU-marked tests (kernels, PEFT oracle in bf16/fp16, CUDA graphs),
 # then benchmarks. Results land in $OUT (or ./out). Wheels missing on the GPU machine can be
-# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|rank64|base32|b_layout|ncu|fp8|fp8_gemms|storm ARGS...|zipf|load_rate]
+# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|rank64|base32|b_layout|ncu|fp8|fp8_gemms|storm ARGS...|zipf|load_rate|moe]
 # A copy of the tree without its .git (git archive) stamps results with $LORAPLEX_COMMIT:
 # export it (benchmarks/record.py). Several commits side by side in one call (A/B, bisect):
 # benchmarks/ab_snapshots.sh.
@@ -118,4 +118,15 @@ if [[ $what == load_rate ]]; then  # issue 11: the cold-load rate one engine sus
     --drain-timeout 10 --max-loras 32 --alpha 0.8 --no-plots --max-concurrent-loads 8 \
     --sweep loader_processes=2,4 --out "$OUT/load_rate" "$@" 2>&1 | grep -v -E "\[(info|warn)|req/s\]" \
     | tee "$OUT/load_rate.log" | grep -E "^\[|load path" | tail -12
+fi
+if [[ $what == moe ]]; then  # issue 42 in one call (~6 min): MoE kernels (bfloat16 too), the PEFT
+  # oracle with expert adapters on CUDA (graphs), decode with 0 / 8 rank-16 attention + expert adapters
+  python3 -m pytest -q -p no:cacheprovider tests/model/test_moe_kernels.py tests/model/test_moe_expert_lora.py \
+    tests/model/test_moe_expert_writes.py \
+    tests/engine/test_moe_graphs.py 2>&1 | tee "$OUT/moe_tests.log" | grep -E "passed|failed|Error|^E " | tail -12
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_moe_oracle.py 2>&1 | tee "$OUT/moe_oracle.log" \
+    | grep -E "passed|failed|Error|^E " | tail -8
+  # 24 of the 48 layers: 8 slots of expert LoRA at all 48 take ~13 GB beside ~61 GB of weights
+  python3 -m benchmarks.moe_decode --expert-lora --layers 24 --adapters 0 8 --batches 1 64 \
+    --append "$OUT/moe_decode.md" "$@" 2>&1 | grep -v "\[info" | tee "$OUT/moe_decode.log" | tail -16
 fi

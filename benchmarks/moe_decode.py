@@ -3,16 +3,20 @@
     python -m benchmarks.moe_decode                      # on a GPU: bf16 random weights, ~61 GB
     python -m benchmarks.moe_decode --append BENCHMARKS.md
     python -m benchmarks.moe_decode --smoke              # tiny shape on CPU: checks the script
+    python -m benchmarks.moe_decode --expert-lora --layers 24   # adapters on the experts too
 
 Random weights are made on the device (no checkpoint). The model runner decodes batches of
 sequences with ``--ctx`` tokens of KV each (the cache holds zeros: attention reads the same
 bytes), one token a step, as CUDA graphs on a GPU; base rows only, or rows spread over N rank-16
-adapters on q / k / v / o (the MoE's experts take no LoRA yet: issue 42, phase 2).
+adapters on q / k / v / o, with ``--expert-lora`` on every expert's gate_up and down as well.
+``--layers`` cuts the decoder layers (a model of 8 slots with expert LoRA at the full 48 layers
+needs ~75 GB: an H200).
 
 The floor of a step counts the bytes it must read, over the device's measured copy bandwidth:
 attention and router weights of every layer, the experts actually routed to (the distinct
 experts of each layer's top-k over the batch, counted on an eager step of the same batch), the
-LM head, the adapters' A / B used, and the KV read. Batch 1 reads top-k experts a layer; a
+LM head, the adapters' A / B used (on the experts: each distinct (adapter, routed expert) of a
+layer's rank-16 A / B), and the KV read. Batch 1 reads top-k experts a layer; a
 batch of 64 reads almost every expert, so the floor grows with the batch as the routing says.
 """
 
@@ -80,10 +84,18 @@ def random_moe(cfg: ModelConfig, max_loras: int, device: str) -> MoeForCausalLM:
 
 
 @torch.no_grad()
-def write_adapters(model: MoeForCausalLM, n: int) -> None:
-    """Rank-16 random LoRA on q / k / v / o of every layer into slots 0..n-1."""
+def write_adapters(model: MoeForCausalLM, n: int, experts: bool = False) -> None:
+    """Rank-16 random LoRA on q / k / v / o of every layer into slots 0..n-1 (``experts``: on
+    every expert's gate_up and down too, PEFT's fused form)."""
     g = torch.Generator(device=model.device).manual_seed(1)
+    dev, dt = model.device, model.dtype
     for slot in range(n):
+        for _, lora in model.expert_loras() if experts else []:
+            e, h, i = lora.a_down.shape[1], lora.a_gate_up.shape[3], lora.width
+            for role, d_in, d_out in (("gate_up", h, 2 * i), ("down", i, h)):
+                a = torch.randn(RANK * e, d_in, generator=g, device=dev) * d_in**-0.5
+                b = torch.randn(d_out, RANK * e, generator=g, device=dev) * 0.01
+                lora.set(slot, role, None, a.to(dt), b.to(dt))
         for _, lins in model.lora_linears():
             for m in ATTN:
                 lin = lins[m]
@@ -103,7 +115,16 @@ def adapter_bytes(cfg: ModelConfig, elem: int) -> int:
     return cfg.num_layers * sum((shapes[m][0] + shapes[m][1]) * RANK for m in ATTN) * elem
 
 
-def step_bytes(model: MoeForCausalLM, distinct: list[int], batch: int, ctx: int, used: int) -> dict:
+def expert_adapter_bytes(cfg: ModelConfig, elem: int) -> int:
+    """Bytes of one rank-16 adapter's A and B on one expert of one layer (gate_up and down)."""
+    spec = cfg.moe
+    assert spec is not None
+    return 3 * (cfg.hidden_size + spec.expert_size) * RANK * elem
+
+
+def step_bytes(
+    model: MoeForCausalLM, distinct: list[int], batch: int, ctx: int, used: int, lora_pairs: int
+) -> dict:
     """What one decode step must read (module docstring), by part."""
     cfg, elem = model.cfg, model.dtype.itemsize
     # every projection of every layer (a dense layer's MLP included), base rows
@@ -116,7 +137,8 @@ def step_bytes(model: MoeForCausalLM, distinct: list[int], batch: int, ctx: int,
     head = model.lm_head.numel() * elem
     lora = used * adapter_bytes(cfg, elem)
     parts = {"attention": attn, "router": router, "experts": experts, "lm_head": head}
-    parts |= {"adapters": lora, "kv": kv}
+    expert_lora = lora_pairs * expert_adapter_bytes(cfg, elem)
+    parts |= {"adapters": lora, "expert_adapters": expert_lora, "kv": kv}
     return parts
 
 
@@ -141,6 +163,12 @@ def run_case(model, runner, batch: int, n: int, args, bw: float) -> dict:
         b.routed = []
     runner.execute(items(0))
     distinct = [int(torch.unique(b.routed[-1]).numel()) for b in blocks]
+    lora_pairs = 0  # distinct (adapter, routed expert) of every layer: the expert A / B read
+    if args.expert_lora and n:
+        row_slots = torch.tensor(slots, device=dev)[:, None]
+        for b in blocks:
+            keys = row_slots * b.spec.num_experts + b.routed[-1]  # (T, k)
+            lora_pairs += int(torch.unique(keys[row_slots[:, 0] >= 0]).numel())
     for b in blocks:
         b.routed = None
     runner.graphs = graphs
@@ -155,7 +183,7 @@ def run_case(model, runner, batch: int, n: int, args, bw: float) -> dict:
             times.append(time.perf_counter() - t0)
             if runner.last_events is not None:
                 gpu.append(runner.last_events[0].elapsed_time(runner.last_events[1]) / 1e3)
-    parts = step_bytes(model, distinct, batch, args.ctx, min(n, batch))
+    parts = step_bytes(model, distinct, batch, args.ctx, min(n, batch), lora_pairs)
     floor = sum(parts.values()) / bw
     p50 = statistics.median(gpu or times)
     return {
@@ -191,21 +219,31 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--append", default=None, help="append the result table to this file")
+    ap.add_argument("--expert-lora", action="store_true", help="adapters on the experts too")
+    ap.add_argument(
+        "--layers", type=int, default=None, help="decoder layers (default: the shape's)"
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU, few steps")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.smoke:
         args.model_shape, args.ctx, args.steps, args.batches = "tiny", 16, 3, [1, 4]
-    cfg = ModelConfig.from_dict(SHAPES[args.model_shape])
+    shape = dict(SHAPES[args.model_shape])
+    if args.layers is not None:
+        shape["num_hidden_layers"] = args.layers
+    cfg = ModelConfig.from_dict(shape)
     bw = copy_bandwidth()
     elem = 2 if device == "cuda" else 4
-    print(f"{args.model_shape} on {device}; copy bandwidth {bw / 1e12:.2f} TB/s; slot bytes per "
-          f"rank-{RANK} attention adapter {adapter_bytes(cfg, elem) / 1e6:.1f} MB", flush=True)  # fmt: skip
+    print(f"{args.model_shape} ({cfg.num_layers} layers) on {device}; copy bandwidth "
+          f"{bw / 1e12:.2f} TB/s; slot bytes per rank-{RANK} attention adapter "
+          f"{adapter_bytes(cfg, elem) / 1e6:.1f} MB", flush=True)  # fmt: skip
+    if args.expert_lora:
+        print(f"expert adapters: rank {RANK} on every expert's gate_up and down", flush=True)
     print(HEADER, flush=True)
     rows, base = [], {}
     for n in args.adapters:
         model = random_moe(cfg, n, device)
-        write_adapters(model, n)
+        write_adapters(model, n, args.expert_lora)
         blocks = max(args.batches) * (-(-(args.ctx + args.steps + 1) // 16)) + 1
         runner = ModelRunner(model, num_blocks=blocks, block_size=16,
                              max_model_len=args.ctx + args.steps + 16, graph_sizes=tuple(args.batches))  # fmt: skip
@@ -224,7 +262,8 @@ def main() -> None:
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     table = "\n".join(
         [
-            f"\n## MoE decode ({args.model_shape}): {time.strftime('%Y-%m-%d %H:%M')}, commit "
+            f"\n## MoE decode ({args.model_shape}, {cfg.num_layers} layers"
+            f"{', expert LoRA' if args.expert_lora else ''}): {time.strftime('%Y-%m-%d %H:%M')}, commit "
             f"{git_commit() or 'unknown'}, {dev_name}, copy {bw / 1e12:.2f} TB/s, ctx {args.ctx}, "
             f"`python -m benchmarks.moe_decode {' '.join(sys.argv[1:])}`\n",
             HEADER,

@@ -28,6 +28,7 @@ from loraplex.engine.model.kernels.launch_table import (
     device_key,
 )
 from loraplex.engine.model.lora.ops import triton_expand, triton_shrink
+from loraplex.engine.model.moe import triton_expert_lora
 
 SM90_SMEM_BYTES = 227 * 1024  # a block's shared memory on an H100 / H200
 WARPS = {1, 2, 4, 8, 16}
@@ -75,6 +76,7 @@ EXPAND_SHAPES = [{**s, "width": s.pop("k")} for s in _grid(
     tokens=(0, 1, 16, 17, 64, 512), segments=(1, 8, 32), slices=(1, 3, 4), k=(64, 576, 14336),
     sms=(132, 16),
 )]  # fmt: skip
+EXPERT_LORA_SHAPES = _grid(block_m=(16, 64), cols=(1, 8, 16, 17, 32, 64, 128, 256, 1024))
 DECODE_SHAPES = _grid(fp32=(0, 1), head_dim=(64, 80, 128, 256), half_waves=range(0, 9))
 PREFILL_SHAPES = _grid(fp32=(0, 1), head_dim=(64, 80, 128, 256))
 
@@ -133,6 +135,14 @@ def _check_expand(cfg: triton_expand.ExpandConfig, s: Mapping[str, int], key: st
     assert cfg.num_warps in WARPS and 1 <= cfg.num_stages <= 4
 
 
+def _check_expert_lora(
+    cfg: triton_expert_lora.ExpertLoRAConfig, s: Mapping[str, int], key: str
+) -> None:
+    assert all(_pow2(v) and v >= 16 for v in (cfg.block_c, cfg.block_k, cfg.block_n))
+    assert cfg.num_warps in WARPS and 1 <= cfg.num_stages <= 4
+    assert cfg.smem_bytes(s["block_m"]) <= _smem_limit(key), cfg
+
+
 def _check_tiles(cfg: pa.Tiles, shape: Mapping[str, int], key: str) -> None:
     assert _pow2(cfg.block_n) and cfg.block_n >= 16
     assert cfg.parts is None or _pow2(cfg.parts)
@@ -147,6 +157,11 @@ TABLES: dict[str, tuple[LaunchTable, list[dict[str, int]], Callable]] = {
     "fp8_gemv": (fp8_gemv.FP8_GEMV_CONFIGS, GEMV_SHAPES, _check_gemv),
     "lora_shrink": (triton_shrink.SHRINK_CONFIGS, SGMV_SHAPES, _check_shrink),
     "lora_expand": (triton_expand.EXPAND_CONFIGS, EXPAND_SHAPES, _check_expand),
+    "moe_expert_lora": (
+        triton_expert_lora.EXPERT_LORA_CONFIGS,
+        EXPERT_LORA_SHAPES,
+        _check_expert_lora,
+    ),
     "attention_decode": (pa.DECODE_TILES, DECODE_SHAPES, _check_tiles),
     "attention_prefill": (pa.PREFILL_TILES, PREFILL_SHAPES, _check_tiles),
 }

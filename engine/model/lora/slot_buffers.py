@@ -18,7 +18,7 @@ The module functions ``write_slot`` / ``clear_slot`` / ``write_slot_reference`` 
 writes (tests, benchmarks, the cold-load study) with the safe decisions; they count as
 per-module writes (``generation``), so that a slot store's knowledge of the slots is voided.
 
-One concept, ~475 lines (with MoE expert regions): the plan of a slot's regions, its cached
+One concept, ~490 lines (with MoE expert regions): the plan of a slot's regions, its cached
 scatter and the copy paths are one write, read together.
 """
 
@@ -32,8 +32,14 @@ import torch
 
 from loraplex.engine.model.config import MODULE_ORDER, VOCAB_LAYER
 from loraplex.engine.model.lora.ops.scatter import ScatterPlan, build_plan, scatter_triton
-from loraplex.engine.model.lora.slot_image import PackedAdapter, pack_adapter
+from loraplex.engine.model.lora.slot_image import LayoutKey, PackedAdapter, pack_adapter
 from loraplex.engine.model.lora.vocab import mark_vocab_slot
+from loraplex.engine.model.moe.expert_writes import (
+    ExpertPlan,
+    expert_plan,
+    write_experts_batched,
+    write_experts_per_module,
+)
 from loraplex.engine.model.moe.lora_names import expert_module
 
 if TYPE_CHECKING:
@@ -71,6 +77,7 @@ class _Sites:
     # NOTE: rank-major storage (layers.py): each rank row of a view is contiguous
     staging: dict[tuple[torch.dtype, int], torch.Tensor] = field(default_factory=dict)
     plans: dict[tuple, ScatterPlan] = field(default_factory=dict)  # (layout, zeros) -> plan
+    expert_plans: dict[LayoutKey, ExpertPlan] = field(default_factory=dict)  # layout -> plan
 
 
 def _signature(linears: list[LoRALinear | VocabLoRA]) -> tuple[int, ...]:
@@ -267,30 +274,36 @@ def _write_dora(c: _Sites, slot: int, adapter: object, had_dora: bool) -> None:
             site.linear.dora_on[slot].fill_(1)  # type: ignore[union-attr]
 
 
+def _expert_plan(c: _Sites, model: CausalLM, packed: PackedAdapter) -> ExpertPlan:
+    """The one-launch expert scatter of ``packed``'s layout (model/moe/expert_writes.py), made
+    once per layout."""
+    plan = c.expert_plans.get(packed.layout)
+    if plan is None:
+        plan = expert_plan(dict(getattr(model, "expert_loras", list)()), packed)
+        if len(c.expert_plans) >= 64:
+            c.expert_plans.pop(next(iter(c.expert_plans)))
+        c.expert_plans[packed.layout] = plan
+    return plan
+
+
 def _write_experts(
-    model: CausalLM, slot: int, packed: PackedAdapter, base: torch.Tensor | None
+    c: _Sites,
+    model: CausalLM,
+    slot: int,
+    packed: PackedAdapter,
+    base: torch.Tensor | None,
+    scatter: str,
 ) -> None:
     """``slot``'s expert LoRA (model/moe/expert_lora.py): cleared where it may hold an
     earlier adapter's, then the adapter's expert modules from ``base`` (the packed buffer on
-    the device). A model without experts takes none (an adapter with some was refused)."""
+    the device): ``scatter`` "triton": one launch (model/moe/expert_writes.py), "torch": per
+    module (``ExpertLoRA.set``, its twin). A model without experts takes none (an adapter with
+    some was refused)."""
     blocks = dict(getattr(model, "expert_loras", list)())
-    experts = [(k, e) for k, e in packed.entries.items() if expert_module(k[1]) is not None]
-    for block in blocks.values():
-        block.clear(slot)
-    if not experts:
-        return
-    if base is None:
-        raise ValueError("expert modules need the packed buffer on the device")
-    for (layer, module), e in experts:
-        block = blocks.get(layer)
-        if block is None:
-            raise ValueError(f"the packed adapter has experts for layer {layer}, a dense one")
-        em = expert_module(module)
-        assert em is not None
-        a = base[e.a_offset : e.a_offset + e.rows * e.in_features].view(e.rows, e.in_features)
-        n = e.rows * e.out_features
-        b = base[e.b_offset : e.b_offset + n].view(e.rows, e.out_features).t()
-        block.set(slot, em.role, em.expert, a, b)
+    if scatter == "triton" and blocks:
+        write_experts_batched(blocks, slot, _expert_plan(c, model, packed), base)
+    else:
+        write_experts_per_module(blocks, slot, packed, base)
 
 
 def _has_experts(packed: PackedAdapter) -> bool:
@@ -344,6 +357,8 @@ class SlotBuffers:
         if c.sites:
             for zeros in (True, False):
                 _scatter_plan(c, packed, zeros)
+            if _has_experts(packed):
+                _expert_plan(c, self.model, packed)
 
     @torch.no_grad()
     def write(
@@ -405,7 +420,7 @@ class SlotBuffers:
                     _copy(dst, views)
             if zero and zero_rest:
                 _zero(zero)
-        _write_experts(model, slot, packed, src)
+        _write_experts(c, model, slot, packed, src, scatter)
         layers = {m for la, m in packed.entries if la == VOCAB_LAYER}
         mark_vocab_slot(model.lora_vocab(), slot, layers)
         _write_dora(c, slot, source, had_dora)

@@ -118,22 +118,21 @@ def moe_experts(
         blocks = sort_by_expert(flat, w_gate_up.shape[0], block_m_for(p, w_gate_up.shape[0]))
     gu = torch.empty(p, 2 * inter, dtype=x.dtype, device=x.device)
     grouped_gemm(x, w_gate_up, flat, gu, a_div=k, blocks=blocks, triton=triton)
-    pair_slots = None
     if lora is not None and token_slots is not None:
-        pair_slots = token_slots[:, None].expand(t, k).reshape(-1)  # (P,)
         expert_lora_delta(
-            x, lora.a_gate_up, lora.b_gate_up, flat, pair_slots, gu, a_div=k, triton=triton
-        )
+            x, lora.a_gate_up, lora.b_gate_up, flat, token_slots, lora.ranks, gu, a_div=k,
+            top_k=k, triton=triton, blocks=blocks,
+        )  # fmt: skip
     act = F.silu(gu[:, :inter]) * gu[:, inter:]
     y = torch.empty(p, w_down.shape[1], dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1)
-    if pair_slots is None:
+    if lora is None or token_slots is None:
         grouped_gemm(act, w_down, flat, y, a_div=1, scale=scale, blocks=blocks, triton=triton)
     else:  # the delta goes in before the routing weight
-        assert lora is not None
         grouped_gemm(act, w_down, flat, y, a_div=1, blocks=blocks, triton=triton)
         expert_lora_delta(
-            act, lora.a_down, lora.b_down, flat, pair_slots, y, a_div=1, triton=triton
-        )
+            act, lora.a_down, lora.b_down, flat, token_slots, lora.ranks, y, a_div=1, top_k=k,
+            triton=triton, blocks=blocks,
+        )  # fmt: skip
         y = (y.float() * scale.float()[:, None]).to(y.dtype)
     return y.view(t, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
