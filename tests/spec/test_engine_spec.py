@@ -208,3 +208,21 @@ async def test_opt_out_and_large_batch_switch_off(tiny):
     assert summary(spec) == summary(plain)
     assert seen and max(seen) == 1
     assert stats["speculative"]["proposed_tokens"] > 0
+
+
+async def test_seeded_sampled_rows_keep_their_own_generator(tiny):
+    """A seeded sampled row's tokens depend only on its seed and its own proposals: alone or
+    among other rows (sampled, greedy, adapters), with speculation, the same."""
+    model_dir, adapters = tiny
+    loop = [41, 42, 43, 44, 45, 46]
+    sampled = dict(max_tokens=20, temperature=0.9, top_k=20, top_p=0.95, ignore_eos=True)
+    me = ("me", loop * 4, "sql", dict(sampled, seed=7, logprobs=1))
+    others = [
+        (f"o{i}", loop * 3 + [50 + i], NAMES[i % 5], dict(sampled, seed=None if i % 2 else i))
+        for i in range(5)
+    ]
+    alone, stats, _, _ = await run(model_dir, adapters, [me], method="ngram")
+    assert stats["speculative"]["proposed_tokens"] > 0
+    mixed, stats, _, _ = await run(model_dir, adapters, [me, *others], method="ngram")
+    assert summary(mixed)[0] == summary(alone)[0]
+    assert all(len(t) == 20 for t, _, _ in mixed)
