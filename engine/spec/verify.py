@@ -161,14 +161,53 @@ def verify(
         last.append(pos + k)
         pos += k + 1
     logits = logits.float()
-    raw = torch.log_softmax(logits, dim=-1)
+    want_lp = any(r.params.logprobs is not None for r in rows)
+    raw = torch.log_softmax(logits, dim=-1) if want_lp else None  # (before any mask)
     p_logits = sampler.restrict(logits, banned, masks)
-    greedy_rows = [r.params.greedy for r in rows]
-    argmax = p_logits.argmax(dim=-1)  # (N,)
-    probs = sampler.probs(p_logits, params)  # (N, V)
-    vocab = probs.shape[1]
-    d = len(dtok)
+    vocab = p_logits.shape[1]
     dpos_t, dtok_t, last_t = (_to(x, torch.long, device) for x in (dpos, dtok, last))
+    argmax = p_logits.argmax(dim=-1)  # (N,): the greedy rows' choice at every position
+    am_d, am_last = argmax.index_select(0, dpos_t), argmax.index_select(0, last_t)
+    greedy_rows = [r.params.greedy for r in rows]
+    if all(greedy_rows):
+        accept, corr, bonus = am_d == dtok_t, am_d, am_last
+    else:
+        accept, corr, bonus = _rejection(
+            sampler, sampler.probs(p_logits, params), rows, [gens[i] for i in dpos],
+            (dpos_t, dtok_t, last_t), greedy_rows, am_d, am_last,
+        )  # fmt: skip
+    d = len(dtok)
+    if raw is not None:
+        lp_draft = raw[dpos_t, dtok_t] if d else raw.new_zeros(0)
+        lp_corr = raw[dpos_t, corr] if d else raw.new_zeros(0)
+        lp_bonus = raw[last_t, bonus]
+    else:
+        lp_draft = lp_corr = logits.new_zeros(d)
+        lp_bonus = logits.new_zeros(len(rows))
+    n_top = min(max((r.params.logprobs or 0) for r in rows), vocab)
+    parts = [accept.double(), corr.double(), bonus.double(), lp_draft.double(),
+             lp_corr.double(), lp_bonus.double()]  # fmt: skip
+    if n_top > 0:
+        assert raw is not None
+        top_vals, top_ids = raw.topk(n_top, dim=-1)
+        parts += [top_ids.double().flatten(), top_vals.double().flatten()]
+    return PendingVerify(rows, torch.cat(parts), n_top)
+
+
+def _rejection(
+    sampler: Sampler,
+    probs: torch.Tensor,
+    rows: Sequence[VerifyRow],
+    dgens: list[torch.Generator | None],
+    index: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    greedy_rows: list[bool],
+    am_d: torch.Tensor,
+    am_last: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step with sampled rows: (accept (D,) bool, correction (D,), bonus (B,)) from the
+    target's ``probs`` (N, V); greedy rows take the argmax (``am_*``)."""
+    dpos_t, dtok_t, last_t = index
+    device, vocab, d = probs.device, probs.shape[1], dtok_t.shape[0]
     # the proposal's distribution at each draft position: (D, V)
     q = torch.zeros((d, vocab), dtype=torch.float32, device=device)
     if d:
@@ -184,7 +223,6 @@ def verify(
     q_d = q.gather(1, dtok_t.unsqueeze(1)).squeeze(1).clamp_min(_TINY)
     # uniforms of the acceptance tests, each row from its own generator
     u = torch.empty(d, dtype=torch.float32, device=device)
-    dgens = [gens[i] for i in dpos]
     if any(g is None for g in dgens):
         u.uniform_(generator=sampler.default_generator(device))
     j = 0
@@ -196,23 +234,11 @@ def verify(
     greedy_d = _to(
         [greedy_rows[i] for i, r in enumerate(rows) for _ in r.draft], torch.bool, device
     )
-    am_d = argmax.index_select(0, dpos_t)
     accept = torch.where(greedy_d, am_d == dtok_t, u * q_d < p_d)
     # corrections (residual draws) and bonus draws in one race, each row's noise its own
     residual = (p_draft - q).clamp_min_(0.0)
     racing = torch.cat([residual, probs.index_select(0, last_t)])
     drawn = sampler.race(racing, dgens + [r.generator for r in rows])
     greedy_all = torch.cat([greedy_d, _to(greedy_rows, torch.bool, device)])
-    am_all = torch.cat([am_d, argmax.index_select(0, last_t)])
-    drawn = torch.where(greedy_all, am_all, drawn)
-    corr, bonus = drawn[:d], drawn[d:]
-    lp_draft = raw[dpos_t, dtok_t] if d else raw.new_zeros(0)
-    lp_corr = raw[dpos_t, corr] if d else raw.new_zeros(0)
-    lp_bonus = raw[last_t, bonus]
-    n_top = min(max((r.params.logprobs or 0) for r in rows), vocab)
-    parts = [accept.double(), corr.double(), bonus.double(), lp_draft.double(),
-             lp_corr.double(), lp_bonus.double()]  # fmt: skip
-    if n_top > 0:
-        top_vals, top_ids = raw.topk(n_top, dim=-1)
-        parts += [top_ids.double().flatten(), top_vals.double().flatten()]
-    return PendingVerify(rows, torch.cat(parts), n_top)
+    drawn = torch.where(greedy_all, torch.cat([am_d, am_last]), drawn)
+    return accept, drawn[:d], drawn[d:]
