@@ -5,7 +5,9 @@ The core holds the scheduler and KV blocks, the adapter side (``adapters``, an
 event listeners, and a ``StepExecutor`` (executor.py) that runs steps on the device. It plans a
 step (or the one chained behind a step in flight), hands it to the executor and applies its
 results to the requests. Start-up (model, KV cache, tokenizer, graphs, the slot writer) is
-``startup.build_core``; nothing here imports it.
+``startup.build_core``; nothing here imports it. (Past ~400 lines, still one concept: the
+owner of the requests across a step; applying a verified row of speculative decoding is
+applying a step.)
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from loraplex.engine.model.protocol import CausalLM
 from loraplex.engine.model.tp import full_config
 from loraplex.engine.model_runner import ModelRunner, StepItem
 from loraplex.engine.observe import engine_stats, request_summary
-from loraplex.engine.output import append_token, final_output, merge_outputs
+from loraplex.engine.output import append_token, append_tokens, final_output
 from loraplex.engine.prompt import detokenizer_for, encode_prompt
 from loraplex.engine.request import Request
 from loraplex.engine.sampler import SamplerOutput, make_generator
@@ -413,21 +415,15 @@ class EngineCore:
                 self.scheduler.mark_computed(chunk)
             self.finish(req, "abort")
             return
-        outs = []
-        for tok, lp, top in zip(
-            result.tokens[row], result.logprobs[row], result.top_logprobs[row], strict=True
-        ):
-            out = append_token(req, tok, lp, top, self.max_model_len)
-            req.token_times.append(now)
-            outs.append(out)
-            if out.finished:
-                break
+        out, n = append_tokens(
+            req, result.tokens[row], result.logprobs[row], result.top_logprobs[row],
+            self.max_model_len, now,
+        )  # fmt: skip
         # KV kept: the input token and the emitted tokens but the last (as step by step)
         if spec_row:
-            self.scheduler.mark_verified(chunk, len(outs))
+            self.scheduler.mark_verified(chunk, n)
         else:  # a row without a proposal (a decode or a prefill's last chunk)
             self.scheduler.mark_computed(chunk)
-        out = merge_outputs(outs)
         if out.finished:
             self.scheduler.finish(req, out.finish_reason or "stop")
             self.counters["finished"] += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from loraplex.engine.request import Request, RequestOutput, TokenLogprob
 
-__all__ = ["append_token", "final_output", "merge_outputs"]
+__all__ = ["append_token", "append_tokens", "final_output", "merge_outputs"]
 
 
 def append_token(
@@ -87,3 +87,23 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
         num_cached_tokens=last.num_cached_tokens,
         stop_reason=last.stop_reason,
     )
+
+
+def append_tokens(
+    req: Request,
+    tokens: list[int],
+    logprobs: list[float | None],
+    tops: list[list[tuple[int, float]] | None],
+    max_model_len: int,
+    now: float,
+) -> tuple[RequestOutput, int]:
+    """Append a verified row's tokens one by one until one finishes ``req`` (stop token or
+    string, ``max_tokens``, model length: the rest are dropped, as they would never have been
+    sampled); returns the one streamed chunk and how many were appended."""
+    outs = []
+    for tok, lp, top in zip(tokens, logprobs, tops, strict=True):
+        outs.append(append_token(req, tok, lp, top, max_model_len))
+        req.token_times.append(now)
+        if outs[-1].finished:
+            break
+    return merge_outputs(outs), len(outs)

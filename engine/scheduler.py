@@ -34,8 +34,10 @@ Policy (one step):
    are admitted first, the others after them with what is left (a lone group still gets every
    seat); the starved request that goes first is one of a group below its share. In 1, KV
    preemption takes the youngest sequence of a group above its share first. A step that such
-   a preemption is due to is not chained (``schedule`` decides it). (5. and 6. above:
-   1-4 are the step's core.)
+   a preemption is due to is not chained (``schedule`` decides it).
+
+Past ~400 lines, still one concept: which rows a step runs and what KV they hold (the
+speculative rows' proposals, blocks and rollback are the same decision).
 """
 
 from __future__ import annotations
