@@ -406,8 +406,6 @@ class EngineCore:
         req = chunk.req
         accepted = result.accepted[row]
         spec_row = chunk.proposal is not None
-        if spec_row and self.spec is not None:
-            self.spec.verified(req, len(chunk.proposal.tokens), accepted)  # type: ignore[union-attr]
         if req.aborted:
             if spec_row:
                 self.scheduler.mark_verified(chunk, 1)  # (the input token's KV only)
@@ -419,6 +417,8 @@ class EngineCore:
             req, result.tokens[row], result.logprobs[row], result.top_logprobs[row],
             self.max_model_len, now,
         )  # fmt: skip
+        if spec_row and self.spec is not None:  # (counts; the proposer's commit, after append)
+            self.spec.verified(req, len(chunk.proposal.tokens), accepted)  # type: ignore[union-attr]
         # KV kept: the input token and the emitted tokens but the last (as step by step)
         if spec_row:
             self.scheduler.mark_verified(chunk, n)
