@@ -6,14 +6,23 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.engine.errors import SpeculativeConfigError
 from loraplex.engine.model.backend import KERNEL_BACKENDS
 
-__all__ = ["ADAPTER_EVICTIONS", "EngineConfig", "QUANTIZATIONS"]
+__all__ = [
+    "ADAPTER_EVICTIONS",
+    "EngineConfig",
+    "MAX_SPECULATIVE_TOKENS",
+    "QUANTIZATIONS",
+    "SPECULATIVE_METHODS",
+]
 
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization, besides None (model/quant.py)
 # EngineConfig.adapter_eviction: the names of adapters/eviction.py's POLICIES (this module may
 # not import the adapters layer; a test keeps the two equal)
 ADAPTER_EVICTIONS = ("lru", "lfu", "gdsf", "gdf")
+SPECULATIVE_METHODS = ("ngram", "draft")  # EngineConfig.speculative_method, besides None
+MAX_SPECULATIVE_TOKENS = 16  # num_speculative_tokens: 1..this
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,17 @@ class EngineConfig:
     # ranks of tensor parallelism (model/tp.py, parallel/): this process is rank 0 and starts
     # N - 1 worker processes (one per GPU, NCCL; on CPU gloo); 1: one process, no collectives
     tensor_parallel_size: int = 1
+    # speculative decoding (engine/spec/): None: off; "ngram": prompt lookup (the request's own
+    # prompt and output propose); "draft": a small draft model (``speculative_model``, its HF
+    # folder). A running row proposes up to ``num_speculative_tokens`` tokens, verified as one
+    # (K + 1)-token row of the normal step (exact: greedy output token-identical, sampled output
+    # distributed as without). A step speculates only while at most
+    # ``speculative_max_running`` requests run (larger batches are compute bound: verifying K
+    # extra tokens per row would cost more than it saves); such steps are not pipelined.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_model: str | None = None
+    speculative_max_running: int = 8
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -178,6 +198,49 @@ class EngineConfig:
         if self.max_cpu_loras and self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 "max_cpu_loras must be >= max_loras (every GPU slot is backed by the CPU tier)"
+            )
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        """Speculative decoding: refuse what is not served (typed, naming the field)."""
+        k = self.num_speculative_tokens
+        if type(k) is not int or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise SpeculativeConfigError(
+                f"num_speculative_tokens (--num-speculative-tokens) must be an integer in "
+                f"1..{MAX_SPECULATIVE_TOKENS}, got {k!r}",
+                field="num_speculative_tokens",
+            )
+        if type(self.speculative_max_running) is not int or self.speculative_max_running < 1:
+            raise SpeculativeConfigError(
+                "speculative_max_running must be an integer >= 1", field="speculative_max_running"
+            )
+        method = self.speculative_method
+        if method is None:
+            return
+        if method not in SPECULATIVE_METHODS:
+            raise SpeculativeConfigError(
+                f"speculative_method (--speculative-method) must be None or one of "
+                f"{', '.join(SPECULATIVE_METHODS)}, not {method!r}",
+                field="speculative_method",
+            )
+        if self.tensor_parallel_size > 1:
+            raise SpeculativeConfigError(
+                "speculative decoding is not supported with tensor_parallel_size > 1 (the "
+                "verification step is not replayed on the worker ranks)",
+                field="speculative_method",
+            )
+        if self.quantization == "fp8":
+            raise SpeculativeConfigError(
+                "speculative decoding is not supported with an fp8 base (quantization='fp8'): "
+                "fp8 projections pick their GEMM by step size, so a verification row would not "
+                "compute the tokens a decode step computes",
+                field="speculative_method",
+            )
+        if method == "draft" and not self.speculative_model:
+            raise SpeculativeConfigError(
+                "speculative_method 'draft' needs speculative_model (--speculative-model DIR): "
+                "the draft model's HF folder",
+                field="speculative_model",
             )
 
     @property

@@ -5,7 +5,9 @@ The core holds the scheduler and KV blocks, the adapter side (``adapters``, an
 event listeners, and a ``StepExecutor`` (executor.py) that runs steps on the device. It plans a
 step (or the one chained behind a step in flight), hands it to the executor and applies its
 results to the requests. Start-up (model, KV cache, tokenizer, graphs, the slot writer) is
-``startup.build_core``; nothing here imports it.
+``startup.build_core``; nothing here imports it. (Past ~400 lines, still one concept: the
+owner of the requests across a step; applying a verified row of speculative decoding is
+applying a step.)
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ from loraplex.engine.model.protocol import CausalLM
 from loraplex.engine.model.tp import full_config
 from loraplex.engine.model_runner import ModelRunner, StepItem
 from loraplex.engine.observe import engine_stats, request_summary
-from loraplex.engine.output import append_token, final_output
+from loraplex.engine.output import append_token, append_tokens, final_output
 from loraplex.engine.prompt import detokenizer_for, encode_prompt
 from loraplex.engine.request import Request
 from loraplex.engine.sampler import SamplerOutput, make_generator
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from loraplex.engine.spec.control import Speculation
+from loraplex.engine.spec.verify import VerifyOutput
 from loraplex.engine.structured.grammars import GrammarCache, Guide
 from loraplex.engine.structured.spec import StructuredOutput
 from loraplex.engine.tokenizer import Tokenizer
@@ -130,7 +134,8 @@ class EngineCore:
         self.blocks = BlockManager(
             runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config, self.blocks, registry, self.adapters.slots)
+        self.spec = Speculation.from_config(config, self.max_model_len)  # None: off
+        self.scheduler = Scheduler(config, self.blocks, registry, self.adapters.slots, self.spec)
         self.executor = StepExecutor(
             config, model, runner, self.blocks, self.adapters.slots, registry.any_loading,
             mixed_graphs,
@@ -347,14 +352,14 @@ class EngineCore:
         """Step thread: slot writes, then queue the forward and sampling (behind ``prev``)."""
         return self.executor.launch(plan, items, prev)
 
-    def collect(self, step: InFlightStep) -> SamplerOutput | None:
+    def collect(self, step: InFlightStep) -> SamplerOutput | VerifyOutput | None:
         """Step thread: wait for ``step``'s sampled tokens."""
         return self.executor.collect(step)
 
     def apply(
         self,
         step: InFlightStep,
-        result: SamplerOutput | None,
+        result: SamplerOutput | VerifyOutput | None,
         behind: InFlightStep | None = None,
     ) -> None:
         """Apply a collected step (tokens, finishes, streamed outputs). ``behind``: the step
@@ -371,6 +376,9 @@ class EngineCore:
             row += chunk.need_logits
             if req.is_finished:
                 continue  # e.g. a pipelined row of a request that ended the step before
+            if isinstance(result, VerifyOutput) and chunk.need_logits:
+                self._apply_verified(chunk, result, row, now)
+                continue
             self.scheduler.mark_computed(chunk)
             if req.aborted:
                 self.finish(req, "abort")
@@ -388,6 +396,39 @@ class EngineCore:
                 self.counters["finished"] += 1
                 self._log(req)
             req.queue.put_nowait(out)
+
+    def _apply_verified(
+        self, chunk: ScheduledChunk, result: VerifyOutput, row: int, now: float
+    ) -> None:
+        """A sampled row of a verification step: its emitted tokens one by one (stops,
+        ``max_tokens`` and the model length end it at the right one; one streamed chunk), its
+        KV rolled back past the kept tokens (``Scheduler.mark_verified``)."""
+        req = chunk.req
+        accepted = result.accepted[row]
+        spec_row = chunk.proposal is not None
+        if req.aborted:
+            if spec_row:
+                self.scheduler.mark_verified(chunk, 1)  # (the input token's KV only)
+            else:
+                self.scheduler.mark_computed(chunk)
+            self.finish(req, "abort")
+            return
+        out, n = append_tokens(
+            req, result.tokens[row], result.logprobs[row], result.top_logprobs[row],
+            self.max_model_len, now,
+        )  # fmt: skip
+        if spec_row and self.spec is not None:  # (counts; the proposer's commit, after append)
+            self.spec.verified(req, len(chunk.proposal.tokens), accepted)  # type: ignore[union-attr]
+        # KV kept: the input token and the emitted tokens but the last (as step by step)
+        if spec_row:
+            self.scheduler.mark_verified(chunk, n)
+        else:  # a row without a proposal (a decode or a prefill's last chunk)
+            self.scheduler.mark_computed(chunk)
+        if out.finished:
+            self.scheduler.finish(req, out.finish_reason or "stop")
+            self.counters["finished"] += 1
+            self._log(req)
+        req.queue.put_nowait(out)
 
     def end_steps(self) -> None:
         """The loop left its steps (collected, failed or cancelled): none is in flight."""

@@ -17,6 +17,7 @@ __all__ = [
     "EngineClosedError",
     "RequestAbortedError",
     "TensorParallelWorkerError",
+    "SpeculativeConfigError",
     "LoRAError",
     "AdapterNotFoundError",
     "AdapterConfigError",
@@ -64,6 +65,16 @@ class RequestAbortedError(EngineError):
 class TensorParallelWorkerError(EngineError, RuntimeError):
     """A tensor-parallel worker process failed to start, died or left its group: the engine
     cannot run steps any more (every request in flight and every later step fails with it)."""
+
+
+class SpeculativeConfigError(EngineError, ValueError):
+    """Speculative decoding was asked for in a combination the engine does not serve (tensor
+    parallelism, an fp8 base, a draft model not given or not built, K out of range); raised
+    at start-up. ``field`` names the EngineConfig field."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 # -- adapter errors -------------------------------------------------------------------------------

@@ -31,7 +31,9 @@ from loraplex.engine.model.protocol import CausalLM
 from loraplex.engine.model_runner import ModelRunner, StepItem
 from loraplex.engine.request import Request
 from loraplex.engine.sampler import PendingSample, Sampler, SamplerOutput, min_tokens_banned_ids
-from loraplex.engine.scheduler import SchedulerOutput
+from loraplex.engine.scheduler import ScheduledChunk, SchedulerOutput
+from loraplex.engine.spec.masks import spec_masks
+from loraplex.engine.spec.verify import PendingVerify, VerifyOutput, VerifyRow, verify
 from loraplex.engine.structured.bitmask import fill_masks
 
 __all__ = ["InFlightStep", "StepExecutor", "StepRecord"]
@@ -66,14 +68,16 @@ class InFlightStep:
     loading: bool  # an adapter load was in flight
     guided: bool = False  # some row samples under a grammar (its matcher takes the token)
     collected: bool = False  # ``collect`` ran (``result`` holds its tokens)
-    result: SamplerOutput | None = None
+    result: SamplerOutput | VerifyOutput | None = None
+    # a step with speculative proposals: its verification (instead of ``sample``)
+    verify: PendingVerify | None = None
     # sampling not queued yet: its masks are being filled (``StepExecutor.finish`` queues it)
     deferred: Callable[[], PendingSample] | None = None
 
     @property
     def sampled(self) -> bool:
         """Some row is (or will be, once ``finish``) sampled on the device."""
-        return self.sample is not None or self.deferred is not None
+        return self.sample is not None or self.deferred is not None or self.verify is not None
 
 
 class StepExecutor:
@@ -125,6 +129,10 @@ class StepExecutor:
             if c.feed:  # the token at position num_tokens is being sampled by ``prev``
                 items.append(StepItem([0], r.num_tokens, table, slot, True, row_of[id(r)]))
                 continue
+            if c.proposal is not None:  # verification: the last token, then the proposal
+                ids = [r.tokens[r.num_computed], *c.proposal.tokens]
+                items.append(StepItem(ids, r.num_computed, table, slot, True, num_logits=len(ids)))
+                continue
             items.append(
                 StepItem(
                     token_ids=r.tokens[r.num_computed : r.num_computed + c.num_tokens],
@@ -175,6 +183,13 @@ class StepExecutor:
         chunks = [c for c in plan.chunks if c.need_logits]
         rows = [c.req for c in chunks]
         guided = any(r.guide is not None for r in rows)
+        if any(c.proposal is not None for c in chunks):  # (never behind a step in flight)
+            step = InFlightStep(
+                plan, items, rows, None, t0, t_launched, events, self.loading(), guided
+            )
+            step.verify = self._verify(logits, chunks)
+            self._record_event()
+            return step
         args = (
             logits,
             [r.params for r in rows],
@@ -191,10 +206,33 @@ class StepExecutor:
         else:
             masks = self._masks(rows, logits.shape[1]) if guided else None
             step.sample = self.sampler.launch(*args, masks=masks)
+        self._record_event()
+        return step
+
+    def _record_event(self) -> None:
         if self.device.type == "cuda":
             self.last_step_event = torch.cuda.Event()
             self.last_step_event.record()
-        return step
+
+    def _verify(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> PendingVerify:
+        """Step thread: queue the verification of a step with proposals (spec/verify.py):
+        per position ``min_tokens`` bans and structured-output masks (``spec_masks``)."""
+        vrows = []
+        for c in chunks:
+            r, prop = c.req, c.proposal
+            draft = prop.tokens if prop is not None else []
+            done = len(r.output_ids)
+            banned = [
+                min_tokens_banned_ids(r.params, done + j, r.eos_ids) for j in range(len(draft) + 1)
+            ]
+            vrows.append(
+                VerifyRow(r.params, r.generator, list(draft), prop.probs if prop else None, banned)
+            )
+        masks = None
+        if any(c.req.guide is not None for c in chunks):
+            mask, index = spec_masks(chunks, logits.shape[1], pin=self.device.type == "cuda")
+            masks = self._upload((mask, index))
+        return verify(self.sampler, logits, vrows, masks)
 
     def _issue_slot_writes(
         self, jobs: list[SlotJob], items: list[StepItem], prev: InFlightStep | None
@@ -255,7 +293,7 @@ class StepExecutor:
         mask, index = host
         return mask.to(self.device, non_blocking=True), index.to(self.device, non_blocking=True)
 
-    def collect(self, step: InFlightStep) -> SamplerOutput | None:
+    def collect(self, step: InFlightStep) -> SamplerOutput | VerifyOutput | None:
         """Step thread: wait for ``step``'s tokens (only this step's) and log its timing.
 
         Step time: from the later of the launch and the previous step's results to this
@@ -267,6 +305,8 @@ class StepExecutor:
         step.collected = True
         if step.plan.slot_jobs:
             self.slots.collected(step.plan.slot_jobs)  # (inline writes are done with it)
+        if step.verify is not None:
+            return self._collect_verify(step)
         if step.sample is None:
             return None
         out = step.sample.fetch()
@@ -276,6 +316,24 @@ class StepExecutor:
                 if r.guide is not None:
                     r.guide.accept(tok)
         step.result = out
+        self._log(step, t_end)
+        return out
+
+    def _collect_verify(self, step: InFlightStep) -> VerifyOutput:
+        """Step thread: a verification step's emitted tokens (the matchers take each)."""
+        assert step.verify is not None
+        out = step.verify.fetch()
+        t_end = time.perf_counter()
+        if step.guided:
+            for r, toks in zip(step.rows, out.tokens, strict=True):
+                if r.guide is not None:
+                    for tok in toks:
+                        r.guide.accept(tok)
+        step.result = out
+        self._log(step, t_end)
+        return out
+
+    def _log(self, step: InFlightStep, t_end: float) -> None:
         gpu_ms = step.events[0].elapsed_time(step.events[1]) if step.events else None
         items = step.items
         tokens = sum(len(it.token_ids) for it in items)
@@ -296,8 +354,9 @@ class StepExecutor:
             )
         )
         self.last_result_time = t_end
-        return out
 
-    def execute(self, plan: SchedulerOutput, items: list[StepItem]) -> SamplerOutput | None:
+    def execute(
+        self, plan: SchedulerOutput, items: list[StepItem]
+    ) -> SamplerOutput | VerifyOutput | None:
         """Step thread: launch and collect one step (no pipelining)."""
         return self.collect(self.launch(plan, items))

@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.metrics_protocol import ProtocolView, cache_config_family, protocol_families
 from loraplex.engine.metrics_residency import Residency, ResidentAdapter, residency_families
+from loraplex.engine.metrics_spec import spec_families
 
 __all__ = ["Metrics", "AdapterLabels", "BASE_LABEL", "OTHER_LABEL", "read_residency"]
 
@@ -102,8 +103,15 @@ def _cache_config(engine: Any, stats: dict[str, Any]) -> Metric:
 class _StatsCollector(Collector):
     """Reads ``engine.stats()`` at scrape time; yields nothing while no engine is running."""
 
-    def __init__(self) -> None:
+    def __init__(self, labels: AdapterLabels) -> None:
         self.engine: AsyncEngine | None = None
+        self.labels = labels
+
+    def label_of(self, name: str) -> str:
+        """An adapter's label value where only its name is known ("": the base model)."""
+        if not name:
+            return BASE_LABEL
+        return name if name in self.labels.top else OTHER_LABEL
 
     def collect(self) -> Iterator[Metric]:
         if self.engine is None:
@@ -117,6 +125,7 @@ class _StatsCollector(Collector):
         yield _cache_config(self.engine, s)
         yield from residency_families(read_residency(self.engine, s))
         yield from _engine_families(s)
+        yield from spec_families(s, self.label_of)
 
 
 def _engine_families(s: dict[str, Any]) -> Iterator[Metric]:
@@ -184,7 +193,7 @@ class Metrics:
     def __init__(self, top_k: int = 16) -> None:
         self.registry = CollectorRegistry()
         self.labels = AdapterLabels(top_k, on_demote=self._forget)
-        self._stats = _StatsCollector()
+        self._stats = _StatsCollector(self.labels)
         self.registry.register(self._stats)
         r = self.registry
         self.requests = Counter(

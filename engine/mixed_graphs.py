@@ -99,8 +99,8 @@ class MixedGraphs:
         tokens = 0
         for it in items:
             n = len(it.token_ids)
-            if n > MIXED_QMAX or (it.feed_row >= 0 and feed is None):
-                return False
+            if n > MIXED_QMAX or (it.feed_row >= 0 and feed is None) or it.num_logits > 1:
+                return False  # (speculative verification rows: logits at every position)
             tokens += n
         if feed is not None and feed.shape[0] > self.feed.shape[0]:
             return False

@@ -39,6 +39,9 @@ class StepItem:
     # >= 0: the (single) input token is row ``feed_row`` of the previous step's sampled ids,
     # still on the device (pipelined decode); ``token_ids`` then holds a placeholder
     feed_row: int = -1
+    # logits rows of this item when ``need_logits``: its last ``num_logits`` positions
+    # (speculative verification: 1 + the proposed tokens; eager steps only)
+    num_logits: int = 1
 
 
 class ModelRunner:
@@ -130,7 +133,7 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
             ctx.append(it.start_pos + n)
             if it.need_logits:
-                last.append(qsl[-1] - 1)
+                last += range(qsl[-1] - it.num_logits, qsl[-1])
         width = max(len(it.block_table) for it in items)
         tables = [it.block_table + [0] * (width - len(it.block_table)) for it in items]
         dev = self.device
@@ -182,11 +185,18 @@ class ModelRunner:
         if order == list(range(len(items))):
             return self._execute(items, feed)
         logits = self._execute([items[i] for i in order], feed)
-        rank = {i: j for j, i in enumerate(i for i in range(len(items)) if items[i].need_logits)}
-        sorted_rows = [rank[i] for i in order if items[i].need_logits]
-        inv = [0] * len(sorted_rows)
-        for k, orig in enumerate(sorted_rows):
-            inv[orig] = k
+        # each item's logits rows: where they are in item order, and in the sorted step
+        start, at = {}, 0
+        for i, it in enumerate(items):
+            if it.need_logits:
+                start[i], at = at, at + it.num_logits
+        inv = [0] * at
+        k = 0
+        for i in order:
+            if items[i].need_logits:
+                for j in range(items[i].num_logits):
+                    inv[start[i] + j] = k
+                    k += 1
         index = torch.tensor(inv)
         if logits.device.type == "cuda":
             index = index.pin_memory()  # NOTE: async copy; a pageable one would sync the step
@@ -233,7 +243,7 @@ class ModelRunner:
         assert self.graphs is not None
         # NOTE: the graphs apply DoRA row scales in their epilogues (fused_forward's ``dora``)
         return (
-            all(len(it.token_ids) == 1 and it.need_logits for it in items)
+            all(len(it.token_ids) == 1 and it.need_logits and it.num_logits == 1 for it in items)
             and len(items) <= self.graphs.max_batch
         )
 

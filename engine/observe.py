@@ -67,5 +67,7 @@ def engine_stats(core: Any) -> dict[str, Any]:
         "kernel_compiles_while_serving": len(COMPILES.while_serving),
         "host_pool_regions_in_use": pool.in_use() if pool is not None else 0,
         **(core.loop_lag.summary() if core.loop_lag is not None else {}),
+        # speculative decoding (spec/control.py): proposed / accepted tokens, per adapter
+        **({"speculative": core.spec.stats()} if core.spec is not None else {}),
         **core.counters,
     }

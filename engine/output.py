@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from loraplex.engine.request import Request, RequestOutput, TokenLogprob
 
-__all__ = ["append_token", "final_output"]
+__all__ = ["append_token", "append_tokens", "final_output", "merge_outputs"]
 
 
 def append_token(
@@ -66,3 +66,44 @@ def final_output(req: Request, reason: str, error: BaseException | None = None) 
         num_cached_tokens=req.num_cached,
         error=error,
     )
+
+
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """One streamed chunk of several tokens appended in one step (speculative decoding):
+    their tokens, text and logprobs in order; finish fields and counts of the last."""
+    if len(outs) == 1:
+        return outs[0]
+    last = outs[-1]
+    lps = [lp for o in outs for lp in o.logprobs or []]
+    return RequestOutput(
+        request_id=last.request_id,
+        token_ids=[t for o in outs for t in o.token_ids],
+        text="".join(o.text for o in outs),
+        finished=last.finished,
+        finish_reason=last.finish_reason,
+        logprobs=lps if any(o.logprobs is not None for o in outs) else None,
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+        num_cached_tokens=last.num_cached_tokens,
+        stop_reason=last.stop_reason,
+    )
+
+
+def append_tokens(
+    req: Request,
+    tokens: list[int],
+    logprobs: list[float | None],
+    tops: list[list[tuple[int, float]] | None],
+    max_model_len: int,
+    now: float,
+) -> tuple[RequestOutput, int]:
+    """Append a verified row's tokens one by one until one finishes ``req`` (stop token or
+    string, ``max_tokens``, model length: the rest are dropped, as they would never have been
+    sampled); returns the one streamed chunk and how many were appended."""
+    outs = []
+    for tok, lp, top in zip(tokens, logprobs, tops, strict=True):
+        outs.append(append_token(req, tok, lp, top, max_model_len))
+        req.token_times.append(now)
+        if outs[-1].finished:
+            break
+    return merge_outputs(outs), len(outs)

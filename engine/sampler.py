@@ -165,18 +165,13 @@ class Sampler:
         logits = logits.float()
         want_lp = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
-        if masks is not None:
-            logits = logits.contiguous()
-            apply_bitmask(logits, *masks)  # in place: raw_logprobs is a new tensor
-
-        if banned is not None and any(banned):
-            logits = self._apply_banned(logits, banned, vocab)
+        logits = self.restrict(logits, banned, masks)
 
         greedy = [p.greedy for p in params]
         if all(greedy):
             token_ids = logits.argmax(dim=-1)
         else:
-            token_ids = self._sample_random(logits, params, generators, device)
+            token_ids = self.race(self.probs(logits, params), generators)
             if any(greedy):
                 mask = self._to_device(greedy, torch.bool, device)
                 token_ids = torch.where(mask, logits.argmax(dim=-1), token_ids)
@@ -209,14 +204,27 @@ class Sampler:
         logits.view(-1).index_fill_(0, index, float("-inf"))
         return logits
 
-    def _sample_random(
+    def restrict(
         self,
         logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None] | None,
-        device: torch.device,
+        banned: Sequence[Sequence[int]] | None = None,
+        masks: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Temperature, top-k, top-p, then an exponential race (argmax(probs / q))."""
+        """Float (B, V) ``logits`` with what rows may not sample at -inf: the structured-output
+        bitmasks (``masks``) and the ``banned`` ids (``min_tokens``). May write ``logits`` in
+        place (callers keep the raw logprobs apart). The greedy rows' argmax reads this."""
+        if masks is not None:
+            logits = logits.contiguous()
+            apply_bitmask(logits, *masks)  # in place: raw logprobs are a new tensor
+        if banned is not None and any(banned):
+            logits = self._apply_banned(logits, banned, logits.shape[1])
+        return logits
+
+    def probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """The distribution each sampled row draws from: ``restrict``-ed ``logits`` (B, V)
+        through temperature, top-k and top-p, softmaxed (greedy rows: plain softmax, unused).
+        Speculative verification (spec/verify.py) reads the same."""
+        device = logits.device
         vocab = logits.shape[1]
         temps = [1.0 if p.greedy else p.temperature for p in params]
         if any(t != 1.0 for t in temps):
@@ -226,10 +234,19 @@ class Sampler:
         use_k, use_p = any(k < vocab for k in top_k), any(p < 1.0 for p in top_p)
         if use_k or use_p:
             logits = self._top_k_top_p(logits, top_k if use_k else None, top_p if use_p else None)
-        probs = torch.softmax(logits, dim=-1)
+        return torch.softmax(logits, dim=-1)
 
+    def race(
+        self,
+        probs: torch.Tensor,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> torch.Tensor:
+        """One draw per row of ``probs`` (B, V) (unnormalised weights are fine): an exponential
+        race, argmax(probs / q) with q ~ Exp(1) from row i's own generator, or one shared draw
+        for the rows without (``default_generator``). Divides ``probs`` in place."""
+        device = probs.device
         q = torch.empty_like(probs)
-        own = [None] * len(params) if generators is None else list(generators)
+        own = [None] * probs.shape[0] if generators is None else list(generators)
         shared_rows = [i for i, g in enumerate(own) if g is None]
         if shared_rows:
             # One draw for all unseeded rows (over-draws for seeded ones, which are overwritten).

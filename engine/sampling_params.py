@@ -54,6 +54,10 @@ class SamplingParams:
     logprobs: int | None = None
     min_tokens: int = 0
     structured: StructuredOutput | None = None  # constrained decoding (engine/structured/)
+    # speculative decoding may propose tokens for this request when the engine has it on
+    # (EngineConfig.speculative_method); False: this request opts out (its output is the same
+    # either way, only its speed differs)
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         self._check_ints()
@@ -62,6 +66,10 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise InvalidSamplingParams(
                 f"ignore_eos must be a bool, got {self.ignore_eos!r}", field="ignore_eos"
+            )
+        if not isinstance(self.speculative, bool):
+            raise InvalidSamplingParams(
+                f"speculative must be a bool, got {self.speculative!r}", field="speculative"
             )
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise InvalidSamplingParams(

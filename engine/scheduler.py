@@ -19,7 +19,12 @@ Policy (one step):
 4. ``chain`` plans the step after one in flight (pipelined decode): its rows decode the tokens
    the step in flight samples, and waiting requests are admitted and loaded adapters given
    slots by the same rules (2, 3), so adapters landing mid-decode do not pause pipelining.
-5. Fair share between groups (the sibling requests of one API request: its ``n`` choices and
+5. Speculative decoding (``spec``, spec/control.py): while few requests run, decoding rows get
+   the proposer's tokens and become (1 + k)-token rows (``ScheduledChunk.proposal``); their KV
+   blocks are grown for every proposed position (a row whose blocks are short drops its
+   proposal, never preempts for it) and rolled back after verification (``mark_verified``).
+   Such steps are not chained: the next proposal needs this step's tokens on the host.
+6. Fair share between groups (the sibling requests of one API request: its ``n`` choices and
    prompts, ``Request.group``; fair_share.py): while two or more groups have requests queued,
    a group's fair number of running sequences is max(1, max_num_seqs // groups). Before step
    1, a waiting request of a group below its share that finds no free seat preempts the
@@ -30,6 +35,9 @@ Policy (one step):
    seat); the starved request that goes first is one of a group below its share. In 1, KV
    preemption takes the youngest sequence of a group above its share first. A step that such
    a preemption is due to is not chained (``schedule`` decides it).
+
+Past ~400 lines, still one concept: which rows a step runs and what KV they hold (the
+speculative rows' proposals, blocks and rollback are the same decision).
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ from loraplex.engine.errors import SlotFullError
 from loraplex.engine.fair_share import FairShare
 from loraplex.engine.kv import BlockManager
 from loraplex.engine.request import Request, RequestStatus
+from loraplex.engine.spec.control import Speculation
+from loraplex.engine.spec.proposer import Proposal
 
 __all__ = ["Scheduler", "ScheduledChunk", "SchedulerOutput"]
 
@@ -60,6 +70,9 @@ class ScheduledChunk:
     # pipelined decode: the one input token is the one the step in flight samples; the chunk
     # starts at position ``req.num_tokens`` (as of scheduling) and reads it on the device
     feed: bool = False
+    # speculative decoding: the row's one known input token, then these proposed tokens
+    # (``num_tokens`` = 1 + len(proposal.tokens)); logits at every position
+    proposal: Proposal | None = None
 
 
 @dataclass
@@ -95,8 +108,10 @@ class Scheduler:
         blocks: BlockManager,
         adapters: AdapterRegistry,
         slots: SlotStore | None = None,
+        spec: Speculation | None = None,
     ):
         self.config = config
+        self.spec = spec  # speculative decoding (None: off)
         self.blocks = blocks
         self.adapters = adapters
         self.slots = slots if slots is not None else adapters.slots
@@ -145,9 +160,21 @@ class Scheduler:
         # 1. running requests
         scheduled: list[Request] = []
         queue = list(self.running)
+        proposals = self._proposals(queue)
         while queue and budget > 0:
             req = queue.pop(0)
             n = min(req.num_tokens - req.num_computed, budget)
+            prop = proposals.pop(id(req), None)
+            if prop is not None:
+                m = min(len(prop.tokens), budget - 1)
+                if m > 0 and self._grow(req, req.num_computed + 1 + m):
+                    cut = prop.probs[:m] if prop.probs is not None else None
+                    out.chunks.append(
+                        ScheduledChunk(req, 1 + m, True, proposal=Proposal(prop.tokens[:m], cut))
+                    )
+                    scheduled.append(req)
+                    budget -= 1 + m
+                    continue
             while not self._grow(req, req.num_computed + n):
                 i = self.fair.kv_victim(queue, req)  # the youngest, above-share groups first
                 if i is None:
@@ -163,6 +190,14 @@ class Scheduler:
         # 2. waiting requests (nothing is in flight for a slot write to overlap: no joins)
         self._admit(out, head, budget, len(scheduled), join=False)
         return out
+
+    def _proposals(self, running: list[Request]) -> dict[int, Proposal]:
+        """Speculative proposals of the decoding ``running`` requests (by ``id``), when this
+        step speculates (spec/control.py: few requests run)."""
+        spec = self.spec
+        if spec is None or not spec.active(len(running)):
+            return {}
+        return spec.propose([r for r in running if r.num_computed == r.num_tokens - 1])
 
     def _admit(
         self, out: SchedulerOutput, head: Request | None, budget: int, seqs: int, *, join: bool
@@ -252,6 +287,10 @@ class Scheduler:
         """
         if not plan.chunks or not all(c.need_logits for c in plan.chunks):
             return None
+        if self.spec is not None and (
+            self.spec.active(len(self.running)) or any(c.proposal for c in plan.chunks)
+        ):
+            return None  # speculation proposes from the tokens ``plan`` samples (5.)
         in_plan = {id(c.req) for c in plan.chunks}
         if any(id(r) not in in_plan for r in self.running):
             return None
@@ -359,6 +398,8 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:
+        if self.spec is not None:
+            self.spec.release(req)
         if req.request_id in self.blocks:
             self.blocks.free(req.request_id)
         if req.slot >= 0 and req.adapter is not None:
@@ -389,4 +430,16 @@ class Scheduler:
         req = chunk.req
         req.num_computed += chunk.num_tokens
         if req.request_id in self.blocks:
+            self.blocks.mark_computed(req.request_id, req.tokens, req.num_computed)
+
+    def mark_verified(self, chunk: ScheduledChunk, kept: int) -> None:
+        """After verification of ``chunk`` (a row with a proposal) and the core appended its
+        emitted tokens: the KV of its first ``kept`` positions counts as computed (the input
+        token and the kept proposal tokens; full blocks join the prefix cache); the blocks past
+        them, which only rejected tokens wrote into, go back (their positions are written
+        again before any read)."""
+        req = chunk.req
+        req.num_computed += kept
+        if req.request_id in self.blocks:
+            self.blocks.truncate(req.request_id, req.num_computed)
             self.blocks.mark_computed(req.request_id, req.tokens, req.num_computed)

@@ -20,6 +20,7 @@ from loraplex.engine.adapters.host_pool import HostPool
 from loraplex.engine.adapters.slot_writer import InlineWriter, SlotWriter, ThreadWriter
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
+from loraplex.engine.errors import SpeculativeConfigError
 from loraplex.engine.mixed_graphs import MixedGraphs
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.kernels.fp8_linear import prepare_fp8_linear
@@ -113,6 +114,13 @@ def _build(
         attach_full_modules(model, config.max_full_module_loras, config.lora_extra_vocab_size)
     if config.quantization == "fp8":
         quantize_model(model)  # a caller's float model (a loaded one is fp8 already)
+    if config.speculative_method is not None and fp8_layers(model):
+        raise SpeculativeConfigError(
+            "speculative decoding is not supported with an fp8 base (this checkpoint's "
+            "projections are fp8): fp8 projections pick their GEMM by step size, so a "
+            "verification row would not compute the tokens a decode step computes",
+            field="speculative_method",
+        )
     if model.device.type == "cuda" and fp8_layers(model):
         drop_float_bases(model)  # before anything holds lora_a; memory counted for KV below
         prepare_fp8_linear(model.device)  # split-K counters, before any graph capture

@@ -219,6 +219,27 @@ class BlockManager:
             req.table += self._take(extra)
         req.num_tokens = max(req.num_tokens, num_total_tokens)
 
+    def truncate(self, req_id: str, num_tokens: int) -> None:
+        """Shrink the table to hold ``num_tokens`` tokens, releasing the blocks past them
+        (speculative decoding: the blocks that only rejected proposal tokens wrote into). Never
+        drops a block registered in the prefix cache: those hold computed, kept tokens."""
+        req = self._req(req_id)
+        keep = self.blocks_needed(num_tokens)
+        if keep < len(req.hashes):
+            raise ValueError(
+                f"request {req_id!r}: truncating to {num_tokens} tokens would drop cached blocks"
+            )
+        for b in reversed(req.table[keep:]):
+            self._ref[b] -= 1
+            assert self._ref[b] >= 0, f"block {b} refcount went negative"
+            if self._ref[b] == 0:
+                if self._hash[b] is not None:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+        del req.table[keep:]
+        req.num_tokens = min(req.num_tokens, num_tokens)
+
     def _take(self, n: int) -> list[int]:
         """Take ``n`` blocks (caller checked availability): free first, then LRU eviction."""
         out: list[int] = []

@@ -152,6 +152,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="no pipelined decode (the next step waits for the previous step's tokens)",
     )  # fmt: skip
     p.add_argument(
+        "--speculative-method", choices=("ngram", "draft"),
+        help="speculative decoding: ngram (prompt lookup: the request's own prompt and output "
+        "propose), draft (a draft model, --speculative-model); default off. Exact: greedy "
+        "output is identical, sampled output distributed as without",
+    )  # fmt: skip
+    p.add_argument(
+        "--num-speculative-tokens", type=int, metavar="K",
+        help="tokens proposed per row and step, 1..16 (default 4)",
+    )  # fmt: skip
+    p.add_argument(
+        "--speculative-model", metavar="DIR", help="the draft model's HF folder (--speculative-"
+        "method draft; same tokenizer as the served model)",
+    )  # fmt: skip
+    p.add_argument(
+        "--speculative-max-running", type=int, metavar="N",
+        help="speculate only while at most N requests run (default 8; larger batches are "
+        "compute bound)",
+    )  # fmt: skip
+    p.add_argument(
         "--admin-token-file", metavar="FILE",
         help="enables POST /v1/load_lora_adapter and /v1/unload_lora_adapter with this token",
     )  # fmt: skip
@@ -206,7 +225,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "max_loras", "max_cpu_loras", "max_lora_rank", "max_full_module_loras", "lora_extra_vocab_size",
         "max_num_seqs",
         "max_model_len", "mixed_graph_tokens", "loader_processes", "max_concurrent_loads", "adapter_cache_dir",
-        "adapter_cache_bytes", "tensor_parallel_size",
+        "adapter_cache_bytes", "tensor_parallel_size", "speculative_method",
+        "num_speculative_tokens", "speculative_model", "speculative_max_running",
     ):  # fmt: skip
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)

@@ -35,6 +35,7 @@ _SAMPLING_FIELDS = (
     "stop_token_ids",
     "ignore_eos",
     "min_tokens",
+    "speculative",  # false: this request opts out of speculative decoding (the engine's)
 )
 
 

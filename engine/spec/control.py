@@ -1,0 +1,123 @@
+"""When and how much to speculate: the engine's side of a proposer, and what it counts.
+
+``Speculation`` (one per engine, built by ``from_config``; None when speculation is off) is
+asked by the scheduler for the proposals of a step's decoding rows and told by the core what
+verification kept. Rules:
+
+- a step speculates only while at most ``speculative_max_running`` requests run: a small
+  decode batch is memory bound (K more tokens per row cost little), a large one is not;
+- a request that opted out (``SamplingParams.speculative`` False) gets no proposal;
+- a proposal is cut so that everything the row may emit fits ``max_tokens`` and the model
+  length, and, for a structured-output request, at the first token its grammar refuses
+  (llguidance ``validate_tokens``: a refused token could never be kept, and the masks of the
+  positions after it could not be computed).
+
+Counters (``stats``, the Prometheus families of metrics.py): tokens proposed and accepted and
+verified rows by acceptance length, each per adapter name ("" for the base model).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.errors import SpeculativeConfigError
+from loraplex.engine.request import Request
+from loraplex.engine.spec.ngram import NgramProposer
+from loraplex.engine.spec.proposer import Proposal, Proposer
+
+__all__ = ["Speculation"]
+
+
+class Speculation:
+    """A proposer with the engine's limits, and the acceptance counters."""
+
+    def __init__(self, proposer: Proposer, k: int, max_running: int, max_model_len: int) -> None:
+        self.proposer = proposer
+        self.k = k
+        self.max_running = max_running
+        self.max_model_len = max_model_len
+        self.proposed: defaultdict[str, int] = defaultdict(int)  # tokens, per adapter
+        self.accepted: defaultdict[str, int] = defaultdict(int)
+        # verified rows per adapter by accepted length: hist[adapter][a], a in 0..k
+        self.hist: defaultdict[str, list[int]] = defaultdict(lambda: [0] * (k + 1))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, max_model_len: int) -> Speculation | None:
+        """The engine's speculation (None: off). ``EngineConfig`` checked the combinations;
+        "draft" is refused here while the draft-model proposer is not part of the engine."""
+        method = config.speculative_method
+        if method is None:
+            return None
+        if method == "ngram":
+            proposer: Proposer = NgramProposer()
+        else:
+            raise SpeculativeConfigError(
+                "speculative_method 'draft' is not available yet: the draft-model proposer "
+                "(engine/spec/draft.py) is not part of this build; use 'ngram'",
+                field="speculative_method",
+            )
+        k, most = config.num_speculative_tokens, config.speculative_max_running
+        return cls(proposer, k, most, max_model_len)
+
+    def active(self, running: int) -> bool:
+        """Whether a step with ``running`` requests running speculates."""
+        return running <= self.max_running
+
+    def propose(self, reqs: Sequence[Request]) -> dict[int, Proposal]:
+        """Proposals of decoding ``reqs`` (keyed by ``id(req)``; those without one left out),
+        each cut to the limits in the module docstring."""
+        asking = [r for r in reqs if r.params.speculative]
+        if not asking:
+            return {}
+        out = {}
+        for req, prop in zip(asking, self.proposer.propose(asking, self.k), strict=True):
+            n = min(
+                len(prop.tokens),
+                self.k,
+                # every emitted token (the kept ones and one more) within max_tokens / length
+                req.params.max_tokens - len(req.output_ids) - 1,
+                self.max_model_len - req.num_tokens - 1,
+            )
+            guide = req.guide
+            if n > 0 and guide is not None:
+                m = guide.matcher
+                n = 0 if m.is_stopped() or m.is_error() else m.validate_tokens(prop.tokens[:n])
+            if n <= 0:
+                continue
+            probs = prop.probs[:n] if prop.probs is not None else None
+            out[id(req)] = Proposal(list(prop.tokens[:n]), probs)
+        return out
+
+    def verified(self, req: Request, proposed: int, accepted: int) -> None:
+        """After a verification row of ``req``: count it and tell the proposer."""
+        name = req.adapter.name if req.adapter is not None else ""
+        self.proposed[name] += proposed
+        self.accepted[name] += accepted
+        self.hist[name][accepted] += 1
+        self.proposer.commit(req, accepted)
+
+    def release(self, req: Request) -> None:
+        self.proposer.release(req)
+
+    def stats(self) -> dict[str, Any]:
+        """Totals and per-adapter counters (engine stats: ``speculative``)."""
+        names = sorted(self.hist)
+        proposed = sum(self.proposed.values())
+        accepted = sum(self.accepted.values())
+        return {
+            "k": self.k,
+            "proposed_tokens": proposed,
+            "accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "per_adapter": {
+                n: {
+                    "proposed_tokens": self.proposed[n],
+                    "accepted_tokens": self.accepted[n],
+                    "acceptance_lengths": list(self.hist[n]),
+                }
+                for n in names
+            },
+        }

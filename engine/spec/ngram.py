@@ -1,0 +1,67 @@
+"""Prompt lookup (n-gram) proposer: proposes the tokens that followed the latest earlier
+occurrence of the request's own last tokens.
+
+Outputs that quote their prompt (rewrite, extract, SQL over a given schema, code edits) repeat
+runs of it; once the output's last ``n`` tokens match an earlier run of prompt + output, the
+tokens that followed that run are a cheap guess of what comes next. No model, no state: it
+works for every adapter at once (the verifier runs each row with its own adapter).
+
+Matching: the longest suffix of ``max_n`` down to ``min_n`` tokens (defaults 4 and 1) that
+occurs earlier in prompt + output; among matches of that length the most recent wins (the
+closest context). The proposal is the (up to ``k``) tokens after it. Cost: one backward scan
+of the context per row and step in Python (O(context)), only while speculation is on (small
+batches, ``spec/control.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from loraplex.engine.request import Request
+from loraplex.engine.spec.proposer import Proposal
+
+__all__ = ["NgramProposer", "lookup"]
+
+
+def lookup(tokens: Sequence[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of
+    ``tokens`` (``max_n`` down to ``min_n`` tokens long); [] when none occurs."""
+    seq = list(tokens)
+    size = len(seq)
+    if k <= 0 or size < 2:
+        return []
+    last = seq[-1]
+    best_len, best_end = 0, -1
+    # j: where an earlier occurrence of the suffix ends (strictly before the last position)
+    for j in range(size - 2, -1, -1):
+        if seq[j] != last:
+            continue
+        m = 1
+        while m < max_n and j - m >= 0 and seq[j - m] == seq[size - 1 - m]:
+            m += 1
+        if m > best_len:
+            best_len, best_end = m, j
+            if m == max_n:
+                break  # the longest possible; scanning backwards, the most recent of them
+    if best_len < min_n:
+        return []
+    return seq[best_end + 1 : best_end + 1 + k]
+
+
+class NgramProposer:
+    """``Proposer`` by prompt lookup (``lookup``): deterministic, ``probs`` None (a point mass)."""
+
+    def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n = max_n
+        self.min_n = min_n
+
+    def propose(self, reqs: Sequence[Request], k: int) -> list[Proposal]:
+        return [Proposal(lookup(r.tokens, k, self.max_n, self.min_n)) for r in reqs]
+
+    def commit(self, req: Request, num_accepted: int) -> None:
+        """Nothing to roll back: the proposer keeps no state."""
+
+    def release(self, req: Request) -> None:
+        """Nothing kept per request."""

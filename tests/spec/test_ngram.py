@@ -1,0 +1,57 @@
+"""The prompt-lookup proposer: longest suffix first, most recent occurrence, at most k."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.engine.request import Request
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.spec.ngram import NgramProposer, lookup
+
+
+def test_longest_suffix_wins_over_a_more_recent_shorter_one():
+    # suffix [1, 2, 3]: a 3-gram at 0..2 (followed by 7, 8), a later 1-gram 3 followed by 9
+    seq = [1, 2, 3, 7, 8, 5, 3, 9, 4, 1, 2, 3]
+    assert lookup(seq, 2) == [7, 8]
+    assert lookup(seq, 5) == [7, 8, 5, 3, 9]
+
+
+def test_most_recent_of_equal_length_and_k_bound():
+    seq = [5, 6, 1, 5, 6, 2, 5, 6]
+    assert lookup(seq, 1) == [2]  # [5, 6] at 3..4 is more recent than at 0..1
+    assert lookup(seq, 3) == [2, 5, 6]
+    assert lookup(seq, 0) == []
+
+
+def test_min_n_and_no_match():
+    seq = [1, 2, 3, 4, 9, 4]
+    assert lookup(seq, 3) == [9, 4]  # the 1-gram [4]
+    assert lookup(seq, 3, min_n=2) == []
+    assert lookup([1, 2, 3], 3) == []
+    assert lookup([7], 3) == []
+
+
+def test_max_n_caps_the_match_and_proposal_may_run_into_the_suffix():
+    seq = [1, 2, 1, 2, 1, 2]
+    # the most recent occurrence of [1, 2] ends at 3: what followed is [1, 2] (the suffix)
+    assert lookup(seq, 4, max_n=2) == [1, 2]
+    assert lookup(seq, 4, max_n=4) == [1, 2]  # [1, 2, 1, 2] at 0..3
+
+
+def test_proposer_reads_prompt_and_output():
+    req = Request("r", [10, 11, 12, 13, 14], SamplingParams())
+    req.output_ids += [20, 10, 11]
+    prop = NgramProposer()
+    (p,) = prop.propose([req], 3)
+    assert p.tokens == [12, 13, 14] and p.probs is None
+    req.output_ids.append(99)
+    assert prop.propose([req], 3)[0].tokens == []
+    prop.commit(req, 0)
+    prop.release(req)
+
+
+def test_bad_sizes():
+    with pytest.raises(ValueError):
+        NgramProposer(max_n=2, min_n=3)
+    with pytest.raises(ValueError):
+        NgramProposer(min_n=0)
