@@ -130,3 +130,10 @@ if [[ $what == moe ]]; then  # issue 42 in one call (~6 min): MoE kernels (bfloa
   python3 -m benchmarks.moe_decode --expert-lora --layers 24 --adapters 0 8 --batches 1 64 \
     --append "$OUT/moe_decode.md" "$@" 2>&1 | grep -v "\[info" | tee "$OUT/moe_decode.log" | tail -16
 fi
+if [[ $what == spec ]]; then  # issue 45 (~6 min): the speculation tests on the device (CUDA
+  # kernels under verify rows), then the step economics on the 8B shape with 8 adapters
+  python3 -m pytest -q -p no:cacheprovider tests/spec 2>&1 | tee "$OUT/spec_tests.log" \
+    | grep -E "passed|failed|Error|^E " | tail -10
+  python3 -m benchmarks.spec_decode --append "$OUT/spec_decode.md" "$@" 2>&1 | grep -v "\[info" \
+    | tee "$OUT/spec_decode.log" | tail -40
+fi
