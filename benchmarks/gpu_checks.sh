@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one call: GPU-marked tests (kernels, PEFT oracle in bf16/fp16, CUDA graphs),
 # then benchmarks. Results land in $OUT (or ./out). Wheels missing on the GPU machine can be
-# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|rank64|base32|b_layout|ncu|fp8|fp8_gemms|storm ARGS...|zipf|load_rate|moe]
+# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|rank64|base32|b_layout|ncu|fp8|fp8_gemms|storm ARGS...|zipf|load_rate|moe|spec]
 # A copy of the tree without its .git (git archive) stamps results with $LORAPLEX_COMMIT:
 # export it (benchmarks/record.py). Several commits side by side in one call (A/B, bisect):
 # benchmarks/ab_snapshots.sh.
