@@ -30,6 +30,7 @@ not fit the pool gets none this step.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,7 +96,13 @@ class _Row:
 
 
 class DraftProposer:
-    """``Proposer`` (``proposer.py``) backed by a small model of the target's vocabulary."""
+    """``Proposer`` (``proposer.py``) backed by a small model of the target's vocabulary.
+
+    It runs a model (``runs_model``): the engine calls ``propose`` in its step thread
+    (spec/control.py), while ``release`` may come from the event loop at the same time (an
+    aborted request): a release during a proposal is applied when the proposal ends."""
+
+    runs_model = True
 
     def __init__(
         self,
@@ -154,6 +161,9 @@ class DraftProposer:
         self.blocks = DraftBlocks(1, block_size)  # (replaced by ``allocate``)
         self._sampler = Sampler(seed)
         self._seqs: dict[str, _Seq] = {}
+        self._lock = threading.Lock()
+        self._busy = False  # a proposal is running (``release`` waits for its end)
+        self._released: set[str] = set()
         if num_blocks is not None:
             self.allocate(num_blocks)
 
@@ -201,6 +211,18 @@ class DraftProposer:
     def propose(self, reqs: Sequence[Request], k: int) -> list[Proposal]:
         """Up to ``k`` drafted tokens per request, drawn from the draft's distribution after
         each request's sampling transforms (see the module docstring)."""
+        with self._lock:
+            self._busy = True
+        try:
+            return self._propose(reqs, k)
+        finally:
+            with self._lock:
+                self._busy = False
+                for rid in self._released:
+                    self._drop(rid)
+                self._released.clear()
+
+    def _propose(self, reqs: Sequence[Request], k: int) -> list[Proposal]:
         out = [Proposal() for _ in reqs]
         rows: list[_Row] = []
         catch_up: list[tuple[_Row, int]] = []  # (row, first token to prefill)
@@ -238,9 +260,16 @@ class DraftProposer:
             self._reconcile(req, seq, num_accepted)
 
     def release(self, req: Request) -> None:
-        """Drop the request's draft KV and state."""
-        self._seqs.pop(req.request_id, None)
-        self.blocks.free(req.request_id)
+        """Drop the request's draft KV and state (at the end of a running proposal)."""
+        with self._lock:
+            if self._busy:
+                self._released.add(req.request_id)
+            else:
+                self._drop(req.request_id)
+
+    def _drop(self, request_id: str) -> None:
+        self._seqs.pop(request_id, None)
+        self.blocks.free(request_id)
 
     # -- pieces -------------------------------------------------------------------------------
 
