@@ -14,14 +14,9 @@ from loraplex.engine.sampler import Sampler, make_generator
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.spec.verify import VerifyRow, verify
 from loraplex.engine.structured.bitmask import mask_words
+from tests.helpers.stats import chi2_limit
 
 V = 8
-
-
-def chi2_limit(df: int, z: float = 3.719) -> float:
-    """The chi-square quantile at 1 - 1e-4 (Wilson-Hilferty; z the normal's)."""
-    a = 2.0 / (9 * df)
-    return df * (1 - a + z * math.sqrt(a)) ** 3
 
 
 def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
