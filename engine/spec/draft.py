@@ -211,6 +211,7 @@ class DraftProposer:
     def propose(self, reqs: Sequence[Request], k: int) -> list[Proposal]:
         """Up to ``k`` drafted tokens per request, drawn from the draft's distribution after
         each request's sampling transforms (see the module docstring)."""
+        self._ready()
         with self._lock:
             self._busy = True
         try:
