@@ -18,6 +18,7 @@ from loraplex.engine import AsyncEngine, SamplingParams
 from loraplex.engine.errors import SpeculativeConfigError
 from loraplex.engine.spec.draft import DraftProposer
 from loraplex.engine.spec.draft_check import DraftModelMismatchError
+from loraplex.engine.spec.draft_start import draft_blocks_for
 from tests.helpers.engine import assert_idle, collect, config, register
 from tests.helpers.models import make_peft_adapter, make_tiny_model
 from tests.helpers.stats import chi2_limit
@@ -281,3 +282,49 @@ async def test_preempted_and_aborted_requests_leave_no_draft_blocks(tiny, other)
         assert_no_draft_state(draft)
     assert not strays, strays
     assert [(t, o[-1].finish_reason) for t, _, o in spec] == plain
+
+
+@pytest.mark.gpu
+async def test_on_gpu_graphs_shared_budget_and_no_compiles_while_serving(tiny, other):
+    """On CUDA (float32, fused forward, CUDA graphs for the target and the draft): the KV
+    budget of the free memory is split between the two caches, greedy tokens are PEFT's with
+    another draft and with the target as its own draft (which accepts nearly all), and no
+    kernel compiles after start-up."""
+    from tests.helpers.peft_oracle import HFReference, compare
+
+    model_dir, adapters = tiny
+    draft_dir, draft_adapters = other
+    g = random.Random(9)
+    work = [
+        ([g.randrange(3, 250) for _ in range(g.randint(1, 40))], g.choice(NAMES)) for _ in range(12)
+    ]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    hf = HFReference(model_dir, adapters)
+    refs = [hf.greedy(p, a, 10) for p, a in work]
+    drafts = [
+        (str(draft_dir), {"sql": draft_adapters["dsql"]}),
+        (str(model_dir), adapters),
+    ]
+    for draft_model, mapping in drafts:
+        cfg = config(
+            model_dir, device="cuda", max_loras=4, max_cpu_loras=4, max_num_batched_tokens=128,
+            max_num_seqs=16, speculative_method="draft", speculative_model=draft_model,
+            speculative_draft_adapters=mapping, speculative_max_running=16,
+        )  # fmt: skip
+        async with AsyncEngine(cfg) as engine:
+            draft = draft_of(engine)
+            assert draft.runner is not None and draft.runner.graphs is not None
+            n = engine.stats()["num_blocks"]
+            assert draft.blocks.num_blocks == draft_blocks_for(cfg, n)
+            await register(engine, adapters)
+            before = engine.stats()["kernel_compiles_while_serving"]
+            outs = await asyncio.gather(*(collect(engine, p, params, a) for p, a in work))
+            for (tokens, _, _), ref in zip(outs, refs, strict=True):
+                compare(tokens, *ref)
+            stats = engine.stats()
+            assert stats["kernel_compiles_while_serving"] == before
+            assert stats["speculative"]["proposed_tokens"] > 0
+            if draft_model == str(model_dir):
+                assert stats["speculative"]["acceptance_rate"] >= 0.9, stats["speculative"]
+            assert_idle(engine)
+            assert_no_draft_state(draft)
