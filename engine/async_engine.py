@@ -266,6 +266,9 @@ class AsyncEngine:
         long as ``core.chain`` allows; then the loop schedules normally again.
         """
         self._wake.clear()
+        drafting = core.drafting()  # a draft model proposes in the step thread, not here
+        if drafting:
+            await loop.run_in_executor(self._executor, core.propose_ahead, drafting)
         planned = core.plan()
         if planned is None:
             if core.adapters.pending_writes():

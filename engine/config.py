@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +127,11 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     speculative_model: str | None = None
     speculative_max_running: int = 8
+    # "draft": target adapter name -> the draft adapter folder its requests draft with (a
+    # LoRA of the draft model; base requests and adapters not named draft with the draft's
+    # base). Given as a mapping or (name, folder) pairs; kept as pairs sorted by name
+    # (``draft_adapters``: the mapping)
+    speculative_draft_adapters: tuple[tuple[str, str], ...] = ()
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -203,6 +210,7 @@ class EngineConfig:
 
     def _check_speculative(self) -> None:
         """Speculative decoding: refuse what is not served (typed, naming the field)."""
+        self._pairs_of_draft_adapters()
         k = self.num_speculative_tokens
         if type(k) is not int or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise SpeculativeConfigError(
@@ -242,6 +250,40 @@ class EngineConfig:
                 "the draft model's HF folder",
                 field="speculative_model",
             )
+        if self.speculative_draft_adapters and method != "draft":
+            raise SpeculativeConfigError(
+                "speculative_draft_adapters (--speculative-draft-adapter) need "
+                "speculative_method 'draft'",
+                field="speculative_draft_adapters",
+            )
+
+    def _pairs_of_draft_adapters(self) -> None:
+        """``speculative_draft_adapters`` as (name, folder) pairs sorted by name; a mapping is
+        taken too. Names must be distinct non-empty strings, folders paths."""
+        given = self.speculative_draft_adapters
+        items = list(given.items()) if isinstance(given, Mapping) else list(given)
+        pairs: dict[str, str] = {}
+        for item in items:
+            ok = isinstance(item, tuple | list) and len(item) == 2
+            name, folder = item if ok else (None, None)
+            if not (isinstance(name, str) and name and isinstance(folder, str | os.PathLike)):
+                raise SpeculativeConfigError(
+                    f"speculative_draft_adapters: want target adapter name -> draft adapter "
+                    f"folder, got {item!r}",
+                    field="speculative_draft_adapters",
+                )
+            if name in pairs:
+                raise SpeculativeConfigError(
+                    f"speculative_draft_adapters: {name!r} is given twice",
+                    field="speculative_draft_adapters",
+                )
+            pairs[name] = os.fspath(folder)
+        object.__setattr__(self, "speculative_draft_adapters", tuple(sorted(pairs.items())))
+
+    @property
+    def draft_adapters(self) -> dict[str, str]:
+        """``speculative_draft_adapters`` as a mapping: target adapter name -> folder."""
+        return dict(self.speculative_draft_adapters)
 
     @property
     def resolved_loader_processes(self) -> int:

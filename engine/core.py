@@ -44,6 +44,7 @@ from loraplex.engine.sampler import SamplerOutput, make_generator
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from loraplex.engine.spec.control import Speculation
+from loraplex.engine.spec.proposer import Proposer
 from loraplex.engine.spec.verify import VerifyOutput
 from loraplex.engine.structured.grammars import GrammarCache, Guide
 from loraplex.engine.structured.spec import StructuredOutput
@@ -87,7 +88,9 @@ class EngineCore:
     - requests: ``submit(request_id, prompt, params, adapter)`` -> the queued ``Request``
       (typed errors for unknown adapters and bad prompts); ``abort(req)`` -> True when it
       finished now, False when a step in flight holds it (that step's ``apply`` ends it);
-    - steps: ``plan()`` -> the next ``Planned`` step, or None when nothing can run (then
+    - steps: ``drafting()`` -> requests to ``propose_ahead`` in the step thread first (a
+      draft model's speculative proposals; usually []);
+      ``plan()`` -> the next ``Planned`` step, or None when nothing can run (then
       ``adapters.pending_writes()`` says whether a slot write is about to land);
       ``launch(plan, items, prev)`` and ``collect(step)`` in the step thread;
       ``chain(step)`` -> the ``Planned`` step to queue behind ``step`` while it is in flight
@@ -110,7 +113,10 @@ class EngineCore:
         pool: HostPool | None = None,
         mixed_graphs: MixedGraphs | None = None,
         writer: SlotWriter | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
+        """``proposer``: speculative decoding's, when start-up built one (the draft model);
+        else ``Speculation.from_config`` makes the config's."""
         self.config = config
         self.model = model  # read for its config, dtype and device; run by the executor
         self.tokenizer = tokenizer
@@ -134,7 +140,7 @@ class EngineCore:
         self.blocks = BlockManager(
             runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.spec = Speculation.from_config(config, self.max_model_len)  # None: off
+        self.spec = Speculation.from_config(config, self.max_model_len, proposer)  # None: off
         self.scheduler = Scheduler(config, self.blocks, registry, self.adapters.slots, self.spec)
         self.executor = StepExecutor(
             config, model, runner, self.blocks, self.adapters.slots, registry.any_loading,
@@ -331,6 +337,23 @@ class EngineCore:
             return None
         self.in_flight |= {c.req for c in plan.chunks}
         return plan, self.executor.prepare(plan)
+
+    def drafting(self) -> list[Request]:
+        """The requests the proposer proposes for in the step thread before the next ``plan``
+        (a proposer that runs a model, spec/control.py), or []: none, or nothing to do."""
+        spec = self.spec
+        if spec is None or not spec.ahead or self.in_flight:
+            return []
+        return spec.asking(self.scheduler.running)
+
+    def propose_ahead(self, reqs: list[Request]) -> None:
+        """Step thread (no step in flight): the proposals of ``reqs`` (``drafting``) for the
+        next ``plan``. A failing proposer costs the step its proposals, never the requests."""
+        assert self.spec is not None
+        try:
+            self.spec.propose_ahead(reqs)
+        except Exception:  # noqa: BLE001 - speculation only saves time: decode without it
+            log.exception("propose_failed", requests=len(reqs))
 
     def chain(self, step: InFlightStep) -> Planned | None:
         """The step to queue behind ``step`` while it is in flight (pipelined decode and

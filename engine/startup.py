@@ -38,6 +38,8 @@ from loraplex.engine.model.quant import drop_float_bases, fp8_layers, quantize_m
 from loraplex.engine.model.tp import TensorParallelError, full_config
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.parallel import ParallelRunner, WorkerGroup
+from loraplex.engine.spec.draft import DraftProposer
+from loraplex.engine.spec.draft_start import draft_blocks_for, load_draft, split_kv_budget
 from loraplex.engine.structured.bitmask import warm_bitmask
 from loraplex.engine.tokenizer import Tokenizer, TokenizerError
 from loraplex.engine.warmup import COMPILES, warm_eager_steps, warm_slot_writes
@@ -125,19 +127,15 @@ def _build(
         drop_float_bases(model)  # before anything holds lora_a; memory counted for KV below
         prepare_fp8_linear(model.device)  # split-K counters, before any graph capture
     set_w8a8_thresholds(model, config.fp8_w8a8_min_tokens)
+    tokenizer = None  # token-id prompts only
+    if path is not None:
+        with contextlib.suppress(TokenizerError):
+            tokenizer = Tokenizer.from_dir(path)
+    # the draft model's weights (speculative_method "draft"), before the free memory is read
+    draft = load_draft(config, model, tokenizer) if config.speculative_method == "draft" else None
     # each worker's free GPU memory once its shard is loaded (None on CPU)
     frees = [m[1] for m in group.wait_all("loaded")] if group is not None else []
-    per_block = ModelRunner.kv_bytes_per_block(model, config.block_size)
-    if config.num_kv_blocks is not None:
-        num_blocks = config.num_kv_blocks
-    elif config.kv_cache_bytes is not None:
-        num_blocks = config.kv_cache_bytes // per_block
-    elif model.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(model.device)
-        free = min([free, *frees])  # TP: the rank with the least sizes every rank's cache
-        num_blocks = int(max(free - GPU_HEADROOM, 0) * config.kv_cache_fraction) // per_block
-    else:
-        num_blocks = CPU_KV_BYTES // per_block
+    num_blocks, draft_blocks = kv_blocks(config, model, frees, draft)
     if num_blocks < 2:
         raise ValueError(f"KV cache too small: {num_blocks} blocks")
     max_len = min(
@@ -180,20 +178,54 @@ def _build(
     if runner.fused and model.device.type == "cuda":
         # other mixed prefill + decode steps run eagerly: compile their kernel variants now
         warm_eager_steps(runner, config.max_num_batched_tokens, config.max_num_seqs, max_len)
+    if draft is not None:
+        start_draft(config, draft, draft_blocks)
     logits_width = full_config(model).vocab_size + config.lora_extra_vocab_size
     warm_bitmask(logits_width, config.max_num_seqs, model.device)  # (CUDA only)
-    tokenizer = None  # token-id prompts only
-    if path is not None:
-        with contextlib.suppress(TokenizerError):
-            tokenizer = Tokenizer.from_dir(path)
     procs = config.resolved_loader_processes if config.max_loras else 0
     pool = host_pool(config, model, shared=procs > 0)
     writer = slot_writer(config, runner, pool)
     core = EngineCore(
-        config, model, runner, tokenizer, wake, pool=pool, mixed_graphs=mixed, writer=writer
-    )
+        config, model, runner, tokenizer, wake, pool=pool, mixed_graphs=mixed, writer=writer,
+        proposer=draft,
+    )  # fmt: skip
     core.adapters.fetcher.start_processes(procs)
     return core
+
+
+def kv_blocks(
+    config: EngineConfig, model: CausalLM, frees: list[int], draft: DraftProposer | None
+) -> tuple[int, int]:
+    """(the target's KV blocks, the draft's) from ``num_kv_blocks`` (the target's; the draft's
+    follow from it), else from a byte budget (``kv_cache_bytes``; on CUDA a fraction of the free
+    memory, TP: of the rank with the least; on the CPU 256 MiB) that holds both caches."""
+    per_block = ModelRunner.kv_bytes_per_block(model, config.block_size)
+    if config.num_kv_blocks is not None:
+        n = config.num_kv_blocks
+        return n, draft_blocks_for(config, n) if draft is not None else 0
+    if config.kv_cache_bytes is not None:
+        budget = config.kv_cache_bytes
+    elif model.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(model.device)
+        free = min([free, *frees])  # TP: the rank with the least sizes every rank's cache
+        budget = int(max(free - GPU_HEADROOM, 0) * config.kv_cache_fraction)
+    else:
+        budget = CPU_KV_BYTES
+    if draft is None:
+        return budget // per_block, 0
+    return split_kv_budget(config, budget, per_block, draft)
+
+
+def start_draft(config: EngineConfig, draft: DraftProposer, num_blocks: int) -> None:
+    """The draft's KV cache and graphs; on CUDA with the fused forward its eager step shapes
+    (catch-up prefill chunks) compiled now, not while serving."""
+    draft.allocate(num_blocks)
+    runner = draft.runner
+    assert runner is not None
+    if runner.fused and runner.device.type == "cuda":
+        warm_eager_steps(runner, config.max_num_batched_tokens, config.max_num_seqs, draft.max_len)
+    log.info("draft_model", model=config.speculative_model, kv_blocks=num_blocks,
+             adapters=len(config.speculative_draft_adapters))  # fmt: skip
 
 
 def slot_writer(config: EngineConfig, runner: ModelRunner, pool: HostPool | None) -> SlotWriter:

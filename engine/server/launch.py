@@ -54,6 +54,15 @@ def parse_w8a8_min_tokens(text: str) -> int | str:
     return value
 
 
+def parse_draft_adapter(text: str) -> tuple[str, str]:
+    """``--speculative-draft-adapter NAME=DIR``: a target adapter's name and the draft adapter
+    folder its requests draft with."""
+    name, eq, folder = text.partition("=")
+    if not eq or not name.strip() or not folder.strip():
+        raise argparse.ArgumentTypeError(f"want NAME=DIR, got {text!r}")
+    return name.strip(), str(Path(folder.strip()).expanduser())
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)  # MODEL, --model, --revision, --download-dir
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -166,6 +175,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "method draft; same tokenizer as the served model)",
     )  # fmt: skip
     p.add_argument(
+        "--speculative-draft-adapter", type=parse_draft_adapter, action="append",
+        metavar="NAME=DIR", dest="speculative_draft_adapters",
+        help="requests on adapter NAME draft with the draft model's LoRA adapter in DIR "
+        "(--speculative-method draft; repeatable; other requests draft with the draft's base)",
+    )  # fmt: skip
+    p.add_argument(
         "--speculative-max-running", type=int, metavar="N",
         help="speculate only while at most N requests run (default 8; larger batches are "
         "compute bound)",
@@ -212,6 +227,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "cuda_graph_sizes": tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
         "async_scheduling": not args.no_async_scheduling,
     }
+    drafts = getattr(args, "speculative_draft_adapters", None)
+    if drafts:
+        kw["speculative_draft_adapters"] = tuple(drafts)
     w8a8 = getattr(args, "fp8_w8a8_min_tokens", None)
     if w8a8 is not None:
         kw["fp8_w8a8_min_tokens"] = None if w8a8 == "off" else w8a8

@@ -7,6 +7,11 @@ verification kept. Rules:
 - a step speculates only while at most ``speculative_max_running`` requests run: a small
   decode batch is memory bound (K more tokens per row cost little), a large one is not;
 - a request that opted out (``SamplingParams.speculative`` False) gets no proposal;
+- a proposer that runs a model (``runs_model``: the draft model) is never run while
+  scheduling, on the event loop: the step loop first has it propose in the step thread
+  (``asking`` then ``propose_ahead``; no step is in flight then, as speculative steps are not
+  pipelined) and ``propose`` hands out what it proposed for requests whose tokens are still
+  the same; a cheap one (prompt lookup) proposes inline;
 - a proposal is cut so that everything the row may emit fits ``max_tokens`` and the model
   length, and, for a structured-output request, at the first token its grammar refuses
   (llguidance ``validate_tokens``: a refused token could never be kept, and the masks of the
@@ -43,20 +48,25 @@ class Speculation:
         self.accepted: defaultdict[str, int] = defaultdict(int)
         # verified rows per adapter by accepted length: hist[adapter][a], a in 0..k
         self.hist: defaultdict[str, list[int]] = defaultdict(lambda: [0] * (k + 1))
+        # proposals made ahead (step thread): id(req) -> (its num_tokens then, proposal)
+        self._ahead: dict[int, tuple[int, Proposal]] = {}
 
     @classmethod
-    def from_config(cls, config: EngineConfig, max_model_len: int) -> Speculation | None:
-        """The engine's speculation (None: off). ``EngineConfig`` checked the combinations;
-        "draft" is refused here while the draft-model proposer is not part of the engine."""
+    def from_config(
+        cls, config: EngineConfig, max_model_len: int, proposer: Proposer | None = None
+    ) -> Speculation | None:
+        """The engine's speculation (None: off). ``EngineConfig`` checked the combinations.
+        ``proposer``: the one start-up built (the draft model, ``draft_start.load_draft``: it
+        needs the target's tokenizer and its share of the KV budget); "ngram" needs none."""
         method = config.speculative_method
         if method is None:
             return None
-        if method == "ngram":
-            proposer: Proposer = NgramProposer()
-        else:
+        if proposer is None and method == "ngram":
+            proposer = NgramProposer()
+        if proposer is None:
             raise SpeculativeConfigError(
-                "speculative_method 'draft' is not available yet: the draft-model proposer "
-                "(engine/spec/draft.py) is not part of this build; use 'ngram'",
+                f"speculative_method {method!r}: its proposer is built at start-up "
+                "(startup.build_core loads the draft model); none was given",
                 field="speculative_method",
             )
         k, most = config.num_speculative_tokens, config.speculative_max_running
@@ -66,14 +76,42 @@ class Speculation:
         """Whether a step with ``running`` requests running speculates."""
         return running <= self.max_running
 
+    @property
+    def ahead(self) -> bool:
+        """Whether the proposer runs ahead of scheduling, in the step thread (it runs a
+        model: ``runs_model``)."""
+        return bool(getattr(self.proposer, "runs_model", False))
+
+    def asking(self, running: Sequence[Request]) -> list[Request]:
+        """The requests of ``running`` a step proposes for: decoding ones that did not opt
+        out, while the step speculates."""
+        if not self.active(len(running)):
+            return []
+        return [r for r in running if r.num_computed == r.num_tokens - 1 and r.params.speculative]
+
+    def propose_ahead(self, reqs: Sequence[Request]) -> None:
+        """Step thread, before the step is scheduled: the proposer's proposals for ``reqs``
+        (``asking``), kept for the next ``propose``."""
+        props = self.proposer.propose(reqs, self.k)
+        self._ahead = {id(r): (r.num_tokens, p) for r, p in zip(reqs, props, strict=True)}
+
     def propose(self, reqs: Sequence[Request]) -> dict[int, Proposal]:
         """Proposals of decoding ``reqs`` (keyed by ``id(req)``; those without one left out),
-        each cut to the limits in the module docstring."""
+        each cut to the limits in the module docstring. A proposer that runs ahead is not
+        called: its proposals made ahead are taken (a request without one gets none)."""
         asking = [r for r in reqs if r.params.speculative]
+        ahead, self._ahead = self._ahead, {}
         if not asking:
             return {}
+        if self.ahead:
+            props = []
+            for r in asking:  # (a request's tokens changed since: no proposal)
+                n, prop = ahead.get(id(r), (-1, Proposal()))
+                props.append(prop if n == r.num_tokens else Proposal())
+        else:
+            props = self.proposer.propose(asking, self.k)
         out = {}
-        for req, prop in zip(asking, self.proposer.propose(asking, self.k), strict=True):
+        for req, prop in zip(asking, props, strict=True):
             n = min(
                 len(prop.tokens),
                 self.k,

@@ -30,6 +30,7 @@ not fit the pool gets none this step.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +48,7 @@ from loraplex.engine.request import Request
 from loraplex.engine.sampler import Sampler, make_generator
 from loraplex.engine.spec.draft_check import check_draft_vocab
 from loraplex.engine.spec.draft_kv import DraftBlocks
-from loraplex.engine.spec.draft_sample import draft_probs, draw
+from loraplex.engine.spec.draft_sample import draft_probs
 from loraplex.engine.spec.proposer import Proposal
 from loraplex.engine.tokenizer import Tokenizer, TokenizerError
 
@@ -95,13 +96,19 @@ class _Row:
 
 
 class DraftProposer:
-    """``Proposer`` (``proposer.py``) backed by a small model of the target's vocabulary."""
+    """``Proposer`` (``proposer.py``) backed by a small model of the target's vocabulary.
+
+    It runs a model (``runs_model``): the engine calls ``propose`` in its step thread
+    (spec/control.py), while ``release`` may come from the event loop at the same time (an
+    aborted request): a release during a proposal is applied when the proposal ends."""
+
+    runs_model = True
 
     def __init__(
         self,
         model_dir: str | Path,
         *,
-        num_blocks: int,
+        num_blocks: int | None,
         target_config: ModelConfig | None = None,
         target_tokenizer: Tokenizer | None = None,
         device: str | torch.device = "cpu",
@@ -118,7 +125,9 @@ class DraftProposer:
 
         ``target_config`` / ``target_tokenizer``: the target's, checked against the draft's
         (``draft_check``: a ``DraftModelMismatchError`` naming ``--speculative-model``).
-        ``num_blocks`` x ``block_size``: the draft's KV cache (``draft_kv_blocks``).
+        ``num_blocks`` x ``block_size``: the draft's KV cache (``draft_kv_blocks``); None:
+        made later by ``allocate`` (start-up loads the draft's weights first, then sizes the
+        target's and the draft's caches from the memory left).
         ``adapters``: target adapter name -> draft adapter folder (None: the draft's base);
         ``max_lora_rank``: the largest draft adapter rank accepted. ``kernel_backend``: the
         draft runner's (``model/backend.py``; auto: fused on CUDA). ``cuda_graphs``: capture
@@ -141,26 +150,43 @@ class DraftProposer:
         self.max_batched_tokens = max(1, max_batched_tokens)
         self.max_len = self.config.max_position_embeddings
         self.vocab_size = self.config.vocab_size
-        loaded, self._slots = self._read_adapters(adapters or {}, dtype, max_lora_rank)
+        self.block_size = block_size
+        self._loaded, self._slots = self._read_adapters(adapters or {}, dtype, max_lora_rank)
         self.model = load_model(
-            path, dtype=dtype, device=self.device, max_loras=len(loaded),
-            max_lora_rank=max((a.rank for a in loaded), default=max_lora_rank),
+            path, dtype=dtype, device=self.device, max_loras=len(self._loaded),
+            max_lora_rank=max((a.rank for a in self._loaded), default=max_lora_rank),
         )  # fmt: skip
-        self.runner = ModelRunner(
-            self.model, num_blocks=num_blocks, block_size=block_size, max_model_len=self.max_len,
-            use_cuda_graphs=cuda_graphs, kernel_backend=kernel_backend,
+        self._runner_kw = dict(use_cuda_graphs=cuda_graphs, kernel_backend=kernel_backend)
+        self.runner: ModelRunner | None = None
+        self.blocks = DraftBlocks(1, block_size)  # (replaced by ``allocate``)
+        self._sampler = Sampler(seed)
+        self._seqs: dict[str, _Seq] = {}
+        self._lock = threading.Lock()
+        self._busy = False  # a proposal is running (``release`` waits for its end)
+        self._released: set[str] = set()
+        if num_blocks is not None:
+            self.allocate(num_blocks)
+
+    def allocate(self, num_blocks: int) -> None:
+        """Make the draft's runner with a KV cache of ``num_blocks`` blocks, write the draft
+        adapters into its slots and capture its graphs (once, before the first proposal)."""
+        if self.runner is not None:
+            raise RuntimeError("the draft's KV cache is allocated already")
+        runner = ModelRunner(
+            self.model, num_blocks=num_blocks, block_size=self.block_size,
+            max_model_len=self.max_len, **self._runner_kw,  # type: ignore[arg-type]
         )  # fmt: skip
-        for slot, adapter in enumerate(loaded):
+        for slot, adapter in enumerate(self._loaded):
             if adapter.config.use_dora:  # row scales against the draft's own base weights
                 mags = load_magnitudes(adapter.path, self.config)
                 fold_dora(adapter, row_scales(self.model, adapter.name, adapter.weights, mags))
-            self.runner.write_slot(slot, adapter)
-            self.runner.slot_ranks.set(slot, adapter.rank, adapter.dora is not None)
-        if self.runner.graphs is not None:
-            self.runner.graphs.capture_all()
-        self.blocks = DraftBlocks(num_blocks, block_size)
-        self._sampler = Sampler(seed)
-        self._seqs: dict[str, _Seq] = {}
+            runner.write_slot(slot, adapter)
+            runner.slot_ranks.set(slot, adapter.rank, adapter.dora is not None)
+        self._loaded = []  # (in the slots now)
+        if runner.graphs is not None:
+            runner.graphs.capture_all()
+        self.runner = runner
+        self.blocks = DraftBlocks(num_blocks, self.block_size)
 
     def _read_adapters(
         self, adapters: Mapping[str, str | Path | None], dtype: torch.dtype, max_rank: int
@@ -185,6 +211,19 @@ class DraftProposer:
     def propose(self, reqs: Sequence[Request], k: int) -> list[Proposal]:
         """Up to ``k`` drafted tokens per request, drawn from the draft's distribution after
         each request's sampling transforms (see the module docstring)."""
+        self._ready()
+        with self._lock:
+            self._busy = True
+        try:
+            return self._propose(reqs, k)
+        finally:
+            with self._lock:
+                self._busy = False
+                for rid in self._released:
+                    self._drop(rid)
+                self._released.clear()
+
+    def _propose(self, reqs: Sequence[Request], k: int) -> list[Proposal]:
         out = [Proposal() for _ in reqs]
         rows: list[_Row] = []
         catch_up: list[tuple[_Row, int]] = []  # (row, first token to prefill)
@@ -222,9 +261,16 @@ class DraftProposer:
             self._reconcile(req, seq, num_accepted)
 
     def release(self, req: Request) -> None:
-        """Drop the request's draft KV and state."""
-        self._seqs.pop(req.request_id, None)
-        self.blocks.free(req.request_id)
+        """Drop the request's draft KV and state (at the end of a running proposal)."""
+        with self._lock:
+            if self._busy:
+                self._released.add(req.request_id)
+            else:
+                self._drop(req.request_id)
+
+    def _drop(self, request_id: str) -> None:
+        self._seqs.pop(request_id, None)
+        self.blocks.free(request_id)
 
     # -- pieces -------------------------------------------------------------------------------
 
@@ -269,6 +315,11 @@ class DraftProposer:
         table = self.blocks.table(req.request_id)
         return _Row(index, req, seq, kk, self._slot(req), table), start
 
+    def _ready(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError("the draft's KV cache is not allocated (DraftProposer.allocate)")
+        return self.runner
+
     def _slot(self, req: Request) -> int:
         return -1 if req.adapter is None else self._slots.get(req.adapter.name, -1)
 
@@ -288,11 +339,11 @@ class DraftProposer:
                 pos += take
                 used += take
                 if used == budget:
-                    self.runner.execute(items)  # (logits unused: the last rows' only)
+                    self._ready().execute(items)  # (logits unused: the last rows' only)
                     items, used = [], 0
             row.seq.num_kv = end
         if items:
-            self.runner.execute(items)
+            self._ready().execute(items)
 
     def _draft(self, rows: list[_Row]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """The k batched draft steps: per step the drawn ids of its rows (on the device) and
@@ -309,7 +360,7 @@ class DraftProposer:
                     items.append(StepItem([row.req.tokens[pos]], pos, row.table, row.slot))
                 else:
                     items.append(StepItem([0], pos, row.table, row.slot, feed_row=r))
-            logits = self.runner.execute(items, feed=prev)
+            logits = self._ready().execute(items, feed=prev)
             tokens, p = self._sample(logits, active)
             drawn.append(tokens)
             probs.append(p)
@@ -335,7 +386,7 @@ class DraftProposer:
         params = [rows[r].req.params for r in idx]
         probs = draft_probs(self._sampler, sub, params)
         gens = [rows[r].seq.generator for r in idx]
-        picked = draw(probs, gens, self._sampler.default_generator(logits.device))
+        picked = self._sampler.race(probs.clone(), gens)  # (race divides in place)
         if index is None:
             return picked, probs
         return tokens.index_copy(0, index, picked), probs

@@ -11,6 +11,10 @@ proposer drew ``tokens[i]`` from, after the request's sampling transforms (tempe
 top-p). A deterministic proposer (prompt lookup) leaves ``probs`` as ``None``: its proposal is a
 point mass, the acceptance probability of token ``x`` is the target's ``p(x)`` and a rejection
 resamples from ``p`` with ``x`` removed.
+
+A proposer whose class sets ``runs_model = True`` (the draft model) is called in the engine's
+step thread before a step is scheduled, never on the event loop (spec/control.py); its
+``release`` may then come from the event loop while it proposes.
 """
 
 from __future__ import annotations

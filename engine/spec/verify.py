@@ -216,7 +216,12 @@ def _rejection(
         for r in rows:
             k = len(r.draft)
             if k and r.draft_probs is not None:
-                q[j : j + k] = r.draft_probs.to(device=device, dtype=torch.float32)
+                # a draft's distribution may be narrower than the logits (a draft model has the
+                # base vocabulary, an adapter may add tokens): the ids past it have q = 0
+                w = r.draft_probs.shape[1]
+                if w > vocab:
+                    raise ValueError(f"a proposal's distribution has {w} ids, the logits {vocab}")
+                q[j : j + k, :w] = r.draft_probs.to(device=device, dtype=torch.float32)
             j += k
     p_draft = probs.index_select(0, dpos_t)  # (D, V)
     p_d = p_draft.gather(1, dtok_t.unsqueeze(1)).squeeze(1)

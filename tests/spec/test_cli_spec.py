@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from loraplex.engine.errors import SpeculativeConfigError
@@ -34,6 +36,23 @@ def test_flags_map_onto_engine_config(tmp_path):
         )  # fmt: skip
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--speculative-method", "eagle"])
+
+
+def test_draft_adapter_flag_is_repeatable(tmp_path, capsys):
+    base = ["serve", "--speculative-method", "draft", "--speculative-model", str(tmp_path)]
+    args = base + ["--speculative-draft-adapter", "sql=/d/sql",
+                   "--speculative-draft-adapter", "chat=~/d/chat"]  # fmt: skip
+    cfg = config_from_args(build_parser().parse_args(args))
+    home = str(Path("~").expanduser())
+    assert cfg.draft_adapters == {"sql": "/d/sql", "chat": f"{home}/d/chat"}
+    assert config_from_args(build_parser().parse_args(base)).speculative_draft_adapters == ()
+    for bad in ("sql", "=/d", "sql="):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*base, "--speculative-draft-adapter", bad])
+        assert "NAME=DIR" in capsys.readouterr().err
+    ngram = ["serve", "--speculative-method", "ngram", "--speculative-draft-adapter", "a=/d"]
+    with pytest.raises(SpeculativeConfigError, match="--speculative-draft-adapter"):
+        config_from_args(build_parser().parse_args(ngram))
 
 
 def test_request_opt_out_field():

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from loraplex.engine.request import Request
+from loraplex.engine.sampler import Sampler
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.spec.draft import DraftProposer
-from loraplex.engine.spec.draft_sample import draw
 from tests.helpers.models import make_tiny_model
 
 K = 3
@@ -98,11 +98,11 @@ def test_seeded_requests_repeat_their_drafts(draft_dir):
 
 
 def test_draws_follow_the_probabilities():
-    """Chi-square of 40 000 draws from a fixed 6-token distribution (the exponential race)."""
+    """Chi-square of 40 000 draws from a fixed 6-token distribution (the sampler's exponential
+    race, which the draft draws with)."""
     p = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.07, 0.03])
     n = 40_000
-    gen = torch.Generator().manual_seed(0)
-    tokens = draw(p.expand(n, -1).contiguous(), [None] * n, gen)
+    tokens = Sampler(seed=0).race(p.expand(n, -1).contiguous(), [None] * n)
     counts = torch.bincount(tokens, minlength=6).double()
     expected = p.double() * n
     chi2 = float(((counts - expected) ** 2 / expected).sum())

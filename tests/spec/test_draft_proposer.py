@@ -177,3 +177,19 @@ def test_draft_blocks_truncate_and_free():
     assert "x" not in b and b.num_free_blocks == 4
     b.free("x")  # nothing held: no error
     assert draft_kv_blocks(100, 16, 2, 4) == 7 + 2 * 2
+
+
+def test_kv_cache_allocated_after_the_weights(draft_dir, hf):
+    """``num_blocks=None`` (start-up: the draft's weights load before the KV budget is split):
+    no proposal before ``allocate``, one allocation only, then proposals as usual."""
+    d = make(draft_dir, num_blocks=None)
+    assert d.runner is None
+    with pytest.raises(RuntimeError, match="allocate"):
+        d.propose([req("a", PROMPTS[0])], K)
+    d.release(req("a", PROMPTS[0]))
+    d.allocate(64)
+    with pytest.raises(RuntimeError, match="allocated already"):
+        d.allocate(64)
+    ref, gaps = hf_greedy(hf, PROMPTS[0], K)
+    assert_greedy(d.propose([req("a", PROMPTS[0])], K)[0].tokens, ref, gaps)
+    assert d.blocks.num_blocks == 64

@@ -7,20 +7,16 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from loraplex.engine.sampler import Sampler, make_generator
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.spec.verify import VerifyRow, verify
 from loraplex.engine.structured.bitmask import mask_words
+from tests.helpers.stats import chi2_limit
 
 V = 8
-
-
-def chi2_limit(df: int, z: float = 3.719) -> float:
-    """The chi-square quantile at 1 - 1e-4 (Wilson-Hilferty; z the normal's)."""
-    a = 2.0 / (9 * df)
-    return df * (1 - a + z * math.sqrt(a)) ** 3
 
 
 def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
@@ -126,3 +122,23 @@ def test_seeded_row_without_proposal_draws_what_the_sampler_draws():
     plain = Sampler().sample(logits, params, [make_generator(s) for s in range(4)]).token_ids
     rows = [VerifyRow(params[s], make_generator(s), []) for s in range(4)]
     assert [t[0] for t in verify(Sampler(), logits, rows).fetch().tokens] == plain
+
+
+def test_a_narrower_proposal_distribution_reads_zero_past_its_ids():
+    """A draft model's distribution has the base vocabulary; the target's logits may be wider
+    (an adapter's added tokens): the ids past the draft's have q = 0, exactly as if the draft
+    had given zeros there."""
+    torch.manual_seed(2)
+    n = 64
+    base = torch.randn(2, V + 3)  # 3 added ids
+    params = SamplingParams(temperature=1.0, seed=1)
+    q = torch.softmax(torch.randn(1, V), -1)
+    padded = torch.cat([q, torch.zeros(1, 3)], dim=1)
+    outs = []
+    for probs in (q, padded):
+        rows = [VerifyRow(params, make_generator(i), [i % V], probs) for i in range(n)]
+        outs.append(verify(Sampler(), base.repeat(n, 1), rows).fetch())
+    assert outs[0].tokens == outs[1].tokens and outs[0].accepted == outs[1].accepted
+    too_wide = [VerifyRow(params, None, [0], torch.softmax(torch.randn(1, V + 4), -1))]
+    with pytest.raises(ValueError, match="logits"):
+        verify(Sampler(), base, too_wide)
