@@ -131,7 +131,9 @@ def read_pass(
     t0 = time.perf_counter()
     if sealed is not None:
         sealed.check_fds(src.config_fd, src.weights_fd, "the staged copy")
-    hasher = Hasher(copy_to, hash_bytes) if hash_bytes or copy_to is not None else None
+    hasher = (
+        Hasher(copy_to, hash_bytes, src.weights_size) if hash_bytes or copy_to is not None else None
+    )
     reader: ChunkReader | None = None
     ok = False
     try:

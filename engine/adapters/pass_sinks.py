@@ -5,6 +5,7 @@ thread of its own and writes the staging copy's ``.part`` file in another."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -88,11 +89,11 @@ class Packer:
 
 class Hasher:
     """sha256 of the weights file, fed in order to one thread of its own; the staging copy's
-    ``.part`` file is written by a second thread. The hash is the floor of the pass: its
+    ``.part`` file (``size`` bytes, reserved up front) is written by a second thread. The hash is the floor of the pass: its
     thread does nothing else, and the copy's write (~0.5 x the hash time into the page cache)
     runs beside it and the checks and pack (the OS shares the cores among the three)."""
 
-    def __init__(self, copy_to: Path | None, hash_bytes: bool) -> None:
+    def __init__(self, copy_to: Path | None, hash_bytes: bool, size: int = 0) -> None:
         self.h = hashlib.sha256()
         self.hash_bytes = hash_bytes
         self.pool = (
@@ -106,6 +107,7 @@ class Hasher:
                 self.part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600
             )
             self.writer = ThreadPoolExecutor(1, thread_name_prefix="loraplex-copy")
+            _reserve(self.fd, size)
 
     def feed(self, data: Any) -> list[Future]:
         """Hash and copy ``data`` (each in its thread); the futures of both."""
@@ -139,3 +141,26 @@ class Hasher:
             if not ok and self.part is not None:
                 with contextlib.suppress(OSError):
                     self.part.unlink()
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocate the copy's ``size`` bytes up front (fallocate(2), mode 0): ext4 and xfs then
+    skip the delayed allocation of a growing file page by page, which made the copy's writes
+    cost ~20 % more CPU. A filesystem without it: nothing (not glibc's posix_fallocate, which
+    would write zeros over the whole file instead)."""
+    if size <= 0 or _fallocate is None:
+        return
+    _fallocate(fd, 0, 0, size)  # (an error: nothing reserved, the writes allocate)
+
+
+def _libc_fallocate() -> Any:
+    try:
+        f = ctypes.CDLL(None, use_errno=True).fallocate
+    except (AttributeError, OSError):
+        return None
+    f.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    f.restype = ctypes.c_int
+    return f
+
+
+_fallocate = _libc_fallocate()

@@ -6,6 +6,7 @@ while the next good load works."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -205,3 +206,23 @@ def test_a_header_checked_before_skips_its_checks_but_never_the_datas(tiny, tmp_
         adapters["sql"], ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
     )
     assert len(calls) == 3
+
+
+@pytest.mark.parametrize("reserved", [True, False])
+def test_the_copy_is_reserved_up_front_and_holds_exactly_the_bytes(tmp_path, monkeypatch, reserved):
+    """The staging copy's blocks are allocated before its writes (fallocate); where the
+    filesystem cannot, the writes allocate them: either way the copy is the bytes fed."""
+    from loraplex.engine.adapters import pass_sinks
+
+    if not reserved:
+        monkeypatch.setattr(pass_sinks, "_fallocate", lambda *a: -1)
+    data = bytes(range(256)) * 4096  # 1 MiB
+    h = pass_sinks.Hasher(tmp_path, True, len(data) + 5)
+    part = tmp_path / f".{W}.part"
+    if reserved:
+        assert part.stat().st_blocks * 512 >= len(data) + 5
+    for f in h.feed(b"head!") + h.feed(data):
+        f.result()
+    assert h.finish() == hashlib.sha256(b"head!" + data).hexdigest()
+    h.close(True)
+    assert part.read_bytes() == b"head!" + data
