@@ -4,9 +4,10 @@ straight into its slot image and (optionally) written to the staging copy, all i
     config bytes -> hash, parse, config checks
     weights header (8 + n bytes) -> hash, structure + shape checks, the slot layout (a
         header checked before, byte for byte with the same config and base: its result)
-    data section, in chunks of whole tensors -> hash (a thread of its own: hashlib drops the
-        GIL on large buffers) and staging copy; meanwhile in the caller's thread: value
-        checks of every tensor (NaN, Inf, bounds: checks.py) and the pack into the image
+    data section, in chunks of whole tensors (pass_chunks.py) -> hash (a thread of its own:
+        hashlib drops the GIL on large buffers) and staging copy (another); meanwhile in the
+        caller's thread: value checks of every tensor (NaN, Inf, bounds: checks.py) and the
+        pack into the image
     end -> the digest (DESIGN.md's: digest.py) compared with every expected one
 
 Each byte is read once into a private chunk buffer, so the hash, the checks, the image and
