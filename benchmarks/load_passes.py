@@ -20,6 +20,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -148,6 +149,7 @@ async def run(args: argparse.Namespace) -> None:
             rows.append(row)
     finally:
         await asyncio.to_thread(fetcher.close)
+        shutil.rmtree(work, ignore_errors=True)  # (~1 GB of adapters at rank 16)
     mode = f"{args.helpers} loader process(es)" if args.helpers else "threads"
     mode += ", dynamic name" if args.dynamic else ", add_adapter then a request"
     print(f"mode: {mode}; medians of {args.repeats} loads; stage times / sha256 of the same bytes")
