@@ -8,7 +8,9 @@ printed as a multiple of ``hashlib.sha256`` over the same bytes (the two adapter
 memory), measured in the same run right before each load. The target: total <= 1.3 x.
 
     python -m benchmarks.load_passes                 # threads of this process (CPU default)
-    python -m benchmarks.load_passes --helpers 1     # one loader process, shared host pool
+    python -m benchmarks.load_passes --helpers 1     # one loader process
+
+Either way the image is packed into a region of a host pool, as in the engine (startup.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -119,10 +122,9 @@ async def run(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="load-passes-"))
     config = EngineConfig(device="cpu", dtype="float32", max_lora_rank=args.rank,
                           local_roots=(str(work),), loader_processes=args.helpers)  # fmt: skip
-    pool = None
-    if args.helpers or args.pool:
-        region = slot_image_numel(mc, args.rank) * 4
-        pool = HostPool(region, 2)
+    # the engine's host pool (startup.host_pool: pre-faulted on the CPU), two regions here
+    region = slot_image_numel(mc, args.rank) * 4
+    pool = HostPool(region, 2, prefault=True)
     fetcher = AdapterFetcher(config, mc, pool=pool)
     if args.helpers:
         await asyncio.to_thread(fetcher.start_processes, args.helpers)
@@ -147,6 +149,7 @@ async def run(args: argparse.Namespace) -> None:
             rows.append(row)
     finally:
         await asyncio.to_thread(fetcher.close)
+        shutil.rmtree(work, ignore_errors=True)  # (~1 GB of adapters at rank 16)
     mode = f"{args.helpers} loader process(es)" if args.helpers else "threads"
     mode += ", dynamic name" if args.dynamic else ", add_adapter then a request"
     print(f"mode: {mode}; medians of {args.repeats} loads; stage times / sha256 of the same bytes")
@@ -169,7 +172,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--helpers", type=int, default=0, help="loader processes (0: threads)")
-    ap.add_argument("--pool", action="store_true", help="threads, but into a host pool")
     ap.add_argument(
         "--dynamic",
         action="store_true",

@@ -183,7 +183,7 @@ def _build(
     logits_width = full_config(model).vocab_size + config.lora_extra_vocab_size
     warm_bitmask(logits_width, config.max_num_seqs, model.device)  # (CUDA only)
     procs = config.resolved_loader_processes if config.max_loras else 0
-    pool = host_pool(config, model, shared=procs > 0)
+    pool = host_pool(config, model)
     writer = slot_writer(config, runner, pool)
     core = EngineCore(
         config, model, runner, tokenizer, wake, pool=pool, mixed_graphs=mixed, writer=writer,
@@ -278,18 +278,20 @@ def set_cpu_threads(threads: int | None) -> int:
     return torch.get_num_threads()
 
 
-def host_pool(config: EngineConfig, model: CausalLM, *, shared: bool) -> HostPool | None:
-    """The CPU tier's pinned host memory, allocated (and registered with CUDA) once, here:
-    ``max_cpu_loras`` + ``max_concurrent_loads`` regions of one full-rank slot image each.
-    None on CPU without loader processes (plain buffers serve there)."""
+def host_pool(config: EngineConfig, model: CausalLM) -> HostPool | None:
+    """The CPU tier's host memory, allocated once, here: ``max_cpu_loras`` +
+    ``max_concurrent_loads`` regions of one full-rank slot image each; on CUDA registered
+    (pinned), on the CPU pre-faulted (a load's pack into a fresh buffer costs a page fault
+    per 4 KiB: ~1.7 x the sha256 time of the adapter's bytes, more than the pack itself).
+    None without LoRA slots."""
     cuda = model.device.type == "cuda"
-    if not config.max_loras or not (cuda or shared):
+    if not config.max_loras:
         return None
     elem = torch.empty((), dtype=model.dtype).element_size()
     region = slot_image_numel(full_config(model), config.max_lora_rank) * elem
     count = max(config.max_cpu_loras, config.max_loras) + max(1, config.max_concurrent_loads)
     t0 = time.perf_counter()
-    pool = HostPool(region, count, register_cuda=cuda)
+    pool = HostPool(region, count, register_cuda=cuda, prefault=not cuda)
     log.info("host_pool", regions=count, region_bytes=pool.region_bytes, bytes=pool.nbytes,
              seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
     return pool

@@ -1,4 +1,5 @@
 """The host pool: fixed slot-image buffers in shared, pinned host memory, made once at start-up.
+On the CPU the same pool, pre-faulted instead of pinned: a load packs into pages that exist.
 
 Every CPU-tier adapter lives in one region (``region_bytes`` = the largest packed adapter, see
 ``staging.slot_image_numel``). The pool is one ``memfd`` mapping: loader processes map the same
@@ -31,6 +32,7 @@ import torch
 __all__ = ["HostPool", "Region"]
 
 _ALIGN = 1 << 12  # regions start on page boundaries
+_PREFAULT_BYTES = 64 << 20  # (a CPU pool is touched in slices: no thread waits long on it)
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,9 @@ class Region:
 
 
 class HostPool:
-    def __init__(self, region_bytes: int, count: int, *, register_cuda: bool = False) -> None:
+    def __init__(
+        self, region_bytes: int, count: int, *, register_cuda: bool = False, prefault: bool = False
+    ) -> None:
         if count < 1 or region_bytes < 1:
             raise ValueError("a host pool needs at least one non-empty region")
         self.region_bytes = -(-region_bytes // _ALIGN) * _ALIGN
@@ -53,6 +57,9 @@ class HostPool:
         self._map = mmap.mmap(self.fd, self.nbytes, mmap.MAP_SHARED)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)  # (nbytes,)
         self._registered = False
+        if prefault:  # every page backed now, not at a load's first touch of it
+            for lo in range(0, self.nbytes, _PREFAULT_BYTES):
+                self.tensor[lo : lo + _PREFAULT_BYTES].zero_()
         if register_cuda:
             rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
             if int(rc) != 0:

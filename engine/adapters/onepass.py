@@ -2,10 +2,12 @@
 straight into its slot image and (optionally) written to the staging copy, all in that pass.
 
     config bytes -> hash, parse, config checks
-    weights header (8 + n bytes) -> hash, structure + shape checks, the slot layout
-    data section, in chunks of whole tensors -> hash (a thread of its own: hashlib drops the
-        GIL on large buffers) and staging copy; meanwhile in the caller's thread: value
-        checks of every tensor (NaN, Inf, bounds: checks.py) and the pack into the image
+    weights header (8 + n bytes) -> hash, structure + shape checks, the slot layout (a
+        header checked before, byte for byte with the same config and base: its result)
+    data section, in chunks of whole tensors (pass_chunks.py) -> hash (a thread of its own:
+        hashlib drops the GIL on large buffers) and staging copy (another); meanwhile in the
+        caller's thread: value checks of every tensor (NaN, Inf, bounds: checks.py) and the
+        pack into the image
     end -> the digest (DESIGN.md's: digest.py) compared with every expected one
 
 Each byte is read once into a private chunk buffer, so the hash, the checks, the image and
@@ -19,13 +21,12 @@ passed. Blocking: run it in a worker thread (``stop`` ends it between chunks).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,33 +48,18 @@ from loraplex.engine.adapters.files import (
     header_length,
     parse_safetensors_header,
 )
+from loraplex.engine.adapters.pass_chunks import ChunkReader, pread_exact
 from loraplex.engine.adapters.pass_sinks import Hasher, Packer
 from loraplex.engine.adapters.peft_config import PeftLoRAConfig
 from loraplex.engine.adapters.preflight import PreflightReport, check_config, check_header
 from loraplex.engine.adapters.seal import Seal, seal_folder
 from loraplex.engine.adapters.targets import base_module_name
 from loraplex.engine.adapters.thread_jobs import StageStopped
-from loraplex.engine.errors import AdapterFormatError, AdapterTooLargeError
+from loraplex.engine.errors import AdapterTooLargeError
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.lora.slot_image import PackedAdapter
 
 __all__ = ["PassResult", "PassSource", "read_pass"]
-
-# a chunk holds whole tensors (one larger than this: its own chunk); small enough that the
-# read, the hash and the checks of a chunk find it in the cache
-CHUNK_BYTES = 2 << 20
-_buffers = threading.local()  # each thread's two chunk buffers, kept between passes
-
-
-def _chunk_buffers(width: int) -> list[torch.Tensor]:
-    """Two chunk buffers of at least ``width`` bytes, this thread's own: reused from pass to
-    pass (new ones cost a page fault per 4 KiB on every load)."""
-    bufs = getattr(_buffers, "bufs", None)
-    if bufs is None or bufs[0].numel() < width:
-        bufs = [torch.empty(max(width, CHUNK_BYTES), dtype=torch.uint8) for _ in range(2)]
-        if width <= CHUNK_BYTES:  # (an outsized tensor's buffers are not kept)
-            _buffers.bufs = bufs
-    return bufs
 
 
 @dataclass
@@ -114,36 +100,6 @@ class PassResult:
     seal: Seal | None = None  # the staging copy this pass wrote and verified, sealed (seal.py)
 
 
-def _pread_exact(fd: int, buf: memoryview, offset: int) -> None:
-    """Fill ``buf`` from ``fd`` at ``offset`` (the GIL is released during each read)."""
-    done, n = 0, len(buf)
-    while done < n:
-        got = os.preadv(fd, [buf[done:]], offset + done)
-        if got <= 0:
-            raise AdapterFormatError(
-                f"{WEIGHTS_FILE}: short read at byte {offset + done} of the listed size (the "
-                "file changed while it was read?)",
-                field=WEIGHTS_FILE,
-            )
-        done += got
-
-
-def _chunks(tensors: list[TensorEntry]) -> list[list[TensorEntry]]:
-    """Runs of whole tensors in file order, each up to ``CHUNK_BYTES`` (or one tensor)."""
-    out: list[list[TensorEntry]] = []
-    cur: list[TensorEntry] = []
-    size = 0
-    for t in sorted(tensors, key=lambda t: t.begin):
-        if cur and size + t.end - t.begin > CHUNK_BYTES:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(t)
-        size += t.end - t.begin
-    if cur:
-        out.append(cur)
-    return out
-
-
 def read_pass(
     src: PassSource,
     model_config: ModelConfig,
@@ -176,28 +132,41 @@ def read_pass(
     t0 = time.perf_counter()
     if sealed is not None:
         sealed.check_fds(src.config_fd, src.weights_fd, "the staged copy")
-    hasher = Hasher(copy_to) if hash_bytes or copy_to is not None else None
+    hasher = (
+        Hasher(copy_to, hash_bytes, src.weights_size) if hash_bytes or copy_to is not None else None
+    )
+    reader: ChunkReader | None = None
     ok = False
     try:
         raw_config = bytearray(src.config_size)
-        _pread_exact(src.config_fd, memoryview(raw_config), 0)
+        pread_exact(src.config_fd, memoryview(raw_config), 0)
         config = check_config(bytes(raw_config), model_config, full_modules=full_modules)
         if copy_to is not None:
             (copy_to / CONFIG_FILE).write_bytes(raw_config)
         config_hex = hashlib.sha256(raw_config).hexdigest() if hash_bytes else ""
         prefix = bytearray(8)
-        _pread_exact(src.weights_fd, memoryview(prefix), 0)
+        pread_exact(src.weights_fd, memoryview(prefix), 0)
         n = header_length(bytes(prefix), src.weights_size, DEFAULT_MAX_HEADER_BYTES)
         raw = bytearray(n)
-        _pread_exact(src.weights_fd, memoryview(raw), 8)
-        header = parse_safetensors_header(bytes(raw), src.weights_size)
-        report = check_header(header, config, model_config, max_lora_rank, total)
-        header_s = time.perf_counter() - t0
+        pread_exact(src.weights_fd, memoryview(raw), 8)
+        key = (bytes(raw_config), bytes(raw), src.weights_size, max_lora_rank, full_modules)
+        checked = _HEADERS.get(key, model_config)
+        header = checked[0] if checked else parse_safetensors_header(key[1], src.weights_size)
+        reader = ChunkReader(src.weights_fd, 8 + n, header.tensors, hasher)
         if hasher is not None:
-            hasher.feed(bytes(prefix + raw), hash_bytes)
+            reader.track(hasher.feed(bytes(prefix + raw)))
+        if checked is None:
+            # the first chunks are read (and hashed, copied) while the header's checks run;
+            # none of their bytes is checked or packed before those passed
+            reader.prefetch()
+            report = check_header(header, config, model_config, max_lora_rank, total)
+            _HEADERS.put(key, model_config, (header, report))
+        else:
+            report = checked[1]
+        header_s = time.perf_counter() - t0
         packer = Packer(report, config, max_lora_rank, dtype, pin, out) if dtype else None
-        _data_pass(src.weights_fd, 8 + n, header.tensors, report, config, model_config,
-                   hasher, hash_bytes, packer, stop)  # fmt: skip
+        _data_pass(reader, report, config, model_config, packer, stop)
+        reader.drain()  # a failed write of the copy
         weights_hex = hasher.finish() if hasher is not None else ""
         digest = ""
         if hash_bytes:
@@ -216,75 +185,66 @@ def read_pass(
         return PassResult(digest, config, report, packed, total, header_s, seal)
     finally:
         if hasher is not None:
-            hasher.close(ok)
+            hasher.close(ok)  # (the threads stopped: nothing reads the ring any more)
+        if reader is not None:
+            reader.close()
+
+
+class _HeaderMemo:
+    """Headers that passed their checks, by the exact bytes they were checked from: the
+    config's and the header's, the weights file's size, the rank limit, the base (the same
+    object). Adapters of one base and shape have byte-identical headers (the same keys,
+    shapes and offsets; only the data differs), so a load of the thousandth such adapter
+    skips the header's parse and checks (~0.1-0.2 x the sha256 time of a 27-84 MB adapter):
+    their result is a function of exactly these inputs. Thread-safe, last used kept."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.items: OrderedDict[tuple, tuple[ModelConfig, Any]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, key: tuple, mc: ModelConfig) -> Any:
+        with self.lock:
+            got = self.items.get(key)
+            if got is None or got[0] is not mc:
+                return None
+            self.items.move_to_end(key)
+            return got[1]
+
+    def put(self, key: tuple, mc: ModelConfig, value: Any) -> None:
+        with self.lock:
+            self.items[key] = (mc, value)
+            self.items.move_to_end(key)
+            while len(self.items) > self.size:
+                self.items.popitem(last=False)
+
+
+_HEADERS = _HeaderMemo(32)
 
 
 def _data_pass(
-    fd: int,
-    base: int,
-    tensors: list[TensorEntry],
+    reader: ChunkReader,
     report: PreflightReport,
     config: PeftLoRAConfig,
     mc: ModelConfig,
-    hasher: Hasher | None,
-    hash_bytes: bool,
     packer: Packer | None,
     stop: threading.Event | None,
 ) -> None:
-    """Read the data section chunk by chunk into two buffers that take turns: chunk i is
-    hashed (and copied) in the hashing thread while this thread checks and packs it and then
-    reads chunk i + 1 into the other buffer."""
+    """Check and pack the data section chunk by chunk as the reader hands them over (each
+    chunk is hashed and copied in the sinks' threads meanwhile: pass_chunks.py)."""
     roles = _roles(report, mc)
     scales = {key: config.scale_for(base_module_name(*key)) for key in report.modules}
-    runs = _chunks(tensors)
-    width = max((r[-1].end - r[0].begin for r in runs), default=0)
-    bufs = _chunk_buffers(width)
-    views = [memoryview((ctypes.c_char * b.numel()).from_address(b.data_ptr())).cast("B")
-             for b in bufs]  # fmt: skip
-    pending: list[Future | None] = [None, None]
-    try:
-        _chunk_loop(fd, base, runs, bufs, views, pending, roles, scales, hasher, hash_bytes,
-                    packer, stop)  # fmt: skip
-    finally:  # the hashing thread reads the buffers: they live until it is done with them
-        for f in pending:
-            if f is not None:
-                with contextlib.suppress(BaseException):
-                    f.result()
-    for f in pending:
-        if f is not None:
-            f.result()  # its error (a failed write of the copy), if any
-
-
-def _chunk_loop(
-    fd: int,
-    base: int,
-    runs: list[list[TensorEntry]],
-    bufs: list[torch.Tensor],
-    views: list[memoryview],
-    pending: list[Future | None],
-    roles: dict[str, tuple[str, Any]],
-    scales: dict[tuple[int, str], float],
-    hasher: Hasher | None,
-    hash_bytes: bool,
-    packer: Packer | None,
-    stop: threading.Event | None,
-) -> None:
-    for i, run in enumerate(runs):
+    for i, run in enumerate(reader.runs):
         if stop is not None and stop.is_set():
             raise StageStopped("the adapter's load was cancelled")
-        k = i % 2
-        if pending[k] is not None:  # the hashing thread is done with this buffer
-            pending[k].result()  # type: ignore[union-attr]
-        lo, hi = run[0].begin, run[-1].end
-        _pread_exact(fd, views[k][: hi - lo], base + lo)
-        if hasher is not None:
-            pending[k] = hasher.feed(views[k][: hi - lo], hash_bytes)
-        checked = _chunk_within_bounds(bufs[k][: hi - lo], run, lo, roles, scales)
+        buf = reader.get(i)
+        lo = run[0].begin
+        checked = _chunk_within_bounds(buf, run, lo, roles, scales)
         for t in run:
             role = roles.get(t.key)
             if role is None:
                 continue  # PEFT's copies of base tables: never read (as the parser)
-            x = bufs[k][t.begin - lo : t.end - lo]
+            x = buf[t.begin - lo : t.end - lo]
             if (t.begin - lo) % ITEMSIZE[t.dtype]:
                 x = x.clone()  # not aligned in the buffer
             x = x.view(TORCH_DTYPES[t.dtype]).view(t.shape)

@@ -5,10 +5,12 @@ only writes a slot; outputs equal HF PEFT's."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
 from loraplex.engine import AsyncEngine, errors
+from loraplex.engine.adapters.host_pool import HostPool
 from loraplex.engine.adapters.registry import AdapterState
 from tests.helpers.lifecycle import (
     GREEDY,
@@ -43,6 +45,30 @@ def _count_stages(engine) -> list[str]:
 
     stager.stage = counting
     return staged
+
+
+def test_a_prefaulted_pool_has_every_page_backed_at_once():
+    """A CPU engine's pool is pre-faulted: its memfd holds every page before any load (a
+    pack into fresh pages costs a page fault per 4 KiB); without it no page is backed yet."""
+    for prefault in (False, True):
+        pool = HostPool(3 << 20, 2, prefault=prefault)
+        try:
+            backed = os.fstat(pool.fd).st_blocks * 512
+            assert backed >= pool.nbytes if prefault else backed == 0
+        finally:
+            pool.close()
+
+
+async def test_a_cpu_engine_packs_into_its_prefaulted_host_pool(tiny, tmp_path):
+    """Every engine with LoRA slots has a host pool, the CPU engine without loader processes
+    too: add_adapter's pass packs into one of its regions, whose pages exist from start-up."""
+    model_dir, adapters = tiny
+    async with AsyncEngine(_config(model_dir, tmp_path, 0)) as engine:
+        a = engine.testing.adapters
+        assert a.pool is not None and engine.testing.adapters.fetcher.procs is None
+        assert os.fstat(a.pool.fd).st_blocks * 512 >= a.pool.nbytes
+        await engine.add_adapter("sql", str(adapters["sql"]))
+        assert a.registry.get("sql").region is not None
 
 
 @pytest.mark.parametrize("procs", [0, 1])

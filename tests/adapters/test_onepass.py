@@ -6,6 +6,7 @@ while the next good load works."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -136,3 +137,92 @@ async def test_a_refetch_that_fails_its_digest_leaves_no_slot_and_the_next_load_
         await wait_until(lambda: not staged_leftovers(engine), "failed load's files removed")
     hf = HFReference(model_dir, {"sql": adapters["sql"]})
     compare(sql, *hf.greedy(PROMPT, "sql", GREEDY.max_tokens))
+
+
+def _pass(folder: Path, mc: ModelConfig, **kw):
+    src = PassSource.open_dir(folder)
+    try:
+        return read_pass(src, mc, max_lora_rank=R, max_bytes=None, dtype=torch.float32, **kw)
+    finally:
+        src.close()
+
+
+def _poison_data(src: Path, dst: Path, value: float) -> None:
+    """A copy of ``src`` whose first data element is ``value`` (the header is unchanged)."""
+    from safetensors import safe_open
+
+    shutil.copytree(src, dst)
+    raw = bytearray((dst / W).read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    with safe_open(str(src / W), "pt") as f:
+        key = sorted(f.keys())[0]
+        dtype = f.get_tensor(key).dtype
+    header = json.loads(raw[8 : 8 + n])
+    lo = 8 + n + min(v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+    one = torch.tensor([value], dtype=dtype).view(torch.uint8).numpy().tobytes()
+    raw[lo : lo + len(one)] = one
+    (dst / W).write_bytes(bytes(raw))
+
+
+def test_a_header_checked_before_skips_its_checks_but_never_the_datas(tiny, tmp_path, monkeypatch):
+    """Adapters of one shape have byte-identical headers: the second pass takes the checked
+    header's result (check_header runs once) and packs the same image, while every value check
+    and the digest still run on its own data: a NaN or a flipped byte behind the same header
+    fails. Another rank limit or another base checks the header again."""
+    from loraplex.engine.adapters import onepass
+
+    model_dir, adapters = tiny
+    mc = _mc(model_dir)
+    monkeypatch.setattr(onepass, "_HEADERS", onepass._HeaderMemo(4))
+    calls = []
+    real = onepass.check_header
+    monkeypatch.setattr(onepass, "check_header", lambda *a: calls.append(1) or real(*a))
+    first = _pass(adapters["sql"], mc)
+    again = _pass(adapters["sql"], mc)
+    assert len(calls) == 1
+    assert again.digest == first.digest and again.report is first.report
+    assert torch.equal(again.packed.buffer, first.packed.buffer)
+
+    _poison_data(adapters["sql"], tmp_path / "nan", float("nan"))
+    with pytest.raises(errors.AdapterValueError, match="NaN"):
+        _pass(tmp_path / "nan", mc)
+    _corrupt(adapters["sql"], tmp_path / "flip", "middle")
+    good = first.digest
+
+    def expect(digest: str) -> None:
+        if digest != good:
+            raise errors.AdapterDigestError("changed", field="sha256")
+
+    with pytest.raises(errors.AdapterDigestError):
+        _pass(tmp_path / "flip", mc, expect=expect)
+    assert len(calls) == 1  # (the same header each time)
+
+    src = PassSource.open_dir(adapters["sql"])
+    try:
+        read_pass(src, mc, max_lora_rank=R // 2, max_bytes=None, dtype=torch.float32)
+    finally:
+        src.close()
+    _pass(
+        adapters["sql"], ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+    )
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("reserved", [True, False])
+def test_the_copy_is_reserved_up_front_and_holds_exactly_the_bytes(tmp_path, monkeypatch, reserved):
+    """The staging copy's blocks are allocated before its writes (fallocate); where the
+    filesystem cannot, the writes allocate them: either way the copy is the bytes fed."""
+    from loraplex.engine.adapters import pass_sinks
+
+    if not reserved:
+        monkeypatch.setattr(pass_sinks, "_fallocate", lambda *a: -1)
+    data = bytes(range(256)) * 4096  # 1 MiB
+    h = pass_sinks.Hasher(tmp_path, True, len(data) + 5)
+    part = tmp_path / f".{W}.part"
+    if reserved:
+        assert part.stat().st_blocks * 512 >= len(data) + 5
+    for f in h.feed(b"head!") + h.feed(data):
+        f.result()
+    assert h.finish() == hashlib.sha256(b"head!" + data).hexdigest()
+    h.close(True)
+    assert part.read_bytes() == b"head!" + data
