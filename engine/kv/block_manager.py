@@ -229,14 +229,7 @@ class BlockManager:
             raise ValueError(
                 f"request {req_id!r}: truncating to {num_tokens} tokens would drop cached blocks"
             )
-        for b in reversed(req.table[keep:]):
-            self._ref[b] -= 1
-            assert self._ref[b] >= 0, f"block {b} refcount went negative"
-            if self._ref[b] == 0:
-                if self._hash[b] is not None:
-                    self._evictable[b] = None
-                else:
-                    self._free.append(b)
+        self._unref(req.table[keep:])
         del req.table[keep:]
         req.num_tokens = min(req.num_tokens, num_tokens)
 
@@ -299,7 +292,12 @@ class BlockManager:
         req = self._reqs.pop(req_id, None)
         if req is None:
             raise UnknownRequestError(f"request {req_id!r} holds no blocks (double free?)")
-        for b in reversed(req.table):
+        self._unref(req.table)
+
+    def _unref(self, blocks: list[int]) -> None:
+        """One reference less on each of ``blocks`` (last first): a block nobody holds is free,
+        or evictable where the prefix cache knows it."""
+        for b in reversed(blocks):
             self._ref[b] -= 1
             assert self._ref[b] >= 0, f"block {b} refcount went negative"
             if self._ref[b] == 0:
