@@ -58,7 +58,7 @@ class MemoryEstimate:
     kv_bytes: int
     max_loras: int
     max_lora_rank: int
-    lora_slot_bytes: int
+    lora_slot_bytes: int  # one GPU slot, a MoE model's expert storage included
     full_slots: int
     full_bytes: int
     headroom_bytes: int
@@ -67,6 +67,7 @@ class MemoryEstimate:
     gpu_capability: tuple[int, int] | None
     gpu_bytes: int | None
     kv_policy: str  # how the engine itself sizes its KV cache
+    expert_slot_bytes: int = 0  # of ``lora_slot_bytes``: a MoE model's experts
 
     @property
     def lora_bytes(self) -> int:
@@ -151,11 +152,19 @@ def estimate_memory(meta: ModelMetadata, config: EngineConfig, model: str) -> Me
     full = config.max_full_module_loras * full_slot_bytes(
         mcfg.vocab_size, mcfg.hidden_size, dtype, config.lora_extra_vocab_size
     )
-    # the host pool of start-up (startup.host_pool): a full-rank slot image per region
-    procs = config.resolved_loader_processes if config.max_loras else 0
+    # of it, a MoE model's expert LoRA storage (model/moe/expert_lora.py: per sparse layer A
+    # and B of gate_up and down for each expert at the full rank, E * R * 3 * (H + I); the slot
+    # image counts the same elements in its per-expert layout)
+    moe = mcfg.moe
+    experts = (
+        len(moe.sparse_layers) * moe.num_experts * config.max_lora_rank * 3
+        * (mcfg.hidden_size + moe.expert_size) * elem
+        if moe is not None else 0
+    )  # fmt: skip
+    # the host pool of start-up (startup.host_pool; every engine with LoRA slots): a full-rank
+    # slot image per region, pinned on CUDA, pre-faulted on the CPU
     regions = max(config.max_cpu_loras, config.max_loras) + max(1, config.max_concurrent_loads)
-    pooled = config.max_loras and (cuda or procs > 0)
-    host = regions * slot_image_numel(mcfg, config.max_lora_rank) * elem if pooled else 0
+    host = regions * slot_image_numel(mcfg, config.max_lora_rank) * elem if config.max_loras else 0
     gpu = cap = gpu_bytes = None
     if cuda and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.device(device).index or 0)
@@ -174,6 +183,7 @@ def estimate_memory(meta: ModelMetadata, config: EngineConfig, model: str) -> Me
         full_slots=config.max_full_module_loras, full_bytes=full,
         headroom_bytes=GPU_HEADROOM if cuda else 0, host_pool_bytes=host,
         gpu=gpu, gpu_capability=cap, gpu_bytes=gpu_bytes, kv_policy=_kv_policy(config, cuda),
+        expert_slot_bytes=experts,
     )  # fmt: skip
 
 
@@ -255,7 +265,9 @@ def format_table(e: MemoryEstimate) -> str:
                      f"{e.max_model_len} tokens (--max-num-seqs x --max-model-len)"),
         ("LoRA slots", f"{human_bytes(e.lora_bytes)} = {e.max_loras} (--max-loras) x "
                        f"{human_bytes(e.lora_slot_bytes)} (rank {e.max_lora_rank}, every "
-                       "projection, embedding and LM head)"),
+                       "projection, embedding and LM head"
+                       + (f"; {human_bytes(e.expert_slot_bytes)} of it the experts" if
+                          e.expert_slot_bytes else "") + ")"),
     ]  # fmt: skip
     rows.append(("RoPE, DoRA scales", human_bytes(e.buffer_bytes)))
     if e.full_slots:

@@ -127,3 +127,27 @@ def test_hub_dry_run_reads_only_config_and_headers(
     assert rows(capsys.readouterr().out) == rows(out)
 
     assert main(["serve", "org/absent", "--dry-run", "--device", "cpu"]) == 2
+
+
+def test_moe_estimate_counts_the_expert_lora_slots(tmp_path: Path) -> None:
+    """A MoE model's slots carry expert LoRA storage in every sparse layer: the estimate's LoRA
+    bytes equal every slot buffer of the loaded model, the experts' included, and the table
+    says how much of a slot the experts take."""
+    from loraplex.engine.model.loader import load_model
+    from loraplex.engine.model.moe.expert_lora import ExpertLoRA
+    from tests.helpers.moe_models import make_tiny_moe
+
+    folder = make_tiny_moe(tmp_path / "moe", "qwen3_moe", seed=1)
+    config = EngineConfig(model=str(folder), device="cpu", dtype="float32", max_loras=2,
+                          max_cpu_loras=2, max_lora_rank=4)  # fmt: skip
+    est = estimate_memory(local_metadata(folder), config, "m")
+    model = load_model(folder, dtype=torch.float32, device="cpu", max_loras=2, max_lora_rank=4)
+    lins = {id(v): v for _, by in model.lora_linears() for v in by.values()}
+    lins.update({id(v): v for v in model.lora_vocab().values()})
+    dense = sum((v.lora_a.numel() + v.lora_b.numel()) * 4 for v in lins.values())
+    experts = [m for m in model.modules() if isinstance(m, ExpertLoRA)]
+    assert experts  # the tiny model has sparse layers
+    expert_bytes = sum(m.slot_bytes for m in experts) * 2
+    assert est.expert_slot_bytes * 2 == expert_bytes
+    assert est.lora_bytes == dense + expert_bytes
+    assert "of it the experts" in format_table(est)
