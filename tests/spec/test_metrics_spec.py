@@ -13,7 +13,9 @@ async def test_spec_families_per_adapter_label(tiny):
     model_dir, adapters = tiny
     loop = [31, 32, 33, 34, 35, 36, 37]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    async with AsyncEngine(config(model_dir, speculative_method="ngram")) as engine:
+    # (a random model's output rarely continues the prompt's bigrams: 1-token matches propose)
+    cfg = config(model_dir, speculative_method="ngram", speculative_ngram_min=1)
+    async with AsyncEngine(cfg) as engine:
         await register(engine, {"sql": adapters["sql"]})
         metrics = Metrics()
         metrics.attach(engine)
@@ -35,4 +37,7 @@ async def test_spec_families_per_adapter_label(tiny):
             in text
         )
     assert 'loraplex:spec_decode_accepted_tokens_total{adapter="sql"}' in text
+    for label, name in (("base", ""), ("sql", "sql")):
+        backoff = float(s["per_adapter"][name]["backoff_rows"])
+        assert f'loraplex:spec_decode_backoff_rows_total{{adapter="{label}"}} {backoff}' in text
     assert 'loraplex:spec_decode_acceptance_length_bucket{adapter="sql",le="4"}' in text
