@@ -319,6 +319,8 @@ class Scheduler:
             return None  # (checked first: no request takes a block it would hold idle)
         for r in rows:
             self.blocks.append(r.request_id, r.num_tokens + 1)
+        if self.spec is not None and self.spec.active(len(self.running)):
+            self.spec.count_backoff(rows, 1)  # (each backs off or opted out: else no chain)
         out = SchedulerOutput([ScheduledChunk(r, 1, True, feed=True) for r in rows])
         if self.waiting:
             self._collect_slot_writes(out, None)

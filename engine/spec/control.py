@@ -114,6 +114,13 @@ class Speculation:
             return []
         return [r for r in running if r.num_computed == r.num_tokens - 1 and self.wants(r)]
 
+    def count_backoff(self, reqs: Sequence[Request], ahead: int = 0) -> None:
+        """Count the decoding rows of ``reqs`` (each ``ahead`` tokens further) that go without a
+        proposal because their request backs off (``backoff_rows``, per adapter)."""
+        for r in reqs:
+            if r.params.speculative and not self.backoff.allows(r, ahead):
+                self.skipped[r.adapter.name if r.adapter is not None else ""] += 1
+
     def propose_ahead(self, reqs: Sequence[Request]) -> None:
         """Step thread, before the step is scheduled: the proposer's proposals for ``reqs``
         (``asking``), kept for the next ``propose``."""
@@ -124,11 +131,8 @@ class Speculation:
         """Proposals of decoding ``reqs`` (keyed by ``id(req)``; those without one left out),
         each cut to the limits in the module docstring. A proposer that runs ahead is not
         called: its proposals made ahead are taken (a request without one gets none)."""
-        asking = [r for r in reqs if r.params.speculative]
-        for r in asking:
-            if not self.backoff.allows(r):
-                self.skipped[r.adapter.name if r.adapter is not None else ""] += 1
-        asking = [r for r in asking if self.backoff.allows(r)]
+        self.count_backoff(reqs)
+        asking = [r for r in reqs if self.wants(r)]
         ahead, self._ahead = self._ahead, {}
         if not asking:
             return {}

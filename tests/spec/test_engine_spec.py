@@ -281,9 +281,11 @@ async def test_backoff_keeps_greedy_identical_and_stops_junk_per_adapter(tiny):
     assert per["sql"]["backoff_rows"] == 0 and per["sql"]["accepted_tokens"] >= 30
     assert split.asked["q0"] <= 40 // 4
     # the junk ones: a probe after 4, 8, 16 ... tokens, nothing kept
-    for name, rid in (("", "j0"), ("poem", "j1")):
+    for name, rid, steps in (("", "j0", 39), ("poem", "j1", 29)):
         assert per[name]["accepted_tokens"] == 0 and per[name]["backoff_rows"] > 0
         assert split.asked[rid] <= 5  # of 30-40 decode steps
+        # every decode step was proposed for or counted (pipelined steps included)
+        assert split.asked[rid] + per[name]["backoff_rows"] == steps
     # and with the rule off, the junk requests are proposed for at every step
     off, stats, _, _ = await run(
         model_dir, adapters, reqs, method="ngram", wrap=wrap, speculative_min_acceptance=0.0
