@@ -135,9 +135,8 @@ class EngineConfig:
     # ((1 - a^5) / (1 - a) = 1.25); 0: always propose
     speculative_min_acceptance: float = 0.2
     # prompt lookup ("ngram"): the longest suffix of the request's tokens of ``max`` down to
-    # ``min`` tokens that occurred earlier is matched (spec/ngram.py); a 1-token match (a
-    # common word, punctuation) proposes an unrelated continuation far more often than not
-    speculative_ngram_min: int = 2
+    # ``min`` tokens that occurred earlier is matched (spec/ngram.py; why 1: its docstring)
+    speculative_ngram_min: int = 1
     speculative_ngram_max: int = 4
     # "draft": target adapter name -> the draft adapter folder its requests draft with (a
     # LoRA of the draft model; base requests and adapters not named draft with the draft's

@@ -193,7 +193,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--speculative-ngram-min", type=int, metavar="N",
-        help="prompt lookup: shortest suffix match that proposes (default 2)",
+        help="prompt lookup: shortest suffix match that proposes (default 1)",
     )  # fmt: skip
     p.add_argument(
         "--speculative-ngram-max", type=int, metavar="N",

@@ -189,7 +189,7 @@ def test_asking_and_chaining_skip_backing_off_requests():
 def test_config_field_and_flags():
     cfg = EngineConfig()
     assert cfg.speculative_min_acceptance == 0.2
-    assert (cfg.speculative_ngram_min, cfg.speculative_ngram_max) == (2, 4)
+    assert (cfg.speculative_ngram_min, cfg.speculative_ngram_max) == (1, 4)
     for bad in (-0.1, 1.0, "0.3", True):
         with pytest.raises(SpeculativeConfigError) as e:
             EngineConfig(speculative_min_acceptance=bad)
@@ -203,12 +203,12 @@ def test_config_field_and_flags():
             EngineConfig(**kw)
         assert e.value.field == field
     args = ["serve", "--speculative-method", "ngram", "--speculative-min-acceptance", "0",
-            "--speculative-ngram-min", "1", "--speculative-ngram-max", "6"]  # fmt: skip
+            "--speculative-ngram-min", "2", "--speculative-ngram-max", "6"]  # fmt: skip
     cfg = config_from_args(build_parser().parse_args(args))
     assert cfg.speculative_min_acceptance == 0.0
-    assert (cfg.speculative_ngram_min, cfg.speculative_ngram_max) == (1, 6)
+    assert (cfg.speculative_ngram_min, cfg.speculative_ngram_max) == (2, 6)
     spec = Speculation.from_config(cfg, 1000)
-    assert (spec.proposer.min_n, spec.proposer.max_n) == (1, 6)
+    assert (spec.proposer.min_n, spec.proposer.max_n) == (2, 6)
     assert spec.backoff.min_acceptance == 0.0
     with pytest.raises(SpeculativeConfigError, match="--speculative-min-acceptance"):
         config_from_args(build_parser().parse_args([*args[:3], "--speculative-min-acceptance",

@@ -13,9 +13,7 @@ async def test_spec_families_per_adapter_label(tiny):
     model_dir, adapters = tiny
     loop = [31, 32, 33, 34, 35, 36, 37]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    # (a random model's output rarely continues the prompt's bigrams: 1-token matches propose)
-    cfg = config(model_dir, speculative_method="ngram", speculative_ngram_min=1)
-    async with AsyncEngine(cfg) as engine:
+    async with AsyncEngine(config(model_dir, speculative_method="ngram")) as engine:
         await register(engine, {"sql": adapters["sql"]})
         metrics = Metrics()
         metrics.attach(engine)

@@ -57,11 +57,11 @@ def test_bad_sizes():
         NgramProposer(min_n=0)
 
 
-def test_default_needs_a_two_token_match():
-    """A 1-token match (a common token's latest occurrence) is no proposal by default."""
+def test_proposer_min_n():
+    """``min_n`` 2: a 1-token match is no proposal (the default, 1, proposes from it)."""
     req = Request("r", [4, 9, 5, 6, 7], SamplingParams())
     req.output_ids += [8, 4]  # the last token 4 occurred before, [8, 4] did not
-    assert NgramProposer().propose([req], 3)[0].tokens == []
-    assert NgramProposer(min_n=1).propose([req], 3)[0].tokens == [9, 5, 6]
+    assert NgramProposer(min_n=2).propose([req], 3)[0].tokens == []
+    assert NgramProposer().propose([req], 3)[0].tokens == [9, 5, 6]
     req.output_ids += [9]  # [4, 9] did
-    assert NgramProposer().propose([req], 3)[0].tokens == [5, 6, 7]
+    assert NgramProposer(min_n=2).propose([req], 3)[0].tokens == [5, 6, 7]
