@@ -25,6 +25,7 @@ QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization, besides None (model/quant
 ADAPTER_EVICTIONS = ("lru", "lfu", "gdsf", "gdf")
 SPECULATIVE_METHODS = ("ngram", "draft")  # EngineConfig.speculative_method, besides None
 MAX_SPECULATIVE_TOKENS = 16  # num_speculative_tokens: 1..this
+MAX_NGRAM = 64  # speculative_ngram_min / _max: 1..this
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,16 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     speculative_model: str | None = None
     speculative_max_running: int = 8
+    # per request (spec/backoff.py): after a verify step whose recent per-position acceptance
+    # (accepted over tested proposed positions, decayed over its verify steps) is below this, the
+    # request gets no proposals for 4, 8, ... 64 tokens (doubling while it keeps failing), then
+    # one probe. 0.2 is the break-even of K = 4 at a verify step costing 1.25 decode steps
+    # ((1 - a^5) / (1 - a) = 1.25); 0: always propose
+    speculative_min_acceptance: float = 0.2
+    # prompt lookup ("ngram"): the longest suffix of the request's tokens of ``max`` down to
+    # ``min`` tokens that occurred earlier is matched (spec/ngram.py; why 1: its docstring)
+    speculative_ngram_min: int = 1
+    speculative_ngram_max: int = 4
     # "draft": target adapter name -> the draft adapter folder its requests draft with (a
     # LoRA of the draft model; base requests and adapters not named draft with the draft's
     # base). Given as a mapping or (name, folder) pairs; kept as pairs sorted by name
@@ -221,6 +232,25 @@ class EngineConfig:
         if type(self.speculative_max_running) is not int or self.speculative_max_running < 1:
             raise SpeculativeConfigError(
                 "speculative_max_running must be an integer >= 1", field="speculative_max_running"
+            )
+        a = self.speculative_min_acceptance
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a < 1.0:
+            raise SpeculativeConfigError(
+                f"speculative_min_acceptance (--speculative-min-acceptance) must be a number in "
+                f"[0, 1) (0: no backoff), got {a!r}",
+                field="speculative_min_acceptance",
+            )
+        lo, hi = self.speculative_ngram_min, self.speculative_ngram_max
+        for name, n in (("speculative_ngram_min", lo), ("speculative_ngram_max", hi)):
+            if type(n) is not int or not 1 <= n <= MAX_NGRAM:
+                flag = "--" + name.replace("_", "-")
+                raise SpeculativeConfigError(
+                    f"{name} ({flag}) must be an integer in 1..{MAX_NGRAM}, got {n!r}", field=name
+                )
+        if lo > hi:
+            raise SpeculativeConfigError(
+                f"speculative_ngram_min ({lo}) must not exceed speculative_ngram_max ({hi})",
+                field="speculative_ngram_min",
             )
         method = self.speculative_method
         if method is None:

@@ -23,7 +23,8 @@ Policy (one step):
    the proposer's tokens and become (1 + k)-token rows (``ScheduledChunk.proposal``); their KV
    blocks are grown for every proposed position (a row whose blocks are short drops its
    proposal, never preempts for it) and rolled back after verification (``mark_verified``).
-   Such steps are not chained: the next proposal needs this step's tokens on the host.
+   Such steps are not chained: the next proposal needs this step's tokens on the host; a step
+   whose rows would all go without a proposal next (requests backing off, spec/backoff.py) is.
 6. Fair share between groups (the sibling requests of one API request: its ``n`` choices and
    prompts, ``Request.group``; fair_share.py): while two or more groups have requests queued,
    a group's fair number of running sequences is max(1, max_num_seqs // groups). Before step
@@ -288,7 +289,7 @@ class Scheduler:
         if not plan.chunks or not all(c.need_logits for c in plan.chunks):
             return None
         if self.spec is not None and (
-            self.spec.active(len(self.running)) or any(c.proposal for c in plan.chunks)
+            self.spec.wanted_after(self.running) or any(c.proposal for c in plan.chunks)
         ):
             return None  # speculation proposes from the tokens ``plan`` samples (5.)
         in_plan = {id(c.req) for c in plan.chunks}
@@ -318,6 +319,8 @@ class Scheduler:
             return None  # (checked first: no request takes a block it would hold idle)
         for r in rows:
             self.blocks.append(r.request_id, r.num_tokens + 1)
+        if self.spec is not None and self.spec.active(len(self.running)):
+            self.spec.count_backoff(rows, 1)  # (each backs off or opted out: else no chain)
         out = SchedulerOutput([ScheduledChunk(r, 1, True, feed=True) for r in rows])
         if self.waiting:
             self._collect_slot_writes(out, None)

@@ -186,6 +186,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "compute bound)",
     )  # fmt: skip
     p.add_argument(
+        "--speculative-min-acceptance", type=float, metavar="A",
+        help="per request: stop proposing for a while (4 tokens, doubling up to 64) when its "
+        "recent per-position acceptance is below A (default 0.2: break-even of K=4 at a verify "
+        "step costing 1.25 decode steps; 0: always propose)",
+    )  # fmt: skip
+    p.add_argument(
+        "--speculative-ngram-min", type=int, metavar="N",
+        help="prompt lookup: shortest suffix match that proposes (default 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--speculative-ngram-max", type=int, metavar="N",
+        help="prompt lookup: longest suffix matched (default 4)",
+    )  # fmt: skip
+    p.add_argument(
         "--admin-token-file", metavar="FILE",
         help="enables POST /v1/load_lora_adapter and /v1/unload_lora_adapter with this token",
     )  # fmt: skip
@@ -245,6 +259,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         "max_model_len", "mixed_graph_tokens", "loader_processes", "max_concurrent_loads", "adapter_cache_dir",
         "adapter_cache_bytes", "tensor_parallel_size", "speculative_method",
         "num_speculative_tokens", "speculative_model", "speculative_max_running",
+        "speculative_min_acceptance", "speculative_ngram_min", "speculative_ngram_max",
     ):  # fmt: skip
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)

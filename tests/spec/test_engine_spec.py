@@ -91,6 +91,8 @@ async def run(
         )
         stats = engine.stats()
         cached = set(engine.testing.scheduler.blocks._cached)
+        spec = engine.testing.scheduler.spec
+        assert spec is None or len(spec.backoff) == 0  # per-request state left with them
         assert_idle(engine)
         assert stats["num_free_blocks"] == stats["num_blocks"]
     return results, stats, cached, oracle
@@ -226,3 +228,67 @@ async def test_seeded_sampled_rows_keep_their_own_generator(tiny):
     mixed, stats, _, _ = await run(model_dir, adapters, [me, *others], method="ngram")
     assert summary(mixed)[0] == summary(alone)[0]
     assert all(len(t) == 20 for t, _, _ in mixed)
+
+
+class SplitProposer:
+    """Proposes the reference's next tokens (all kept, greedy) for requests whose id starts
+    with "q" and tokens that can never be kept (each the reference's plus one) for the rest:
+    the backoff must stop the latter and keep the former."""
+
+    def __init__(self, reference: dict[str, list[int]]) -> None:
+        self.reference = reference
+        self.asked: dict[str, int] = {}
+
+    def propose(self, reqs, k):
+        out = []
+        for r in reqs:
+            self.asked[r.request_id] = self.asked.get(r.request_id, 0) + 1
+            n = len(r.output_ids)
+            toks = list(self.reference[r.request_id][n : n + k])
+            if not r.request_id.startswith("q"):
+                toks = [3 + (t + 1) % 240 for t in toks]
+            out.append(Proposal(toks))
+        return out
+
+    def commit(self, req, num_accepted):
+        pass
+
+    def release(self, req):
+        pass
+
+
+async def test_backoff_keeps_greedy_identical_and_stops_junk_per_adapter(tiny):
+    model_dir, adapters = tiny
+    p = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
+    reqs = [
+        ("q0", [70, 71, 72, 73], "sql", p),
+        ("j0", [80, 81, 82], None, p),
+        ("j1", [90, 91, 92, 93, 94], "poem", dict(p, max_tokens=30)),
+    ]
+    plain, _, _, _ = await run(model_dir, adapters, reqs)
+    reference = {rid: res[0] for (rid, *_), res in zip(reqs, plain, strict=True)}
+    split = None
+
+    def wrap(engine, inner):
+        nonlocal split
+        split = SplitProposer(reference)
+        return split
+
+    spec, stats, _, _ = await run(model_dir, adapters, reqs, method="ngram", wrap=wrap)
+    assert summary(spec) == summary(plain)
+    per = stats["speculative"]["per_adapter"]
+    # the quoting request: every proposal kept, never backed off, ~K + 1 tokens per step
+    assert per["sql"]["backoff_rows"] == 0 and per["sql"]["accepted_tokens"] >= 30
+    assert split.asked["q0"] <= 40 // 4
+    # the junk ones: a probe after 4, 8, 16 ... tokens, nothing kept
+    for name, rid, steps in (("", "j0", 39), ("poem", "j1", 29)):
+        assert per[name]["accepted_tokens"] == 0 and per[name]["backoff_rows"] > 0
+        assert split.asked[rid] <= 5  # of 30-40 decode steps
+        # every decode step was proposed for or counted (pipelined steps included)
+        assert split.asked[rid] + per[name]["backoff_rows"] == steps
+    # and with the rule off, the junk requests are proposed for at every step
+    off, stats, _, _ = await run(
+        model_dir, adapters, reqs, method="ngram", wrap=wrap, speculative_min_acceptance=0.0
+    )
+    assert summary(off) == summary(plain)
+    assert split.asked["j0"] == 39 and stats["speculative"]["per_adapter"][""]["backoff_rows"] == 0

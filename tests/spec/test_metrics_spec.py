@@ -35,4 +35,7 @@ async def test_spec_families_per_adapter_label(tiny):
             in text
         )
     assert 'loraplex:spec_decode_accepted_tokens_total{adapter="sql"}' in text
+    for label, name in (("base", ""), ("sql", "sql")):
+        backoff = float(s["per_adapter"][name]["backoff_rows"])
+        assert f'loraplex:spec_decode_backoff_rows_total{{adapter="{label}"}} {backoff}' in text
     assert 'loraplex:spec_decode_acceptance_length_bucket{adapter="sql",le="4"}' in text

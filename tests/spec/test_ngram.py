@@ -55,3 +55,13 @@ def test_bad_sizes():
         NgramProposer(max_n=2, min_n=3)
     with pytest.raises(ValueError):
         NgramProposer(min_n=0)
+
+
+def test_proposer_min_n():
+    """``min_n`` 2: a 1-token match is no proposal (the default, 1, proposes from it)."""
+    req = Request("r", [4, 9, 5, 6, 7], SamplingParams())
+    req.output_ids += [8, 4]  # the last token 4 occurred before, [8, 4] did not
+    assert NgramProposer(min_n=2).propose([req], 3)[0].tokens == []
+    assert NgramProposer().propose([req], 3)[0].tokens == [9, 5, 6]
+    req.output_ids += [9]  # [4, 9] did
+    assert NgramProposer(min_n=2).propose([req], 3)[0].tokens == [5, 6, 7]
