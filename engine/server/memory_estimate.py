@@ -68,6 +68,10 @@ class MemoryEstimate:
     gpu_bytes: int | None
     kv_policy: str  # how the engine itself sizes its KV cache
     expert_slot_bytes: int = 0  # of ``lora_slot_bytes``: a MoE model's experts
+    # speculative decoding's draft model (--speculative-method draft): its weights, and its KV
+    # cache for the KV line's tokens plus the drafted ones (spec/draft.py)
+    draft_weight_bytes: int = 0
+    draft_kv_bytes: int = 0
 
     @property
     def lora_bytes(self) -> int:
@@ -77,7 +81,8 @@ class MemoryEstimate:
     def total_bytes(self) -> int:
         """What one GPU needs: the steady state, or the load peak when that is larger."""
         fixed = self.lora_bytes + self.full_bytes + self.buffer_bytes + self.headroom_bytes
-        return max(self.weight_bytes + self.kv_bytes, self.load_bytes) + fixed
+        draft = self.draft_weight_bytes + self.draft_kv_bytes
+        return max(self.weight_bytes + self.kv_bytes, self.load_bytes) + fixed + draft
 
     def log_fields(self) -> dict[str, Any]:
         return {
@@ -165,6 +170,7 @@ def estimate_memory(meta: ModelMetadata, config: EngineConfig, model: str) -> Me
     # slot image per region, pinned on CUDA, pre-faulted on the CPU
     regions = max(config.max_cpu_loras, config.max_loras) + max(1, config.max_concurrent_loads)
     host = regions * slot_image_numel(mcfg, config.max_lora_rank) * elem if config.max_loras else 0
+    draft_weights, draft_kv = _draft(config, dtype, elem, cuda, blocks * config.block_size)
     gpu = cap = gpu_bytes = None
     if cuda and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.device(device).index or 0)
@@ -183,8 +189,31 @@ def estimate_memory(meta: ModelMetadata, config: EngineConfig, model: str) -> Me
         full_slots=config.max_full_module_loras, full_bytes=full,
         headroom_bytes=GPU_HEADROOM if cuda else 0, host_pool_bytes=host,
         gpu=gpu, gpu_capability=cap, gpu_bytes=gpu_bytes, kv_policy=_kv_policy(config, cuda),
-        expert_slot_bytes=experts,
+        expert_slot_bytes=experts, draft_weight_bytes=draft_weights, draft_kv_bytes=draft_kv,
     )  # fmt: skip
+
+
+def _draft(
+    config: EngineConfig, dtype: Any, elem: int, cuda: bool, kv_tokens: int
+) -> tuple[int, int]:
+    """(weights, KV) bytes of the draft model (a local folder; 0, 0 without one): at the served
+    model's dtype, its KV blocks for ``kv_tokens`` tokens and K drafted ones per sequence."""
+    if config.speculative_method != "draft" or not config.speculative_model:
+        return 0, 0
+    from pathlib import Path
+
+    from loraplex.engine.model.config import ModelConfig
+    from loraplex.engine.server.model_files import local_metadata
+    from loraplex.engine.spec.draft import draft_kv_blocks, draft_kv_bytes_per_block
+
+    meta = local_metadata(Path(config.speculative_model))
+    blocks = draft_kv_blocks(
+        kv_tokens, config.block_size, config.max_num_seqs, config.num_speculative_tokens
+    )
+    per_block = draft_kv_bytes_per_block(
+        ModelConfig.from_dict(meta.config), dtype, config.block_size
+    )
+    return _weights(meta, elem, False, cuda)[0], blocks * per_block
 
 
 def estimate_config(
@@ -272,6 +301,9 @@ def format_table(e: MemoryEstimate) -> str:
     rows.append(("RoPE, DoRA scales", human_bytes(e.buffer_bytes)))
     if e.full_slots:
         rows.append(("full-table slots", f"{human_bytes(e.full_bytes)} = {e.full_slots} slots"))
+    if e.draft_weight_bytes:
+        rows.append(("draft model", f"weights {human_bytes(e.draft_weight_bytes)}, KV cache "
+                                    f"{human_bytes(e.draft_kv_bytes)} (--speculative-model)"))  # fmt: skip
     if e.headroom_bytes:
         rows.append(("headroom", f"{human_bytes(e.headroom_bytes)} (activations, CUDA graphs, "
                                  "workspaces)"))  # fmt: skip

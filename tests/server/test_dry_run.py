@@ -151,3 +151,26 @@ def test_moe_estimate_counts_the_expert_lora_slots(tmp_path: Path) -> None:
     assert est.expert_slot_bytes * 2 == expert_bytes
     assert est.lora_bytes == dense + expert_bytes
     assert "of it the experts" in format_table(est)
+
+
+def test_draft_model_is_counted(tmp_path: Path) -> None:
+    """--speculative-method draft: the draft's weights (at the served dtype) and its KV cache
+    for the KV line's tokens plus K drafted ones per sequence are in the estimate and its
+    total."""
+    from loraplex.engine.spec.draft import draft_kv_blocks
+    from tests.helpers.models import make_tiny_model
+
+    target = make_tiny_model(tmp_path / "t", kind="llama", seed=1)
+    draft = make_tiny_model(tmp_path / "d", kind="llama", seed=2, num_hidden_layers=1)
+    kw = dict(model=str(target), device="cpu", dtype="float32", max_loras=1, max_num_seqs=4,
+              max_model_len=64, block_size=16)  # fmt: skip
+    plain = estimate_memory(local_metadata(target), EngineConfig(**kw), "m")
+    spec = EngineConfig(**kw, speculative_method="draft", speculative_model=str(draft))
+    est = estimate_memory(local_metadata(target), spec, "m")
+    weights = sum(t.numel * 4 for t in local_metadata(draft).tensors)
+    assert est.draft_weight_bytes == weights
+    # the tiny draft: 1 layer x 2 KV heads x head dim 16 x (K, V) x 4 bytes a token
+    blocks = draft_kv_blocks(4 * 64, 16, 4, 4)
+    assert est.draft_kv_bytes == blocks * 16 * 1 * 2 * 16 * 2 * 4
+    assert est.total_bytes == plain.total_bytes + weights + est.draft_kv_bytes
+    assert "draft model" in format_table(est) and "draft model" not in format_table(plain)
