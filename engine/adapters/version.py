@@ -82,7 +82,7 @@ def adapter_has_experts(adapter: object) -> bool:
     """``adapter`` (a LoRAAdapter or slot source) has LoRA on some expert module: its slot
     image's entries, else its weights' keys."""
     image = getattr(adapter, "image", None)
-    keys = image.entries if image is not None else getattr(adapter, "weights", None) or {}
+    keys = getattr(image, "entries", None) or getattr(adapter, "weights", None) or {}
     return any(expert_module(k[1]) is not None for k in keys)
 
 
