@@ -57,6 +57,11 @@ class EngineConfig:
     # (model/lora/full.py): LoRA slots 0..N-1 also hold one (vocab, hidden) table per module; 0:
     # such adapters are refused (AdapterConfigError naming modules_to_save)
     max_full_module_loras: int = 0
+    # expert-capable slots on a MoE base (model/moe/expert_lora.py): LoRA slots 0..N-1 also hold
+    # expert LoRA storage (E * R * 3 * (H + I) elements per sparse layer a slot), the only ones
+    # an adapter with LoRA on the experts takes; None: every slot; 0: such adapters are refused
+    # (AdapterConfigError naming target_modules)
+    max_expert_loras: int | None = None
     # rows past the base vocabulary that full tables may add (adapters that added tokens,
     # their own tokenizer.json): slots hold (vocab + N, hidden) tables and the logits are
     # vocab + N wide; 0: a table must have the base's rows (adapters/added_tokens.py)
@@ -190,6 +195,11 @@ class EngineConfig:
                 f"LoRA slots 0..N-1), got {self.max_full_module_loras} with max_loras "
                 f"{self.max_loras}"
             )
+        if self.max_expert_loras is not None and not 0 <= self.max_expert_loras <= self.max_loras:
+            raise ValueError(
+                "max_expert_loras must be between 0 and max_loras (expert-capable slots are "
+                f"LoRA slots 0..N-1), got {self.max_expert_loras} with max_loras {self.max_loras}"
+            )
         if self.lora_extra_vocab_size < 0:
             raise ValueError("lora_extra_vocab_size must be >= 0")
         if self.lora_extra_vocab_size and not self.max_full_module_loras:
@@ -320,6 +330,11 @@ class EngineConfig:
         if self.loader_processes is not None:
             return self.loader_processes
         return 2 if self.resolved_device.startswith("cuda") else 0
+
+    @property
+    def expert_slots(self) -> int:
+        """LoRA slots that hold expert LoRA storage on a MoE base (``max_expert_loras``)."""
+        return self.max_loras if self.max_expert_loras is None else self.max_expert_loras
 
     @property
     def resolved_device(self) -> str:

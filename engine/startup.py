@@ -110,6 +110,7 @@ def _build(
             max_lora_rank=config.max_lora_rank,
             quantization=config.quantization,
             tensor_parallel=group.start() if group is not None else None,
+            max_expert_loras=config.max_expert_loras,
         )
     if config.max_full_module_loras and getattr(model, "full_modules", None) is None:
         # before the KV cache is sized from the free memory (model/lora/full.py)
@@ -259,6 +260,14 @@ def check_model_slots(model: CausalLM, config: EngineConfig) -> None:
         raise ValueError(
             f"the model's full-table slots have {full.extra} extra rows but the config asks "
             f"for lora_extra_vocab_size={config.lora_extra_vocab_size}"
+        )
+    blocks = getattr(model, "expert_loras", list)()
+    have = blocks[0][1].max_loras if blocks else 0
+    if getattr(model, "sparse_blocks", None) is not None and have != config.expert_slots:
+        raise ValueError(
+            f"the model has {have} expert-capable LoRA slots but the config asks for "
+            f"{config.expert_slots} (max_expert_loras={config.max_expert_loras}): build the "
+            f"model with max_expert_loras={config.max_expert_loras}"
         )
     if model.max_loras and model.max_lora_rank != config.max_lora_rank:
         raise ValueError(

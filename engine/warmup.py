@@ -100,14 +100,14 @@ def warm_slot_writes(buffers: Any, pool: Any, stream: Any) -> None:
     region, then the slot cleared (``buffers``: the runner's ``SlotBuffers``): allocates the
     write's device staging buffer, loads its kernels and makes the full layout's scatter plans
     now rather than on the first cold loads."""
-    from loraplex.engine.model.lora.slot_image import PackedAdapter, full_layout
+    from loraplex.engine.model.lora.slot_image import PackedAdapter
 
     model = buffers.model
     region = pool.acquire()
     if region is None:
         return
     try:
-        entries, numel = full_layout(model.cfg, model.layers[0].qkv_proj.max_rank)
+        entries, numel = warm_layout(model)
         buf = pool.view(region, model.dtype, numel)
         buf.zero_()
         packed = PackedAdapter(buf, entries, model.layers[0].qkv_proj.max_rank)
@@ -118,6 +118,19 @@ def warm_slot_writes(buffers: Any, pool: Any, stream: Any) -> None:
         stream.synchronize()
     finally:
         pool.release(region)
+
+
+def warm_layout(model: Any) -> tuple[dict, int]:
+    """The full layout at the slots' rank (``slot_image.full_layout``: its entries, its
+    elements); on a MoE model without expert storage (``max_expert_loras`` 0) without the
+    expert modules, which no slot can take."""
+    from loraplex.engine.model.lora.slot_image import full_layout
+    from loraplex.engine.model.moe.lora_names import expert_module
+
+    entries, numel = full_layout(model.cfg, model.layers[0].qkv_proj.max_rank)
+    if getattr(model, "expert_loras", None) is not None and not model.expert_loras():
+        entries = {k: e for k, e in entries.items() if expert_module(k[1]) is None}
+    return entries, numel
 
 
 class CompileWatch:

@@ -34,10 +34,11 @@ from loraplex.engine.adapters.registry import AdapterRegistry
 from loraplex.engine.adapters.seal import sealed_read
 from loraplex.engine.adapters.slot_store import SlotStore
 from loraplex.engine.adapters.slot_writer import SlotWriter
-from loraplex.engine.adapters.version import AdapterState, AdapterVersion
+from loraplex.engine.adapters.version import AdapterState, AdapterVersion, adapter_has_experts
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.errors import (
     AdapterCompositionError,
+    AdapterConfigError,
     AdapterNotFoundError,
     InvalidRequestError,
     SlotWriteError,
@@ -95,8 +96,8 @@ class AdapterLifecycle:
         self.pool = pool
         # one eviction policy instance per tier, of the configured kind
         self.slots = SlotStore(
-            config.max_loras, config.max_full_module_loras, writer=writer, ranks=ranks,
-            pool=pool, generation=generation, eviction=tier_policy(config.adapter_eviction),
+            config.max_loras, config.max_full_module_loras, config.max_expert_loras,
+            writer=writer, ranks=ranks, pool=pool, generation=generation, eviction=tier_policy(config.adapter_eviction),
         )  # fmt: skip
         self.registry = AdapterRegistry(
             max_loras=config.max_loras,
@@ -347,7 +348,16 @@ class AdapterLifecycle:
     async def _finish(self, v: AdapterVersion, adapter: LoRAAdapter) -> None:
         """What a staged image needs before it serves: DoRA's row scales (they need the base
         weights: here) and, under tensor parallelism, every rank's shard (off the step
-        thread)."""
+        thread). An adapter with LoRA on the experts is refused on an engine without
+        expert-capable slots (``max_expert_loras`` 0)."""
+        v.experts = adapter_has_experts(adapter)
+        if v.experts and self.config.max_expert_loras == 0 and self.model_config.moe:
+            raise AdapterConfigError(
+                f"adapter {v.name!r} has LoRA on the experts but the engine has no "
+                "expert-capable slots (max_expert_loras is 0): serve it with "
+                "max_expert_loras > 0",
+                field="target_modules",
+            )
         if not v.parts and adapter.config.use_dora:
             await asyncio.to_thread(self._dora, v, adapter)
         if self._prepare_shards is not None:

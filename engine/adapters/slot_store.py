@@ -3,7 +3,10 @@ the write in flight and its landing, and what each slot holds (rank, DoRA, which
 zero).
 
 Ownership. Slots ``0 .. num_full - 1`` also hold full tables (model/lora/full.py): the only
-ones an adapter with modules_to_save tables may take; other adapters take them last. A slot is
+ones an adapter with modules_to_save tables may take; slots ``0 .. num_expert - 1`` (None:
+every slot) hold expert LoRA storage on a MoE base (model/moe/expert_lora.py): the only ones an
+adapter with LoRA on the experts may take. An adapter takes a free slot with the fewest such
+capacities it does not need (then the lowest), so plain adapters take them last. A slot is
 taken from its owner only when the owner is idle: no running request reads it (``refs`` 0),
 its write has landed, no operator pin holds it, and (unless ``force``: a starved request needs
 a slot) no request waits for it; among idle owners the eviction policy (``eviction``,
@@ -40,7 +43,12 @@ from typing import Any
 from loraplex.engine.adapters.eviction import EvictionPolicy, tier_policy
 from loraplex.engine.adapters.host_pool import HostPool
 from loraplex.engine.adapters.slot_writer import InlineWriter, SlotJob, SlotWriter
-from loraplex.engine.adapters.version import AdapterState, AdapterVersion, _has_full
+from loraplex.engine.adapters.version import (
+    AdapterState,
+    AdapterVersion,
+    _has_experts,
+    _has_full,
+)
 from loraplex.engine.errors import SlotFullError
 from loraplex.engine.model.lora.ranks import SlotRanks
 
@@ -91,13 +99,14 @@ class SlotStore:
     ``ranks``: the runner's ``SlotRanks`` (this store is its only writer); ``pool``: the host
     pool whose regions writes copy from (held until issued); ``generation``: the model's
     per-module writes (``SlotBuffers.generation``); ``eviction``: this tier's policy
-    (``tier_policy``). The registry binds ``pinned`` (whether an operator pin holds a version's
+    (``tier_policy``); ``num_expert``: the expert-capable slots (None: all). The registry binds ``pinned`` (whether an operator pin holds a version's
     slot), ``on_taken(old, new)`` and ``on_use(v, now)`` (a use of a version: the host tier's
     policy).
     """
 
     num_slots: int
     num_full: int = 0
+    num_expert: int | None = None
     writer: SlotWriter = field(default_factory=lambda: InlineWriter(None))
     ranks: SlotRanks | None = None
     pool: HostPool | None = None
@@ -132,9 +141,26 @@ class SlotStore:
         """Versions holding a slot (their write may still be pending), in slot order."""
         return [s.owner for s in self._slots if s.owner is not None]
 
-    def _usable(self, v: AdapterVersion | None) -> tuple[bool, range]:
+    @property
+    def expert_slots(self) -> int:
+        """Slots ``0 .. expert_slots - 1`` hold expert LoRA storage."""
+        return self.num_slots if self.num_expert is None else self.num_expert
+
+    def _needs(self, v: AdapterVersion | None) -> tuple[bool, bool]:
+        """Whether ``v`` needs a full-table slot, an expert-capable one."""
         full = self.num_full > 0 and v is not None and _has_full(v)  # (none without such slots)
-        return full, range(self.num_full) if full else range(self.num_slots)
+        experts = v is not None and self.num_expert is not None and _has_experts(v)
+        return full, experts
+
+    def _usable(self, v: AdapterVersion | None) -> range:
+        full, experts = self._needs(v)
+        limit = self.num_full if full else self.num_slots
+        return range(min(limit, self.expert_slots) if experts else limit)
+
+    def _waste(self, i: int, full: bool, experts: bool) -> int:
+        """Capacities of slot ``i`` (full tables, experts) an adapter that needs ``full`` /
+        ``experts`` would hold unused."""
+        return (not full and i < self.num_full) + (not experts and i < self.expert_slots)
 
     def assign(self, v: AdapterVersion, *, force: bool = False) -> int | None:
         """The slot ``v`` now holds (a write must follow), or None if no slot can be taken
@@ -143,17 +169,26 @@ class SlotStore:
         slot = self._of.get(v)
         if slot is not None:
             return slot
-        full, usable = self._usable(v)
+        full, experts = self._needs(v)
+        usable = self._usable(v)
+        if not usable:
+            raise SlotFullError(
+                f"adapter {v.name!r} has LoRA on the experts but the engine has no "
+                "expert-capable slots (max_expert_loras is 0)"
+            )
         free = [i for i in usable if self._slots[i].owner is None]
         old = None
         if free:
-            # NOTE: an adapter without full tables takes a full-table slot last
-            slot = free[0] if full else max(free, key=lambda i: (i >= self.num_full, -i))
+            # NOTE: an adapter takes a slot whose full tables / experts it needs not last
+            slot = min(free, key=lambda i: (self._waste(i, full, experts), i))
         else:
             idle = [o for o in self.idle_owners(force) if self._of[o] in usable]
             if not idle:
                 if all((o := self._slots[i].owner) is not None and self.pinned(o) for i in usable):
-                    what = f"{self.num_full} full-table" if full else f"{self.num_slots}"
+                    what = f"{self.num_slots}"
+                    if full or experts:
+                        kind = "full-table" if full else "expert-capable"
+                        what = f"{len(usable)} {kind}"
                     raise SlotFullError(
                         f"all {what} GPU slots are pinned; adapter {v.name!r} cannot be served"
                     )
@@ -170,8 +205,9 @@ class SlotStore:
 
     def can_assign(self, v: AdapterVersion | None = None, *, force: bool = False) -> bool:
         """Whether ``assign`` would find a slot now (no side effects); ``v``: for this version
-        (an adapter with full tables takes only a full-table slot)."""
-        _, usable = self._usable(v)
+        (an adapter with full tables takes only a full-table slot, one with experts only an
+        expert-capable one)."""
+        usable = self._usable(v)
         if any(self._slots[i].owner is None for i in usable):
             return True
         return any(self._of[o] in usable for o in self.idle_owners(force))

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.engine.adapters.parse import LoRAAdapter
+from loraplex.engine.model.moe.lora_names import expert_module
 
-__all__ = ["AdapterState", "AdapterVersion", "combination_name"]
+__all__ = ["AdapterState", "AdapterVersion", "adapter_has_experts", "combination_name"]
 
 
 class AdapterState(enum.Enum):
@@ -50,6 +51,9 @@ class AdapterVersion:
     lora_rank: int = 0  # largest module rank, from the preflight (0: not fetched yet)
     dora: bool = False  # a DoRA adapter (preflight)
     full: bool = False  # carries modules_to_save tables (preflight): a full-table slot only
+    # carries LoRA on the experts of a MoE base (model/moe/lora_names.py): an expert-capable
+    # slot only (``max_expert_loras``)
+    experts: bool = False
     vocab_rows: int = 0  # rows of those tables (preflight); > the base's: it added tokens
     tokenizer: Any = None  # its own Tokenizer when it added tokens (added_tokens.py), else None
     # a name resolved at request time whose requests are tokenized after its load (it may add
@@ -72,6 +76,19 @@ class AdapterVersion:
 def _has_full(v: AdapterVersion) -> bool:
     """``v``'s adapter replaces full embed_tokens / lm_head tables (modules_to_save)."""
     return v.full or bool(getattr(v.adapter, "full", None))
+
+
+def adapter_has_experts(adapter: object) -> bool:
+    """``adapter`` (a LoRAAdapter or slot source) has LoRA on some expert module: its slot
+    image's entries, else its weights' keys."""
+    image = getattr(adapter, "image", None)
+    keys = getattr(image, "entries", None) or getattr(adapter, "weights", None) or {}
+    return any(expert_module(k[1]) is not None for k in keys)
+
+
+def _has_experts(v: AdapterVersion) -> bool:
+    """``v``'s adapter has LoRA on the experts (an expert-capable slot only)."""
+    return v.experts or (v.adapter is not None and adapter_has_experts(v.adapter))
 
 
 def combination_name(parts: list[tuple[str, float]]) -> str:

@@ -88,10 +88,16 @@ def build_model(
     max_lora_rank: int = 16,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    max_expert_loras: int | None = None,
 ) -> CausalLM:
-    """The model of ``cfg``'s family, weights uninitialised (``load_model`` fills them)."""
+    """The model of ``cfg``'s family, weights uninitialised (``load_model`` fills them).
+    ``max_expert_loras``: a MoE base's expert-capable slots (None: every slot; ignored on a
+    dense base)."""
+    kw = {}
+    if cfg.moe is not None and max_expert_loras is not None:
+        kw["max_expert_loras"] = max_expert_loras
     model = registry.family(cfg.architecture).model(
-        cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, device=device
+        cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, device=device, **kw
     )
     return cast("CausalLM", model)
 
@@ -105,6 +111,7 @@ def load_model(
     max_lora_rank: int = 16,
     quantization: str | None = None,
     tensor_parallel: TensorParallel | None = None,
+    max_expert_loras: int | None = None,
 ) -> CausalLM:
     """The model of the checkpoint in ``path``, weights in ``dtype`` on ``device``.
 
@@ -126,8 +133,9 @@ def load_model(
             raise TensorParallelError("fp8 bases are not split over ranks yet")
         cfg = shard_config(full_cfg, shard)
     model = build_model(
-        cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, device=device
-    )
+        cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, device=device,
+        max_expert_loras=max_expert_loras,
+    )  # fmt: skip
     if shard is not None:
         model.set_tensor_parallel(tensor_parallel)
     weights = registry.family(cfg.architecture).weights

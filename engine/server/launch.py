@@ -103,6 +103,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "tables of adapters with modules_to_save (default 0: such adapters are refused)",
     )  # fmt: skip
     p.add_argument(
+        "--max-expert-loras", type=int, metavar="N",
+        help="GPU slots (among the --max-loras) that also hold LoRA storage for the experts of "
+        "a MoE base: adapters with LoRA on the experts take only those (default: every slot; "
+        "0: such adapters are refused)",
+    )  # fmt: skip
+    p.add_argument(
         "--lora-extra-vocab-size", type=int, metavar="N",
         help="tokens an adapter with full tables may add past the base vocabulary (its "
         "tokenizer.json must extend the base's; needs --max-full-module-loras; default 0)",
@@ -255,7 +261,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             kw[flag] = getattr(args, flag)
     for name in (
         "max_loras", "max_cpu_loras", "max_lora_rank", "max_full_module_loras", "lora_extra_vocab_size",
-        "max_num_seqs",
+        "max_expert_loras", "max_num_seqs",
         "max_model_len", "mixed_graph_tokens", "loader_processes", "max_concurrent_loads", "adapter_cache_dir",
         "adapter_cache_bytes", "tensor_parallel_size", "speculative_method",
         "num_speculative_tokens", "speculative_model", "speculative_max_running",

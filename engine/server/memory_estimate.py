@@ -68,6 +68,7 @@ class MemoryEstimate:
     gpu_bytes: int | None
     kv_policy: str  # how the engine itself sizes its KV cache
     expert_slot_bytes: int = 0  # of ``lora_slot_bytes``: a MoE model's experts
+    expert_slots: int | None = None  # slots that hold the experts (--max-expert-loras; None: all)
     # speculative decoding's draft model (--speculative-method draft): its weights, and its KV
     # cache for the KV line's tokens plus the drafted ones (spec/draft.py)
     draft_weight_bytes: int = 0
@@ -75,7 +76,10 @@ class MemoryEstimate:
 
     @property
     def lora_bytes(self) -> int:
-        return self.max_loras * self.lora_slot_bytes
+        """Every slot's dense LoRA, and the experts' storage in the expert-capable slots."""
+        experts = self.max_loras if self.expert_slots is None else self.expert_slots
+        dense = self.lora_slot_bytes - self.expert_slot_bytes
+        return self.max_loras * dense + experts * self.expert_slot_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -189,7 +193,8 @@ def estimate_memory(meta: ModelMetadata, config: EngineConfig, model: str) -> Me
         full_slots=config.max_full_module_loras, full_bytes=full,
         headroom_bytes=GPU_HEADROOM if cuda else 0, host_pool_bytes=host,
         gpu=gpu, gpu_capability=cap, gpu_bytes=gpu_bytes, kv_policy=_kv_policy(config, cuda),
-        expert_slot_bytes=experts, draft_weight_bytes=draft_weights, draft_kv_bytes=draft_kv,
+        expert_slot_bytes=experts, expert_slots=config.max_expert_loras,
+        draft_weight_bytes=draft_weights, draft_kv_bytes=draft_kv,
     )  # fmt: skip
 
 
@@ -292,12 +297,19 @@ def format_table(e: MemoryEstimate) -> str:
                                f"{e.kv_heads} KV heads x {e.head_dim} x K,V x {e.dtype})"),
         ("KV cache", f"{human_bytes(e.kv_bytes)} for {e.max_num_seqs} sequences x "
                      f"{e.max_model_len} tokens (--max-num-seqs x --max-model-len)"),
-        ("LoRA slots", f"{human_bytes(e.lora_bytes)} = {e.max_loras} (--max-loras) x "
-                       f"{human_bytes(e.lora_slot_bytes)} (rank {e.max_lora_rank}, every "
-                       "projection, embedding and LM head"
-                       + (f"; {human_bytes(e.expert_slot_bytes)} of it the experts" if
-                          e.expert_slot_bytes else "") + ")"),
     ]  # fmt: skip
+    if e.expert_slot_bytes and e.expert_slots is not None:
+        dense = e.lora_slot_bytes - e.expert_slot_bytes
+        rows.append(("LoRA slots", f"{human_bytes(e.lora_bytes)} = {e.max_loras} (--max-loras) x "
+                     f"{human_bytes(dense)} (rank {e.max_lora_rank}, every projection, embedding "
+                     f"and LM head) + {e.expert_slots} (--max-expert-loras) x "
+                     f"{human_bytes(e.expert_slot_bytes)} (the experts)"))  # fmt: skip
+    else:
+        rows.append(("LoRA slots", f"{human_bytes(e.lora_bytes)} = {e.max_loras} (--max-loras) x "
+                     f"{human_bytes(e.lora_slot_bytes)} (rank {e.max_lora_rank}, every "
+                     "projection, embedding and LM head"
+                     + (f"; {human_bytes(e.expert_slot_bytes)} of it the experts" if
+                        e.expert_slot_bytes else "") + ")"))  # fmt: skip
     rows.append(("RoPE, DoRA scales", human_bytes(e.buffer_bytes)))
     if e.full_slots:
         rows.append(("full-table slots", f"{human_bytes(e.full_bytes)} = {e.full_slots} slots"))

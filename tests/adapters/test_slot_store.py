@@ -20,9 +20,17 @@ from loraplex.engine.model.lora.ranks import SlotRanks
 from tests.helpers.slots import FakeWriter, land
 
 
-def _v(name: str, *, full: bool = False, rank: int = 4, dora: bool = False, layout=None):
+def _v(
+    name: str,
+    *,
+    full: bool = False,
+    rank: int = 4,
+    dora: bool = False,
+    layout=None,
+    experts: bool = False,
+):
     v = AdapterVersion(name, f"/srv/{name}", "d" + name, 1)
-    v.state, v.full = AdapterState.CPU, full
+    v.state, v.full, v.experts = AdapterState.CPU, full, experts
     image = SimpleNamespace(layout=layout, nbytes=100) if layout is not None else None
     v.adapter = SimpleNamespace(
         rank=rank, nbytes=1000, dora={} if dora else None, image=image, full={}
@@ -92,6 +100,54 @@ def test_full_table_adapters_take_only_full_table_slots() -> None:
     _written(store, full, 1.0)
     assert store.assign(full2) == 0
     assert store.assign(plain) == 1
+
+
+def test_expert_adapters_take_only_expert_capable_slots() -> None:
+    """num_expert 2 of 4 slots: adapters with experts take only slots 0 and 1 (evicting among
+    them when both are held), attention-only adapters take slots 2 and 3 first, then the
+    expert-capable ones; None keeps every slot expert-capable."""
+    taken = []
+    store = _store(4, num_expert=2)
+    store.on_taken = lambda old, new: taken.append((old.name, new.name))
+    e1, e2, e3 = (_v(n, experts=True) for n in ("e1", "e2", "e3"))
+    p1, p2, p3 = (_v(n) for n in ("p1", "p2", "p3"))
+    assert [store.assign(x) for x in (p1, e1, p2, p3)] == [2, 0, 3, 1]
+    assert store.assign(e2) is None and not store.can_assign(e2)  # nothing landed yet
+    for v, t in ((p1, 1.0), (e1, 4.0), (p2, 2.0), (p3, 3.0)):
+        _written(store, v, t)
+    # p1 is the least recently used owner overall, but e2 may only evict from slots 0 and 1
+    assert store.assign(e2) == 1 and taken == [("p3", "e2")]
+    _written(store, e2, 5.0)
+    assert store.assign(e3) == 0 and taken[-1] == ("e1", "e3")  # the LRU expert-capable one
+    e3.pinned = e2.pinned = True
+    _written(store, e3, 6.0)
+    with pytest.raises(SlotFullError, match="2 expert-capable"):
+        store.assign(e1)
+    assert store.can_assign(_v("p4"))  # attention-only adapters still find slots 2 and 3
+    every = _store(2)  # num_expert None: today's behaviour, every slot holds experts
+    assert [every.assign(_v("x", experts=True)), every.assign(_v("y", experts=True))] == [0, 1]
+
+
+def test_expert_adapters_find_no_slot_without_expert_capable_ones() -> None:
+    """num_expert 0: a typed refusal naming max_expert_loras (the engine refuses such adapters
+    at load already), never an index past the slots."""
+    store = _store(2, num_expert=0)
+    assert store.assign(_v("plain")) == 0
+    assert not store.can_assign(_v("e", experts=True))
+    with pytest.raises(SlotFullError, match="max_expert_loras"):
+        store.assign(_v("e", experts=True))
+
+
+def test_an_adapter_image_with_expert_modules_needs_an_expert_slot() -> None:
+    """A version whose flag is not set yet (a combination, a test's adapter) is known by its
+    image's expert entries (model/moe/lora_names.py)."""
+    store = _store(3, num_expert=1)
+    v = _v("img")
+    v.adapter.image = SimpleNamespace(
+        layout=None, nbytes=100, entries={(0, "q_proj"): None, (1, "experts.3.down_proj"): None}
+    )
+    assert store.assign(_v("plain")) == 1
+    assert store.assign(v) == 0
 
 
 def test_refs_count_running_readers_and_free_needs_none() -> None:

@@ -134,3 +134,67 @@ def test_the_parser_refuses_dense_mlp_tensors_on_a_sparse_layer_too(moe, tmp_pat
     mc = ModelConfig.from_dir(model_dir)
     with pytest.raises(AdapterTargetError, match="mixture-of-experts layer"):
         load_adapter(bad, mc, max_lora_rank=16)
+
+
+async def test_expert_adapters_take_only_expert_capable_slots(moe, tmp_path):
+    """max_loras 3, max_expert_loras 1: only slot 0 holds expert storage (the buffers are sized
+    1). Two expert adapters take turns in it (eviction among the expert-capable slots) while
+    attention-only adapters and base rows run in the same batches; every stream matches PEFT."""
+    from loraplex.engine.model.moe.expert_lora import ExpertLoRA
+
+    kind, model_dir, adapters = moe
+    fused = make_expert_adapter(
+        model_dir, tmp_path / "fused", r=4, alpha=8, target_modules=["q_proj"], seed=30
+    )
+    twin = make_expert_adapter(model_dir, tmp_path / "twin", r=8, alpha=16, seed=31)
+    per = to_per_expert(twin, tmp_path / "per", kind)
+    refs = {**adapters, "fused": fused, "per": twin}
+    served = {**adapters, "fused": fused, "per": per}
+    async with AsyncEngine(config(model_dir, max_loras=3, max_expert_loras=1)) as engine:
+        blocks = [m for m in engine.testing.executor.model.modules() if isinstance(m, ExpertLoRA)]
+        assert blocks and all(b.a_gate_up.shape[0] == 1 for b in blocks)
+        await register(engine, served)
+        slots = engine.testing.adapters.registry.slots
+        seen: dict[str, set[int]] = {name: set() for name in served}
+        done = asyncio.Event()
+
+        async def watch() -> None:  # where each adapter sits while the batches run
+            while not done.is_set():
+                for name in served:
+                    slot = slots.slot_of(engine.testing.adapters.registry.get(name))
+                    if slot is not None:
+                        seen[name].add(slot)
+                await asyncio.sleep(0)
+
+        watcher = asyncio.create_task(watch())
+        jobs = [(p, a) for p in PROMPTS for a in (None, *served)]
+        outs = await asyncio.gather(*(collect(engine, p, PARAMS, adapter=a) for p, a in jobs))
+        done.set()
+        await watcher
+        for (prompt, adapter), (tokens, _, _) in zip(jobs, outs, strict=True):
+            ref = HFReference(model_dir, {adapter or "attn": refs[adapter or "attn"]})
+            want, gaps = ref.greedy(prompt, adapter, PARAMS.max_tokens)
+            compare(tokens, want, gaps)
+        assert seen["fused"] == {0} and seen["per"] == {0}
+        assert seen["attn"] | seen["qv"] <= {1, 2} and seen["attn"] and seen["qv"]
+        assert_idle(engine)
+
+
+async def test_expert_adapters_are_refused_without_expert_slots(moe, tmp_path):
+    """max_expert_loras 0: no expert storage at all; an adapter with LoRA on the experts is a
+    typed error naming max_expert_loras at registration, attention-only adapters serve."""
+    from loraplex.engine.errors import AdapterConfigError
+
+    kind, model_dir, adapters = moe
+    fused = make_expert_adapter(model_dir, tmp_path / "fused", r=4, alpha=8, seed=30)
+    async with AsyncEngine(config(model_dir, max_expert_loras=0)) as engine:
+        assert engine.testing.executor.model.expert_loras() == []
+        with pytest.raises(AdapterConfigError, match="max_expert_loras") as e:
+            await engine.add_adapter("fused", f"file://{fused}")
+        assert e.value.field == "target_modules"
+        await engine.add_adapter("attn", f"file://{adapters['attn']}")
+        tokens, _, _ = await collect(engine, PROMPTS[0], PARAMS, adapter="attn")
+        want, gaps = HFReference(model_dir, {"attn": adapters["attn"]}).greedy(
+            PROMPTS[0], "attn", PARAMS.max_tokens
+        )
+        compare(tokens, want, gaps)

@@ -199,6 +199,38 @@ def test_triton_delta_without_adapter_pairs_leaves_out_alone():
     assert torch.equal(_bits(got), _bits(out))
 
 
+@pytest.mark.parametrize("triton", [False, True])
+def test_slots_past_the_expert_capable_ones_read_no_expert_storage(triton):
+    """max_expert_loras < max_loras: the buffers hold L = 4 slots, rows of LoRA slots 4 and 5
+    (attention-only adapters there) get no delta, their out bits kept, nothing read past the
+    buffers; every other row as with those rows made base rows."""
+    (x, a, b, experts, slots, ranks), out, blocks, a_div = _case(torch.float32, 2, 8, 2, 16, 3)
+    slots = torch.tensor([4, 0, 5, 1, -1, 3, 4, 5], device=DEVICE)
+    base = torch.where(slots >= 4, -1, slots)
+    want, got = out.clone(), out.clone()
+    expert_lora_delta_torch(x, a, b, experts, base, ranks, want, a_div=a_div, top_k=2)
+    expert_lora_delta(
+        x, a, b, experts, slots, ranks, got, a_div=a_div, top_k=2, triton=triton, blocks=blocks
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    past = (slots >= 4).repeat_interleave(2)
+    assert torch.equal(_bits(got[past]), _bits(out[past]))
+    assert not torch.equal(got[~past], out[~past])
+
+
+def test_expert_writes_refuse_a_slot_without_expert_storage():
+    """The expert slot writes never index past the expert-capable slots: a typed ValueError;
+    a clear of such a slot is a no-op (it holds nothing)."""
+    lora = ExpertLoRA(3, 8, 6, max_loras=1, max_rank=4, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="max_expert_loras"):
+        lora.set(1, "gate", 0, torch.ones(2, 8), torch.ones(6, 2))
+    with pytest.raises(ValueError, match="max_expert_loras"):
+        lora.written(2, 4)
+    lora.dirty.add(2)  # a write of unknown contents marks a slot dirty before it clears it
+    lora.clear(2)
+    assert lora.ranks.tolist() == [0] and not lora.dirty
+
+
 def test_expert_lora_ranks_follow_set_and_clear():
     """``ranks`` holds each slot's largest expert rank; clear sets it to 0."""
     lora = ExpertLoRA(3, 8, 6, max_loras=2, max_rank=4, dtype=torch.float32, device="cpu")
@@ -209,3 +241,30 @@ def test_expert_lora_ranks_follow_set_and_clear():
     assert lora.ranks.tolist() == [4, 3]
     lora.clear(1)
     assert lora.ranks.tolist() == [4, 0] and float(lora.b_down[1].abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("expert_slots", [0, 1])
+def test_the_warm_up_layout_fits_the_expert_slots(tmp_path, expert_slots):
+    """Start-up's warm write (the full layout into slot 0) on a MoE model with 0 expert-capable
+    slots leaves the experts out (no slot can take them: a plan over them would fail); with
+    some, slot 0 takes them."""
+    from loraplex.engine.model.loader import load_model
+    from loraplex.engine.model.lora.slot_buffers import SlotBuffers
+    from loraplex.engine.model.lora.slot_image import PackedAdapter, full_layout
+    from loraplex.engine.model.moe.lora_names import expert_module
+    from loraplex.engine.warmup import warm_layout
+
+    folder = make_tiny_moe(tmp_path / "moe", "qwen3_moe", seed=1)
+    model = load_model(
+        folder, dtype=torch.float32, device="cpu", max_loras=2, max_lora_rank=4,
+        max_expert_loras=expert_slots,
+    )  # fmt: skip
+    entries, numel = warm_layout(model)
+    assert numel == full_layout(model.cfg, 4)[1]
+    has = any(expert_module(k[1]) is not None for k in entries)
+    assert has == bool(expert_slots)
+    packed = PackedAdapter(torch.ones(numel), entries, 4)
+    buffers = SlotBuffers(model)
+    buffers.prepare_plans(packed)
+    buffers.write(0, packed, scatter="torch")
+    assert [b.ranks.tolist() for _, b in model.expert_loras()] == [[4]] * len(model.expert_loras())

@@ -122,6 +122,14 @@ def test_flags_map_onto_engine_config(tmp_path):
     args = ["serve", "--max-loras", "4", "--max-full-module-loras", "2"]
     full = config_from_args(build_parser().parse_args(args))
     assert (full.max_loras, full.max_full_module_loras) == (4, 2)
+    assert demo.max_expert_loras is None and demo.expert_slots == demo.max_loras  # every slot
+    args = ["serve", "--max-loras", "4", "--max-expert-loras", "1"]
+    experts = config_from_args(build_parser().parse_args(args))
+    assert (experts.max_expert_loras, experts.expert_slots) == (1, 1)
+    with pytest.raises(ValueError, match="max_expert_loras must be between 0 and max_loras"):
+        config_from_args(
+            build_parser().parse_args(["serve", *args[1:3], "--max-expert-loras", "5"])
+        )
     tp = config_from_args(build_parser().parse_args(["serve", "--tensor-parallel-size", "2"]))
     assert tp.tensor_parallel_size == 2
     ray = build_parser().parse_args(["serve-ray", "--tensor-parallel-size", "2"])

@@ -153,6 +153,34 @@ def test_moe_estimate_counts_the_expert_lora_slots(tmp_path: Path) -> None:
     assert "of it the experts" in format_table(est)
 
 
+def test_moe_estimate_counts_only_the_expert_capable_slots(tmp_path: Path) -> None:
+    """--max-expert-loras 1 of 3 slots: the estimate's LoRA bytes equal the loaded model's
+    buffers (every slot's dense LoRA, the experts' storage in one slot), and the table says
+    so."""
+    from loraplex.engine.model.loader import load_model
+    from loraplex.engine.model.moe.expert_lora import ExpertLoRA
+    from tests.helpers.moe_models import make_tiny_moe
+
+    folder = make_tiny_moe(tmp_path / "moe", "qwen3_moe", seed=1)
+    kw = dict(max_loras=3, max_lora_rank=4)
+    config = EngineConfig(model=str(folder), device="cpu", dtype="float32", max_cpu_loras=3,
+                          max_expert_loras=1, **kw)  # fmt: skip
+    est = estimate_memory(local_metadata(folder), config, "m")
+    model = load_model(folder, dtype=torch.float32, device="cpu", max_expert_loras=1, **kw)
+    lins = {id(v): v for _, by in model.lora_linears() for v in by.values()}
+    lins.update({id(v): v for v in model.lora_vocab().values()})
+    dense = sum((v.lora_a.numel() + v.lora_b.numel()) * 4 for v in lins.values())
+    experts = [m for m in model.modules() if isinstance(m, ExpertLoRA)]
+    assert experts and all(m.a_down.shape[0] == 1 for m in experts)
+    expert_bytes = sum(m.slot_bytes for m in experts)
+    assert est.expert_slot_bytes == expert_bytes
+    assert est.lora_bytes == dense + expert_bytes
+    assert "1 (--max-expert-loras)" in format_table(est)
+    none = EngineConfig(model=str(folder), device="cpu", dtype="float32", max_cpu_loras=3,
+                        max_expert_loras=0, **kw)  # fmt: skip
+    assert estimate_memory(local_metadata(folder), none, "m").lora_bytes == dense
+
+
 def test_draft_model_is_counted(tmp_path: Path) -> None:
     """--speculative-method draft: the draft's weights (at the served dtype) and its KV cache
     for the KV line's tokens plus K drafted ones per sequence are in the estimate and its

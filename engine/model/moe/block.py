@@ -36,6 +36,7 @@ class SparseMoe(torch.nn.Module):
         *,
         max_loras: int = 0,
         max_rank: int = 16,
+        max_expert_loras: int | None = None,
     ) -> None:
         super().__init__()
         self.spec = spec
@@ -47,10 +48,12 @@ class SparseMoe(torch.nn.Module):
         # a list: every forward appends its (T, k) expert ids (the decode benchmark counts the
         # experts a step reads); None (serving): nothing kept
         self.routed: list[torch.Tensor] | None = None
+        # expert LoRA storage in LoRA slots 0 .. max_expert_loras - 1 (None: every slot)
+        n = max_loras if max_expert_loras is None else min(max_expert_loras, max_loras)
         self.lora: ExpertLoRA | None = None
-        if max_loras > 0:
+        if n > 0:
             self.lora = ExpertLoRA(
-                e, hidden, i, max_loras=max_loras, max_rank=max_rank, dtype=dtype, device=device
+                e, hidden, i, max_loras=n, max_rank=max_rank, dtype=dtype, device=device
             )
 
     def forward(

@@ -1,8 +1,9 @@
 """LoRA on the experts: one sparse block's slots and the delta of every (token, chosen expert,
 adapter slot) triple, never a merged weight.
 
-Slots (R = max_lora_rank, L = max_loras; rank-r adapters fill rows / columns < r, zeros
-beyond)::
+Slots (R = max_lora_rank, L = the expert-capable slots: ``max_expert_loras``, default
+max_loras; LoRA slots 0 .. L-1 hold expert storage, rows of slots >= L read none, as rank 0;
+rank-r adapters fill rows / columns < r, zeros beyond)::
 
     a_gate_up: (L, E, 2R, H)   rows 0 .. R: the expert's gate A, R .. 2R: its up A
     b_gate_up: (L, E, R, 2I)   B^T: columns 0 .. I: gate B (scale folded in), I .. 2I: up B
@@ -20,7 +21,7 @@ Semantics (``expert_lora_delta_torch`` is this loop, grouped by (slot, expert)):
 
     for p in range(P):                                  # pair p = token * k + j
         s = token_slots[p // top_k]; e = experts[p]
-        if s < 0 or ranks[s] == 0: continue             # a base row; a slot without experts
+        if s < 0 or s >= L or ranks[s] == 0: continue   # a base row; a slot without experts
         r = ranks[s]                                    # the slot's largest expert rank
         h = x[p // a_div] @ a[s, e, rows i*R .. i*R + r].T      # (S * r,) S slices: 2 or 1
         for i in range(S):                              # slice i: output rows i*N/S ..
@@ -79,8 +80,23 @@ class ExpertLoRA(torch.nn.Module):
         bufs = (self.a_gate_up, self.b_gate_up, self.a_down, self.b_down)
         return sum(t[0].numel() * t.element_size() for t in bufs)
 
+    def holds(self, slot: int) -> bool:
+        """``slot`` has expert storage here (LoRA slots past ``max_loras`` have none)."""
+        return 0 <= slot < self.max_loras
+
+    def _check(self, slot: int) -> None:
+        if not self.holds(slot):
+            raise ValueError(
+                f"LoRA slot {slot} holds no expert storage (expert-capable slots: 0 .. "
+                f"{self.max_loras - 1}, max_expert_loras)"
+            )
+
     @torch.no_grad()
     def clear(self, slot: int) -> None:
+        """``slot``'s experts zeroed (a slot past the expert-capable ones holds none: no-op)."""
+        if not self.holds(slot):
+            self.dirty.discard(slot)
+            return
         if slot in self.dirty:
             for t in (self.a_gate_up, self.b_gate_up, self.a_down, self.b_down):
                 t[slot].zero_()
@@ -99,6 +115,7 @@ class ExpertLoRA(torch.nn.Module):
         """Write one module's pairs into ``slot`` (cleared before, ``clear``): ``role`` gate_up
         / down with ``expert`` None (PEFT's fused form: A (r*E, in), B (out, r*E), expert e's
         column j of B at j*E + e), or gate / up / down of one ``expert`` (A (r, in), B (out, r))."""
+        self._check(slot)
         self.dirty.add(slot)
         big_r, i = self.max_rank, self.width
         if expert is None:
@@ -129,6 +146,7 @@ class ExpertLoRA(torch.nn.Module):
     def written(self, slot: int, rank: int) -> None:
         """``slot`` was written (a batched scatter, ``lora/slot_buffers.py``) with experts of
         rank up to ``rank``, after a ``clear``."""
+        self._check(slot)
         self.dirty.add(slot)
         self._set_rank(slot, max(self._ranks[slot], rank))
 
@@ -152,7 +170,7 @@ def expert_lora_delta_torch(
     width = out.shape[1] // n_slices
     pair_slots = token_slots.long().repeat_interleave(top_k)  # (P,)
     rank_of = ranks.long().tolist()
-    live = (pair_slots >= 0).nonzero().squeeze(1)
+    live = ((pair_slots >= 0) & (pair_slots < a.shape[0])).nonzero().squeeze(1)
     if live.numel() == 0:
         return
     keys = pair_slots[live] * a.shape[1] + experts[live].long()

@@ -110,6 +110,7 @@ def write_experts_batched(
         block.clear(slot)
     if plan.plan is None:
         return
+    _check_slot(blocks, slot)
     if src is None:
         raise ValueError("expert modules need the packed buffer on the device")
     scatter_triton(src, plan.plan, slot)
@@ -127,6 +128,7 @@ def write_experts_per_module(
         block.clear(slot)
     if not experts:
         return
+    _check_slot(blocks, slot)
     if src is None:
         raise ValueError("expert modules need the packed buffer on the device")
     for (layer, module), e in experts:
@@ -136,6 +138,17 @@ def write_experts_per_module(
         em = expert_module(module)
         assert em is not None
         block.set(slot, em.role, em.expert, packed_view(src, e, "a"), packed_view(src, e, "b"))
+
+
+def _check_slot(blocks: Mapping[int, ExpertLoRA], slot: int) -> None:
+    """A write of expert modules goes only to an expert-capable slot (the slot store hands
+    adapters with experts no other): typed ``ValueError``, never a write past the buffers."""
+    for block in blocks.values():
+        if not block.holds(slot):
+            raise ValueError(
+                f"LoRA slot {slot} holds no expert storage: an adapter with LoRA on the experts "
+                f"needs one of the {block.max_loras} expert-capable slots (max_expert_loras)"
+            )
 
 
 def packed_view(src: torch.Tensor, e: PackEntry, which: str) -> torch.Tensor:

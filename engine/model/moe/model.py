@@ -36,7 +36,13 @@ __all__ = ["MoeDecoderLayer", "MoeForCausalLM"]
 
 class MoeDecoderLayer(torch.nn.Module):
     def __init__(
-        self, cfg: ModelConfig, index: int, lora_kw: dict, dtype: torch.dtype, device
+        self,
+        cfg: ModelConfig,
+        index: int,
+        lora_kw: dict,
+        dtype: torch.dtype,
+        device,
+        max_expert_loras: int | None = None,
     ) -> None:
         super().__init__()
         assert cfg.moe is not None
@@ -62,7 +68,7 @@ class MoeDecoderLayer(torch.nn.Module):
         if cfg.moe.is_sparse(index):
             self.mlp = SparseMoe(
                 h, cfg.moe, dtype, device, max_loras=lora_kw["max_loras"],
-                max_rank=lora_kw["max_rank"],
+                max_rank=lora_kw["max_rank"], max_expert_loras=max_expert_loras,
             )  # fmt: skip
         else:
             i = cfg.intermediate_size
@@ -130,7 +136,9 @@ class MoeForCausalLM(LlamaForCausalLM):
         max_lora_rank: int = 16,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        max_expert_loras: int | None = None,
     ) -> None:
+        """``max_expert_loras``: LoRA slots 0 .. N-1 hold expert LoRA storage (None: all)."""
         if cfg.moe is None:
             raise ModelConfigError(f"model_type {cfg.model_type!r} has no mixture of experts")
         if cfg.num_layers < 1:
@@ -143,8 +151,10 @@ class MoeForCausalLM(LlamaForCausalLM):
         lora_kw = {"max_loras": max_loras, "max_rank": max_lora_rank, "dtype": dtype}
         lora_kw["device"] = device
         self.layers = torch.nn.ModuleList(
-            MoeDecoderLayer(cfg, i, lora_kw, dtype, device) for i in range(cfg.num_layers)
+            MoeDecoderLayer(cfg, i, lora_kw, dtype, device, max_expert_loras)
+            for i in range(cfg.num_layers)
         )
+        self.max_expert_loras = max_loras if max_expert_loras is None else max_expert_loras
 
     def set_tensor_parallel(self, tp: TensorParallel) -> None:
         raise TensorParallelError(

@@ -11,7 +11,8 @@ every block holds ``block_m`` pairs of one expert), each pair with its token's s
 A program loops over the slots: for each slot some of its block's pairs hold, one dot over
 those rows (the others load as zeros, read nothing) against that slot's (expert) weights, masked
 to the slot's rank (``ranks``: 0 where a slot holds no expert weights). Pairs of base rows (slot
--1) and of slots of rank 0 are neither computed nor stored: their ``out`` rows keep their bits.
+-1), of slots >= L (no expert storage: ``max_expert_loras``) and of slots of rank 0 are neither
+computed nor stored: their ``out`` rows keep their bits.
 ``h``: (P, S*R) float32 scratch, one row a pair, written only where a pair takes a delta.
 
 Roundings as the twin's (``expert_lora_delta_torch``): float32 accumulation, one rounding into
@@ -117,6 +118,7 @@ def _shrink_kernel(
     pair = tl.load(pairs_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
     live = pair < P
     slot = tl.load(slots_ptr + pair // TOP_K, mask=live, other=-1)
+    slot = tl.where(slot < L, slot, -1)  # a slot past the expert-capable ones: no experts
     row_rank = tl.load(ranks_ptr + slot, mask=slot >= 0, other=0)
     on = live & (slot >= 0) & (row_rank > 0)
     if tl.sum(on.to(tl.int32)) == 0:
@@ -191,6 +193,7 @@ def _expand_kernel(
     pair = tl.load(pairs_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
     live = pair < P
     slot = tl.load(slots_ptr + pair // TOP_K, mask=live, other=-1)
+    slot = tl.where(slot < L, slot, -1)  # a slot past the expert-capable ones: no experts
     row_rank = tl.load(ranks_ptr + slot, mask=slot >= 0, other=0)
     on = live & (slot >= 0) & (row_rank > 0)
     if tl.sum(on.to(tl.int32)) == 0:
