@@ -1,6 +1,7 @@
 """The GPU slots' one owner: which version holds each slot, the running requests reading it,
 the write in flight and its landing, and what each slot holds (rank, DoRA, which regions are
-zero).
+zero). One concept, ~400 lines with the full-table and expert-slot placement rules: every
+question about a slot is answered here, so that no other module writes slot state.
 
 Ownership. Slots ``0 .. num_full - 1`` also hold full tables (model/lora/full.py): the only
 ones an adapter with modules_to_save tables may take; slots ``0 .. num_expert - 1`` (None:
