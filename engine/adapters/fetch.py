@@ -226,7 +226,7 @@ class AdapterFetcher:
                 max_lora_rank=self.config.max_lora_rank, max_bytes=self.config.max_adapter_bytes,
                 progress=self._progress(v), full_modules=self.config.max_full_module_loras > 0,
                 extra_files=self._extra_files(), dtype=dtype, pin=bool(stage and stage[1]),
-                out=out,
+                out=out, defer_copy=True,
             )  # fmt: skip
 
         got, adapter = await self.stager.in_thread(v, run, stage, wait=not background)
@@ -237,7 +237,7 @@ class AdapterFetcher:
             got.result.pinned_uri,
             got.result.nbytes,
         )
-        v.seal = got.checked.seal
+        v.seal, v.copy = got.checked.seal, got.checked.copy  # (copy: lifecycle._fetched)
         v.lora_rank, v.dora, v.full = report.rank, report.config.use_dora, bool(report.full)
         v.vocab_rows = report.vocab_rows
         t.update(resolve=t1 - t0, **got.stages)

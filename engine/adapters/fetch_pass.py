@@ -78,12 +78,14 @@ async def fetch_and_check(
     dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
     pin: bool = False,
+    defer_copy: bool = False,
 ) -> Fetched:
     """Fetch ``uri`` into ``dest`` (removed again on any failure) and check it in one pass.
     ``dtype``: also pack the slot image (into ``out``: a host-pool region's view, else a new
     buffer, pinned if ``pin``); ``extra_files``: optional files fetched too (an adapter's
     tokenizer, added_tokens.py); ``cpu_gate``: held around the pass (a loader helper's
-    one-at-a-time gate for GIL-bound work)."""
+    one-at-a-time gate for GIL-bound work); ``defer_copy``: a local source's staging copy is
+    written after the pass (``Fetched.checked.copy``: onepass.py)."""
     t1 = time.perf_counter()
     check = _expect(name, shown_uri, sha256, expect_digest)
     downloaded: Seal | None = None
@@ -132,6 +134,7 @@ async def fetch_and_check(
                         src, model_config, max_lora_rank=max_lora_rank, max_bytes=max_bytes,
                         full_modules=full_modules, dtype=dtype, pin=pin, out=out,
                         copy_to=copy_to, expect=check, stop=stop, sealed=downloaded,
+                        defer_copy=defer_copy,
                     )  # fmt: skip
                 if downloaded is not None:
                     got.seal = replace(downloaded, digest=got.digest)

@@ -378,6 +378,7 @@ class AdapterLifecycle:
     ) -> LoRAAdapter | None:
         """Make sure ``v``'s files are in the staging dir (fetched again if they went);
         ``stage`` = (dtype, pin): a fetch also stages ``v`` in the same pass and returns it."""
+        await self.copy_written(v)
         if v.local_dir is not None and not await asyncio.to_thread(v.local_dir.is_dir):
             log.warning("adapter_staging_lost", name=v.name, path=str(v.local_dir))
             v.local_dir = None  # fetched again below; the digest must not change
@@ -391,6 +392,23 @@ class AdapterLifecycle:
             await self.fetcher.trim_staging(self.registry.versions(), keep=v)
             return adapter
         return None
+
+    async def copy_written(self, v: AdapterVersion) -> None:
+        """Wait for the staging copy ``v``'s load wrote after its pass (onepass.py's
+        defer_copy): sealed, ``v.seal`` is set; a failed write drops the copy (the next
+        ``_fetched`` fetches and verifies the source again)."""
+        copy = v.copy
+        if copy is None:
+            return
+        try:
+            seal = await asyncio.wrap_future(copy)
+            if v.copy is copy:
+                v.copy, v.seal = None, seal
+        except Exception as e:
+            if v.copy is copy:
+                v.copy = None
+                if v.local_dir is not None:
+                    self._drop_staged(v, e)
 
     def _drop_staged(self, v: AdapterVersion, why: Exception) -> None:
         """``v``'s staged copy is not the one verified (seal.py): removed; the next

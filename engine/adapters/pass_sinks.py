@@ -8,9 +8,10 @@ import contextlib
 import ctypes
 import hashlib
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -21,6 +22,8 @@ from loraplex.engine.adapters.preflight import PreflightReport
 from loraplex.engine.model.lora.slot_image import PackedAdapter, PackEntry, layout_of, new_buffer
 
 __all__ = ["Hasher", "Packer"]
+
+T = TypeVar("T")
 
 
 class Packer:
@@ -91,11 +94,15 @@ class Hasher:
     """sha256 of the weights file, fed in order to one thread of its own; the staging copy's
     ``.part`` file (``size`` bytes, reserved up front) is written by a second thread. The hash is the floor of the pass: its
     thread does nothing else, and the copy's write (~0.5 x the hash time into the page cache)
-    runs beside it and the checks and pack (the OS shares the cores among the three)."""
+    runs beside it and the checks and pack (the OS shares the cores among the three).
+
+    ``deferred``: ``feed`` only hashes; the copy is written by ``write`` calls after the pass
+    (onepass.py: the copy's write then costs the pass nothing on a machine of two cores)."""
 
     def __init__(self, copy_to: Path | None, hash_bytes: bool, size: int = 0) -> None:
         self.h = hashlib.sha256()
         self.hash_bytes = hash_bytes
+        self.deferred = False
         self.pool = (
             ThreadPoolExecutor(1, thread_name_prefix="loraplex-hash") if hash_bytes else None
         )
@@ -110,18 +117,18 @@ class Hasher:
             _reserve(self.fd, size)
 
     def feed(self, data: Any) -> list[Future]:
-        """Hash and copy ``data`` (each in its thread); the futures of both."""
+        """Hash and (unless deferred) copy ``data`` (each in its thread); the futures."""
         out = []
         if self.pool is not None:
             out.append(self.pool.submit(self.h.update, data))
-        if self.writer is not None:
-            out.append(self.writer.submit(self._write, data))
+        if self.writer is not None and not self.deferred:
+            out.append(self.writer.submit(_write, self.fd, data))
         return out
 
-    def _write(self, data: Any) -> None:
-        view, done = memoryview(data), 0
-        while done < len(view):
-            done += os.write(self.fd, view[done:])  # type: ignore[arg-type]
+    def write(self, data: Any) -> Future:
+        """Append ``data`` to the copy (in the copy's thread, in the order of the calls)."""
+        assert self.writer is not None and self.fd is not None
+        return self.writer.submit(_write, self.fd, data)
 
     def finish(self) -> str:
         for pool in (self.pool, self.writer):
@@ -129,11 +136,46 @@ class Hasher:
                 pool.shutdown(wait=True)
         return self.h.hexdigest() if self.hash_bytes else ""
 
+    def finish_hash(self) -> str:
+        """(deferred) The digest, once the hash thread is done; the copy's writes go on."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        return self.h.hexdigest() if self.hash_bytes else ""
+
+    def copy_later(
+        self, futures: list[Future], done: Callable[[], T], release: Callable[[], None]
+    ) -> Future[T]:
+        """(deferred) Once every write queued so far (and ``futures``) is done: the copy
+        closed, then ``done()`` (rename and seal), in the copy's thread; its result or error
+        is the returned future's. A failed write removes the ``.part`` file. ``release()``
+        last, either way (the chunk buffers the writes read)."""
+        assert self.writer is not None and self.fd is not None
+        fd, part, self.fd = self.fd, self.part, None
+
+        def complete() -> T:
+            try:
+                try:
+                    for f in futures:  # (done: the thread runs its work in order)
+                        f.result()
+                finally:
+                    os.close(fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    part.unlink()  # type: ignore[union-attr]
+                raise
+            finally:
+                release()
+            return done()
+
+        fut = self.writer.submit(complete)
+        self.writer.shutdown(wait=False)  # (its thread ends after the copy)
+        return fut
+
     def close(self, ok: bool) -> None:
         """Stop the threads (after what they run now: they may read a chunk buffer) and,
         unless the pass succeeded, remove the partial copy."""
         for pool in (self.pool, self.writer):
-            if pool is not None:
+            if pool is not None and (pool is not self.writer or self.fd is not None):
                 pool.shutdown(wait=True, cancel_futures=True)
         if self.fd is not None:
             os.close(self.fd)
@@ -141,6 +183,12 @@ class Hasher:
             if not ok and self.part is not None:
                 with contextlib.suppress(OSError):
                     self.part.unlink()
+
+
+def _write(fd: int, data: Any) -> None:
+    view, done = memoryview(data), 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
 
 
 def _reserve(fd: int, size: int) -> None:

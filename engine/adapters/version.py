@@ -48,6 +48,9 @@ class AdapterVersion:
     load_task: asyncio.Task | None = None
     region: Any = None  # host-pool Region holding the CPU-tier tensors (host_pool.py)
     seal: Any = None  # the staged copy's seal (seal.py): a re-stage needs no second hash
+    # the staged copy still being written after the load's pass (a concurrent Future of its
+    # seal: onepass.py's defer_copy); nothing reads the copy before it is done
+    copy: Any = None
     lora_rank: int = 0  # largest module rank, from the preflight (0: not fetched yet)
     dora: bool = False  # a DoRA adapter (preflight)
     full: bool = False  # carries modules_to_save tables (preflight): a full-table slot only

@@ -122,6 +122,7 @@ async def test_reload_from_an_intact_copy_hashes_nothing_and_a_changed_one_is_re
         a = engine.testing.adapters
         await engine.add_adapter("poem", f"file://{src}")
         v = a.registry.get("poem")
+        await a.copy_written(v)  # (in this process: written after the load's pass)
         first_dir, seal = v.local_dir, v.seal
         assert seal is not None and seal.digest == v.digest
         # evicted, then read back from the intact copy: a stage, no fetch
@@ -134,6 +135,7 @@ async def test_reload_from_an_intact_copy_hashes_nothing_and_a_changed_one_is_re
         tamper(first_dir)
         changed, _, _ = await collect(engine, PROMPT, GREEDY, adapter="poem")
         assert "fetch" in v.timings and v.local_dir != first_dir  # fetched and verified again
+        await a.copy_written(v)
         assert v.digest == seal.digest and v.seal is not None and v.seal != seal
         # the image the request read is the source's, bit for bit (not the changed copy's)
         mc = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SECONDS = 45
+SECONDS = 20  # (CI; the long run is on the benchmark page)
 
 
 def test_fuzz_finds_no_crash_of_the_engine_side(tmp_path):
