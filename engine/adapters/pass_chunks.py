@@ -37,7 +37,7 @@ CHUNK_BYTES = 2 << 20
 # buffers per pass: the hash thread may run this many chunks ahead of the checks (the header's
 # checks take ~0.1-0.2 x the hash time of the file: a few chunks of a 27-84 MB adapter)
 RING = 6
-_KEEP = 4  # rings kept for later passes (one per concurrent pass; new buffers page-fault)
+KEEP_RINGS = 4  # rings kept for later passes (one per concurrent pass; new buffers page-fault)
 _rings: list[list[torch.Tensor]] = []
 _rings_lock = threading.Lock()
 # chunks one pass that defers its copy keeps beyond its ring (an 84 MB adapter fits), kept
@@ -91,7 +91,7 @@ def _take_ring(width: int) -> list[torch.Tensor]:
 def _give_ring(ring: list[torch.Tensor]) -> None:
     if len(ring) == RING and ring[0].numel() == CHUNK_BYTES:
         with _rings_lock:
-            if len(_rings) < _KEEP:
+            if len(_rings) < KEEP_RINGS:
                 _rings.append(ring)
 
 

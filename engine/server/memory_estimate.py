@@ -73,6 +73,9 @@ class MemoryEstimate:
     # cache for the KV line's tokens plus the drafted ones (spec/draft.py)
     draft_weight_bytes: int = 0
     draft_kv_bytes: int = 0
+    # loads in this process's threads (no loader processes): the passes' chunk buffers kept
+    # for later loads and the staging copies written after them (adapters/pass_chunks.py)
+    load_buffer_bytes: int = 0
 
     @property
     def lora_bytes(self) -> int:
@@ -126,6 +129,7 @@ def estimate_memory(meta: ModelMetadata, config: EngineConfig, model: str) -> Me
     """The estimate for serving ``meta`` with ``config`` (its device, dtype, slots, limits)."""
     import torch
 
+    from loraplex.engine.adapters import pass_chunks
     from loraplex.engine.model.config import ModelConfig
     from loraplex.engine.model.loader import resolve_dtype
     from loraplex.engine.model.lora.full import full_slot_bytes
@@ -175,6 +179,8 @@ def estimate_memory(meta: ModelMetadata, config: EngineConfig, model: str) -> Me
     regions = max(config.max_cpu_loras, config.max_loras) + max(1, config.max_concurrent_loads)
     host = regions * slot_image_numel(mcfg, config.max_lora_rank) * elem if config.max_loras else 0
     draft_weights, draft_kv = _draft(config, dtype, elem, cuda, blocks * config.block_size)
+    threads = config.max_loras and config.resolved_loader_processes == 0
+    rings = pass_chunks.KEEP_RINGS * pass_chunks.RING * pass_chunks.CHUNK_BYTES
     gpu = cap = gpu_bytes = None
     if cuda and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.device(device).index or 0)
@@ -194,6 +200,7 @@ def estimate_memory(meta: ModelMetadata, config: EngineConfig, model: str) -> Me
         headroom_bytes=GPU_HEADROOM if cuda else 0, host_pool_bytes=host,
         gpu=gpu, gpu_capability=cap, gpu_bytes=gpu_bytes, kv_policy=_kv_policy(config, cuda),
         expert_slot_bytes=experts, expert_slots=config.max_expert_loras,
+        load_buffer_bytes=pass_chunks.RETAIN_BYTES + rings if threads else 0,
         draft_weight_bytes=draft_weights, draft_kv_bytes=draft_kv,
     )  # fmt: skip
 
@@ -325,6 +332,9 @@ def format_table(e: MemoryEstimate) -> str:
         rows.append(("this GPU", f"{e.gpu}, {human_bytes(e.gpu_bytes)}: {fits}"))
     if e.host_pool_bytes:
         rows.append(("pinned host memory", f"{human_bytes(e.host_pool_bytes)} (CPU adapter tier)"))
+    if e.load_buffer_bytes:
+        rows.append(("load buffers", f"up to {human_bytes(e.load_buffer_bytes)} (host; adapter "
+                                     "loads in threads)"))  # fmt: skip
     if e.fp8 is None:
         rows.append(("with --quantization fp8", f"weights {human_bytes(e.fp8_weight_bytes)}"))
     rows.append(("fp8", _fp8_line(e)))

@@ -69,6 +69,25 @@ def test_estimate_matches_what_the_engine_allocates(tmp_path: Path) -> None:
     assert est.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers x KV heads x head dim x K,V
 
 
+def test_load_buffers_counted_where_loads_run_in_threads(tmp_path: Path) -> None:
+    """A CPU engine loads adapters in its own threads: the chunk buffers its passes keep
+    (pass_chunks.py) are a row; with loader processes, or without LoRA slots, there is none."""
+    from loraplex.engine.adapters import pass_chunks
+    from tests.helpers.models import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "m", kind="llama", seed=1)
+    meta = local_metadata(folder)
+
+    def est(**kw):
+        return estimate_memory(meta, EngineConfig(model=str(folder), device="cpu", **kw), "m")
+
+    threads = est(max_loras=2)
+    assert threads.load_buffer_bytes >= pass_chunks.RETAIN_BYTES
+    assert "\n  load buffers " in "\n" + format_table(threads)
+    assert est(max_loras=2, loader_processes=1).load_buffer_bytes == 0
+    assert est(max_loras=0).load_buffer_bytes == 0
+
+
 def test_fp8_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
