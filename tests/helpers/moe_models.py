@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from tests.helpers.models import TINY_CONFIG, _randomise
 
 __all__ = ["MOE_KINDS", "EXPERT_PARAMS", "make_tiny_moe", "fuse_experts", "make_expert_adapter",
-           "to_per_expert"]  # fmt: skip
+           "router_margins", "to_per_expert"]  # fmt: skip
 
 EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
@@ -59,6 +59,47 @@ def make_tiny_moe(dir: str | Path, kind: str, seed: int = 0, **overrides: Any) -
     _randomise(model, seed)
     out = Path(dir)
     model.save_pretrained(out)
+    return out
+
+
+def router_margins(model_dir, adapters, prompts, names, tokens) -> list[list[float]]:
+    """Per step of ``hf_mixed_batch`` (its decode forced to ``tokens``) and row: how clear the
+    routing of the token whose logits that step gives is, in float32 PEFT: the smallest gap,
+    over the MoE layers, between the k-th and the (k+1)-th router probability (k: top-k).
+
+    A random tiny router is near-uniform, so some tokens' top-k choice hangs on a gap below
+    what half precision perturbs: a bfloat16 run (PEFT's or ours) may route such a token to
+    another expert than the float32 reference, and its logits jump (a discontinuity of MoE
+    routing, not an error of the arithmetic)."""
+    from tests.helpers.peft_oracle import hf_mixed_batch
+
+    caps: list[tuple[int, torch.Tensor]] = []
+
+    def hook(mod: torch.nn.Module, _args: Any, out: Any) -> None:
+        logits = out[0] if isinstance(out, tuple) else out
+        caps.append((mod.top_k, logits.detach().float().cpu()))
+
+    def prepare(model: torch.nn.Module) -> None:
+        for mod in model.modules():
+            if type(mod).__name__.endswith("TopKRouter"):
+                mod.register_forward_hook(hook)
+
+    hf_mixed_batch(model_dir, adapters, prompts, names, force=tokens, prepare=prepare)
+    calls = len(tokens)
+    layers = len(caps) // calls
+    assert layers and layers * calls == len(caps), (len(caps), calls)
+    width = max(len(p) for p in prompts)
+    out = []
+    for step in range(calls):
+        row_gaps = []
+        for row in range(len(prompts)):
+            at = row * width + width - 1 if step == 0 else row  # (the prefill: left-padded)
+            gaps = []
+            for k, logits in caps[step * layers : (step + 1) * layers]:
+                top = torch.sort(torch.softmax(logits[at], -1), descending=True).values
+                gaps.append((top[k - 1] - top[k]).item())
+            row_gaps.append(min(gaps))
+        out.append(row_gaps)
     return out
 
 

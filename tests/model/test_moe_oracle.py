@@ -13,7 +13,7 @@ import torch
 
 from loraplex.engine.model.backend import KernelBackend
 from tests.helpers.models import make_peft_adapter
-from tests.helpers.moe_models import MOE_KINDS, make_tiny_moe
+from tests.helpers.moe_models import MOE_KINDS, make_tiny_moe, router_margins
 from tests.helpers.peft_oracle import half_ok, hf_mixed_batch, ours, rel_err
 
 pytest.importorskip("transformers")
@@ -26,6 +26,9 @@ ADAPTERS = {
 ROWS = [("base", 5), ("attn4", 9), ("qv8", 3), ("attn4", 1), ("base", 7), ("qv8", 6)]
 SAME_PROMPT = (1, 4)  # an adapter row and a base row with one prompt
 RTOL = 1e-4
+# a router gap (k-th minus (k+1)-th probability, float32) this small may flip in bfloat16: a
+# hidden state ~2 % off (bfloat16's error here) swaps such a top-k choice in ~1 of 5 draws
+TIE = 0.05
 
 
 @pytest.fixture(scope="module", params=list(MOE_KINDS))
@@ -83,7 +86,10 @@ def test_gpu_forward_matches_peft(setup, backend):
 @pytest.mark.gpu
 def test_gpu_forward_in_bfloat16_against_peft(setup):
     """bfloat16 on CUDA (Triton kernels, decode steps as CUDA graphs): against PEFT in float32
-    on the same GPU, our error is of the order of PEFT's own in bfloat16 (``half_ok``)."""
+    on the same GPU, our error is of the order of PEFT's own in bfloat16 (``half_ok``). A row
+    whose token the float32 router chose by a gap below ``TIE`` may be routed elsewhere in
+    half precision (its logits jump, PEFT's too on other such rows: router_margins); such a
+    row may miss the bound, at most one in six, and no other."""
     kind, model_dir, adapters, prompts, names, _, _ = setup
     run = dict(model_dir=model_dir, adapters=adapters, prompts=prompts, names=names)
     ref_steps, ref_tokens = hf_mixed_batch(**run, dtype=torch.float32, device="cuda")
@@ -94,11 +100,18 @@ def test_gpu_forward_in_bfloat16_against_peft(setup):
         graphs=graphs,
     )  # fmt: skip
     assert graphs[1:] == [True] * (len(graphs) - 1), "decode steps ran eagerly"
+    margins = router_margins(model_dir, adapters, prompts, names, ref_tokens)
+    tied = []
     for step, ref_step in enumerate(ref_steps):
         for row in range(len(prompts)):
             ref = ref_step[row]
             err, hf_err = rel_err(our_steps[step][row], ref), rel_err(hf_steps[step][row], ref)
-            assert half_ok(err, hf_err), f"{kind} step {step} row {row}: {err:.2e} vs {hf_err:.2e}"
+            if half_ok(err, hf_err):
+                continue
+            what = f"{kind} step {step} row {row}: {err:.2e} vs {hf_err:.2e}"
+            assert margins[step][row] < TIE, f"{what}, router gap {margins[step][row]:.3f}"
+            tied.append(what)
+    assert len(tied) <= len(ref_steps) * len(prompts) // 6, tied
 
 
 @pytest.mark.gpu
