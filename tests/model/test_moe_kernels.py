@@ -166,7 +166,7 @@ def test_qk_norm_triton_matches_twin(dtype, case):
     if case == "base":  # HF: weight * round(x * rsqrt(mean(x^2) + eps)) per head of q and k
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
-        norm = Qwen3MoeRMSNorm(d, eps=1e-6).to(dtype)
+        norm = Qwen3MoeRMSNorm(d, eps=1e-6).to(DEVICE, dtype)
         with torch.no_grad():
             norm.weight.copy_(qw)
         want_q = norm(y[:, : hq * d].reshape(t, hq, d)).reshape(t, -1)
