@@ -332,7 +332,20 @@ def capacity_report(core: EngineCore) -> dict[str, Any]:
         "cpu_tier_adapters": cfg.max_cpu_loras,
         "cpu_tier_bytes_at_max_rank": full_rank_bytes * cfg.max_cpu_loras,
         "adapters_fitting_host_memory": _host_bytes() // max(full_rank_bytes, 1),
+        **_expert_capacity(cfg, mcfg, elem),
     }
+
+
+def _expert_capacity(cfg: EngineConfig, mcfg: Any, elem: int) -> dict[str, int]:
+    """A MoE base: the slots that hold expert LoRA (``max_expert_loras``) and the bytes of
+    one at the full rank (per sparse layer A and B of gate_up and down for every expert:
+    model/moe/expert_lora.py), beside ``slot_bytes`` (attention and dense layers)."""
+    moe = getattr(mcfg, "moe", None)
+    if moe is None or not cfg.max_loras:
+        return {}
+    per_slot = len(moe.sparse_layers) * moe.num_experts * cfg.max_lora_rank * 3
+    per_slot *= (mcfg.hidden_size + moe.expert_size) * elem
+    return {"expert_slots": cfg.expert_slots, "expert_slot_bytes": per_slot}
 
 
 def _host_bytes() -> int:

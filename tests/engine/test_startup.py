@@ -8,7 +8,7 @@ import torch
 
 from loraplex.engine import AsyncEngine, SamplingParams
 from loraplex.engine.model.loader import load_model
-from loraplex.engine.startup import build_core
+from loraplex.engine.startup import build_core, capacity_report
 from tests.helpers.engine import assert_idle, collect, config, register
 
 
@@ -69,3 +69,39 @@ async def test_a_model_without_slots_has_no_rank_to_match(tiny):
     async with AsyncEngine(cfg, model=model) as engine:
         tokens, _, _ = await collect(engine, [5, 9], SamplingParams(max_tokens=2, ignore_eos=True))
         assert len(tokens) == 2 and engine.capacity_report()["gpu_slots"] == 0
+
+
+async def test_supplied_moe_model_with_other_expert_slots_is_refused(tmp_path):
+    """A MoE model built with expert storage for 1 slot, a config that asks for 2 (or for the
+    default, every slot): refused with the field to change; a matching one starts, and its
+    capacity report counts the expert-capable slots and their bytes."""
+    from loraplex.engine.model.moe.expert_lora import ExpertLoRA
+    from tests.helpers.moe_models import make_tiny_moe
+
+    folder = make_tiny_moe(tmp_path / "moe", "qwen3_moe", seed=1)
+    model = load_model(folder, dtype=torch.float32, device="cpu", max_loras=3, max_lora_rank=4,
+                       max_expert_loras=1)  # fmt: skip
+    for asked in (2, None):
+        cfg = config(folder, max_loras=3, max_lora_rank=4, max_expert_loras=asked)
+        with pytest.raises(ValueError, match=r"1 expert-capable LoRA slots .* max_expert_loras"):
+            build_core(cfg, lambda: None, model)
+    core = build_core(
+        config(folder, max_loras=3, max_lora_rank=4, max_expert_loras=1), lambda: None, model
+    )
+    try:
+        cap = capacity_report(core)
+    finally:
+        await core.close()
+    blocks = [m for m in model.modules() if isinstance(m, ExpertLoRA)]
+    assert cap["expert_slots"] == 1 and blocks
+    assert cap["expert_slot_bytes"] == sum(b.slot_bytes for b in blocks)
+    assert cap["gpu_slots"] == 3
+
+
+async def test_a_dense_model_reports_no_expert_slots(tiny):
+    model_dir, _ = tiny
+    core = build_core(config(model_dir), lambda: None, None)
+    try:
+        assert "expert_slots" not in capacity_report(core)
+    finally:
+        await core.close()
