@@ -205,6 +205,16 @@ def test_slots_past_the_expert_capable_ones_read_no_expert_storage(triton):
     (attention-only adapters there) get no delta, their out bits kept, nothing read past the
     buffers; every other row as with those rows made base rows."""
     (x, a, b, experts, slots, ranks), out, blocks, a_div = _case(torch.float32, 2, 8, 2, 16, 3)
+
+    def poisoned(t: torch.Tensor, fill: float) -> torch.Tensor:
+        """``t`` as the first rows of a buffer whose next two slots hold ``fill``: a kernel
+        that read slot 4's or 5's weights would read NaN and spread it (the kernels loop over
+        slots 0..L-1 only; their rank load masks slots past L)."""
+        big = torch.full((t.shape[0] + 2, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+        big[: t.shape[0]] = t
+        return big[: t.shape[0]]
+
+    a, b, ranks = poisoned(a, float("nan")), poisoned(b, float("nan")), poisoned(ranks, 8)
     slots = torch.tensor([4, 0, 5, 1, -1, 3, 4, 5], device=DEVICE)
     base = torch.where(slots >= 4, -1, slots)
     want, got = out.clone(), out.clone()
