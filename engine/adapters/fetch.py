@@ -37,6 +37,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,7 @@ class AdapterFetcher:
         self._own_cache = config.adapter_cache_dir is None
         self.cache_dir = Path(config.adapter_cache_dir or tempfile.mkdtemp(prefix="loraplex-"))
         self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self._copies: set[futures.Future] = set()  # staging copies being written
 
     def start_processes(self, count: int) -> None:
         """Start ``count`` loader processes (blocking: at engine start-up, in a worker thread)."""
@@ -129,6 +131,9 @@ class AdapterFetcher:
     def close(self) -> None:
         if self.procs is not None:
             self.procs.close()
+        # staging copies still being written (onepass.py's defer_copy): done before their
+        # folders go (bounded: each writes at most one adapter's kept chunks)
+        futures.wait(list(self._copies), timeout=60)
         if self._own_cache:
             shutil.rmtree(self.cache_dir, ignore_errors=True)
         self.stager.close()
@@ -238,6 +243,9 @@ class AdapterFetcher:
             got.result.nbytes,
         )
         v.seal, v.copy = got.checked.seal, got.checked.copy  # (copy: lifecycle._fetched)
+        if v.copy is not None:
+            self._copies.add(v.copy)
+            v.copy.add_done_callback(self._copies.discard)
         v.lora_rank, v.dora, v.full = report.rank, report.config.use_dora, bool(report.full)
         v.vocab_rows = report.vocab_rows
         t.update(resolve=t1 - t0, **got.stages)
@@ -303,7 +311,10 @@ class AdapterFetcher:
             x for x in versions if x.local_dir is not None and self.cache_dir in x.local_dir.parents
         ]
         total = sum(x.nbytes for x in staged)
-        idle = [x for x in staged if x is not keep and x.users == 0 and x.load_task is None]
+        idle = [
+            x for x in staged
+            if x is not keep and x.users == 0 and x.load_task is None and not _writing(x)
+        ]  # fmt: skip
         for x in sorted(idle, key=lambda x: x.last_used):
             if total <= quota:
                 break
@@ -312,11 +323,20 @@ class AdapterFetcher:
             await asyncio.to_thread(shutil.rmtree, path, True)
 
     def discard(self, v: AdapterVersion) -> None:
-        """Remove a dropped version's staged files (off the event loop)."""
+        """Remove a dropped version's staged files (off the event loop; once written, if its
+        copy is still being written)."""
         if v.local_dir is not None and self.cache_dir in v.local_dir.parents:
             path = v.local_dir
             v.local_dir = None
+            if _writing(v):
+                v.copy.add_done_callback(lambda _f: shutil.rmtree(path, ignore_errors=True))
+                return
             try:
                 asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, path, True)
             except RuntimeError:
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _writing(v: AdapterVersion) -> bool:
+    """``v``'s staging copy is still being written (onepass.py's defer_copy)."""
+    return v.copy is not None and not v.copy.done()

@@ -84,7 +84,8 @@ def test_the_deferred_copy_is_the_bytes_hashed_and_sealed_once_whole(
     dst = tmp_path / "copy"
     got = _pass(adapters["poem"], dst, _mc(model_dir))
     assert got.seal is None and isinstance(got.copy, Future)
-    assert not (dst / W).exists()  # (not sealed before it is whole)
+    if kept_chunks > runs:  # (the writes wait for the gate: not renamed before they are done)
+        assert not (dst / W).exists() and not got.copy.done()
     gate.set()
     seal = got.copy.result(timeout=60)
     assert isinstance(seal, Seal) and seal.digest == got.digest
@@ -188,3 +189,40 @@ def _tensors(folder: Path):
     raw = (folder / W).read_bytes()
     n = int.from_bytes(raw[:8], "little")
     return parse_safetensors_header(raw[8 : 8 + n], len(raw)).tensors
+
+
+async def test_a_copy_still_being_written_is_neither_trimmed_nor_left_behind(
+    tiny, tmp_path, monkeypatch
+):
+    """An adapter removed while its staging copy is still being written: its folder goes once
+    the copy is done (not before, not never); an engine closed meanwhile waits for the copy
+    before it removes its staging directory."""
+    model_dir, adapters = tiny
+    gate = threading.Event()
+    real = pass_sinks._write
+
+    def write(fd, data):
+        assert gate.wait(30)
+        real(fd, data)
+
+    monkeypatch.setattr(pass_sinks, "_write", write)
+    src = tmp_path / "lib" / "poem"
+    shutil.copytree(adapters["poem"], src)
+    cfg = config(model_dir, local_roots=(str(tmp_path / "lib"),))
+    async with AsyncEngine(cfg) as engine:
+        a = engine.testing.adapters
+        await engine.add_adapter("poem", f"file://{src}")
+        v = a.registry.get("poem")
+        folder, copy = v.local_dir, v.copy
+        assert copy is not None and not copy.done() and folder.is_dir()
+        await engine.remove_adapter("poem")
+        assert folder.is_dir()  # (the writer still writes into it)
+        gate.set()
+        await wait_until(lambda: not folder.exists(), "the removed adapter's folder goes")
+        gate.clear()
+        await engine.add_adapter("poem2", f"file://{src}")
+        v2 = a.registry.get("poem2")
+        cache = v2.local_dir.parent
+        threading.Timer(0.5, gate.set).start()  # the copy lands while the engine closes
+    assert v2.copy.done() and v2.copy.exception() is None
+    assert not cache.exists() or not any(cache.iterdir())

@@ -118,8 +118,10 @@ async def test_lost_staging_is_fetched_again_and_must_keep_its_digest(tiny, tmp_
     async with AsyncEngine(config(model_dir, adapter_cache_dir=str(tmp_path / "cache"))) as engine:
         for name in ("sql", "poem"):
             await engine.add_adapter(name, f"file://{root / name}")
+            v = engine.testing.adapters.registry.get(name)
+            await engine.testing.adapters.copy_written(v)  # (written after the load's pass)
             evict_cpu(engine, name)  # (add_adapter's pass keeps its image: not loaded now)
-            shutil.rmtree(engine.testing.adapters.registry.get(name).local_dir)
+            shutil.rmtree(v.local_dir)
         derived_adapter(adapters["poem"], root / "poem", seed=9)  # the source changed meanwhile
 
         async def changed():

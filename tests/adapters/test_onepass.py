@@ -116,6 +116,7 @@ async def test_a_refetch_that_fails_its_digest_leaves_no_slot_and_the_next_load_
     async with AsyncEngine(cfg) as engine:
         a = engine.testing.adapters
         await engine.add_adapter("poem", f"file://{root / 'poem'}")
+        await a.copy_written(a.registry.get("poem"))  # (in threads: written after the pass)
         evict_cpu(engine, "poem")  # (add_adapter's pass keeps its image: not loaded now)
         shutil.rmtree(a.registry.get("poem").local_dir)
         shutil.rmtree(root / "poem")

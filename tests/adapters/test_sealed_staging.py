@@ -162,6 +162,7 @@ async def test_changed_copy_and_changed_source_fail_typed_and_no_slot_reads_them
         a = engine.testing.adapters
         await engine.add_adapter("poem", f"file://{src}")
         v = a.registry.get("poem")
+        await a.copy_written(v)  # (in this process: written after the load's pass)
         evict_cpu(engine, "poem")
         tamper(v.local_dir)
         tamper(src)
