@@ -254,6 +254,7 @@ class _HeaderMemo:
 _HEADERS = _HeaderMemo(32)
 
 
+@torch.no_grad()
 def _data_pass(
     reader: ChunkReader,
     report: PreflightReport,
@@ -272,6 +273,8 @@ def _data_pass(
         buf = reader.get(i)
         lo = run[0].begin
         checked = _chunk_within_bounds(buf, run, lo, roles, scales)
+        if checked and packer is not None and _flat(packer, buf, run, lo, roles, scales):
+            continue
         for t in run:
             role = roles.get(t.key)
             if role is None:
@@ -293,6 +296,27 @@ def _data_pass(
                 packer.put(key, what, x, scales[key])
     if packer is not None:
         packer.finish()
+
+
+def _flat(
+    packer: Packer,
+    buf: torch.Tensor,
+    run: list[TensorEntry],
+    lo: int,
+    roles: dict[str, tuple[str, Any]],
+    scales: dict[tuple[int, str], float],
+) -> bool:
+    """A checked chunk of one dtype packed tensor by tensor as flat strided copies (the
+    values are the ``put`` path's); False (nothing packed) where it does not apply."""
+    dtype, size = TORCH_DTYPES[run[0].dtype], ITEMSIZE[run[0].dtype]
+    if not packer.copies(dtype) or any((t.begin - lo) % size for t in run):
+        return False
+    src = buf.view(dtype)
+    for t in run:
+        role = roles.get(t.key)
+        if role is not None and role[0] in ("A", "B"):
+            packer.put_flat(role[1], role[0] == "A", src, (t.begin - lo) // size, scales[role[1]])
+    return True
 
 
 def _chunk_within_bounds(

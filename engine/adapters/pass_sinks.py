@@ -55,16 +55,45 @@ class Packer:
         e = self.packed.entries[key]
         if what == "A":
             self.packed.a(e).copy_(x)
-        elif x.dtype == self.dtype or self.dtype == torch.float32:
+        elif self.copies(x.dtype):
             # fold_scale_into's exact form (copy, then one float32 product), the product once
             # the layer's B blocks are all in
             self.packed.b(e).t().copy_(x.t())
-            blocks = self.unscaled.setdefault(e.layer, [])
-            blocks.append((e, scale))
-            if len(blocks) == self.modules[e.layer]:
-                self._scale(self.unscaled.pop(e.layer))
+            self._scale_later(e, scale)
         else:
             fold_scale_into(self.packed.b(e), x, scale)
+
+    def copies(self, dtype: torch.dtype) -> bool:
+        """B blocks of ``dtype`` are copied, then scaled by layer (else folded one by one)."""
+        return dtype == self.dtype or self.dtype == torch.float32
+
+    def put_flat(
+        self, key: tuple[int, str], is_a: bool, src: torch.Tensor, start: int, scale: float
+    ) -> None:
+        """``put`` of a tensor that lies at element ``start`` of the flat ``src`` (a chunk
+        of one dtype, ``copies`` true for it, ``no_grad``): one strided copy, no views of its
+        shape (a pass copies ~250-450 such tensors per adapter: their Python cost counts)."""
+        e = self.packed.entries[key]
+        buf = self.packed.buffer
+        rows, out = e.rows, e.out_features
+        at = src.storage_offset() + start
+        if is_a:
+            n = rows * e.in_features
+            buf.as_strided((n,), (1,), buf.storage_offset() + e.a_offset).copy_(
+                src.as_strided((n,), (1,), at)
+            )
+            return
+        # B (out, rows) in the file, B^T (rows, out) in the image
+        buf.as_strided((rows, out), (out, 1), buf.storage_offset() + e.b_offset).copy_(
+            src.as_strided((rows, out), (1, rows), at)
+        )
+        self._scale_later(e, scale)
+
+    def _scale_later(self, e: PackEntry, scale: float) -> None:
+        blocks = self.unscaled.setdefault(e.layer, [])
+        blocks.append((e, scale))
+        if len(blocks) == self.modules[e.layer]:
+            self._scale(self.unscaled.pop(e.layer))
 
     @torch.no_grad()
     def finish(self) -> None:
