@@ -10,7 +10,7 @@ slot writer, the runner's slot ranks and shard packing, the adapter tokenizer lo
 emitter and wake-up) and keeps the requests: it fails the ones waiting on a failed load or
 slot write.
 
-One concept, ~450 lines: the lifecycle of an adapter from its name to its slot (add, resolve,
+One concept, ~480 lines: the lifecycle of an adapter from its name to its slot (add, resolve,
 load, land and residency read each other's state; split, each part would import the rest).
 """
 
