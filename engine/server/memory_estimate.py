@@ -73,8 +73,8 @@ class MemoryEstimate:
     # cache for the KV line's tokens plus the drafted ones (spec/draft.py)
     draft_weight_bytes: int = 0
     draft_kv_bytes: int = 0
-    # loads in this process's threads (no loader processes): the passes' chunk buffers kept
-    # for later loads and the staging copies written after them (adapters/pass_chunks.py)
+    # loads in this process's threads (no loader processes): at most, the chunk buffers of
+    # every concurrent load until its staging copy is written (adapters/pass_chunks.py)
     load_buffer_bytes: int = 0
 
     @property
@@ -180,7 +180,10 @@ def estimate_memory(meta: ModelMetadata, config: EngineConfig, model: str) -> Me
     host = regions * slot_image_numel(mcfg, config.max_lora_rank) * elem if config.max_loras else 0
     draft_weights, draft_kv = _draft(config, dtype, elem, cuda, blocks * config.block_size)
     threads = config.max_loras and config.resolved_loader_processes == 0
-    rings = pass_chunks.KEEP_RINGS * pass_chunks.RING * pass_chunks.CHUNK_BYTES
+    # at most: every concurrent load's kept chunks and ring, until its copy is written
+    ring = pass_chunks.RING * pass_chunks.CHUNK_BYTES
+    loads = max(1, config.max_concurrent_loads)
+    buffers = max(loads, pass_chunks.KEEP_RINGS) * ring + loads * pass_chunks.RETAIN_BYTES
     gpu = cap = gpu_bytes = None
     if cuda and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.device(device).index or 0)
@@ -200,7 +203,7 @@ def estimate_memory(meta: ModelMetadata, config: EngineConfig, model: str) -> Me
         headroom_bytes=GPU_HEADROOM if cuda else 0, host_pool_bytes=host,
         gpu=gpu, gpu_capability=cap, gpu_bytes=gpu_bytes, kv_policy=_kv_policy(config, cuda),
         expert_slot_bytes=experts, expert_slots=config.max_expert_loras,
-        load_buffer_bytes=pass_chunks.RETAIN_BYTES + rings if threads else 0,
+        load_buffer_bytes=buffers if threads else 0,
         draft_weight_bytes=draft_weights, draft_kv_bytes=draft_kv,
     )  # fmt: skip
 

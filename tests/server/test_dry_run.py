@@ -81,8 +81,9 @@ def test_load_buffers_counted_where_loads_run_in_threads(tmp_path: Path) -> None
     def est(**kw):
         return estimate_memory(meta, EngineConfig(model=str(folder), device="cpu", **kw), "m")
 
-    threads = est(max_loras=2)
-    assert threads.load_buffer_bytes >= pass_chunks.RETAIN_BYTES
+    threads = est(max_loras=2, max_concurrent_loads=3)  # each load keeps its own chunks
+    assert threads.load_buffer_bytes >= 3 * pass_chunks.RETAIN_BYTES
+    assert est(max_loras=2, max_concurrent_loads=1).load_buffer_bytes < threads.load_buffer_bytes
     assert "\n  load buffers " in "\n" + format_table(threads)
     assert est(max_loras=2, loader_processes=1).load_buffer_bytes == 0
     assert est(max_loras=0).load_buffer_bytes == 0
