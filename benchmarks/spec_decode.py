@@ -17,6 +17,12 @@ speculation switched off (the scheduler's ``spec`` taken away: pipelined decode 
     equal the step-cost ratio of (a); the n-gram proposer itself on a repeating prompt (random
     weights: its acceptance says little); (c) batch 64: speculation on (it switches itself off
     above ``speculative_max_running``) against off.
+
+Greedy identity: in float32 (``--smoke``) every speculative run must give the plain run's
+tokens (asserted). In bfloat16 a verify row (K + 1 tokens: prefill attention, a taller GEMM)
+rounds differently from a decode row, and random weights' near-tied logits then pick another
+token now and then; the tables give how many tokens matched the plain run up to each row's first
+difference (the step economics do not depend on it; the acceptance column is what was measured).
 """
 
 from __future__ import annotations
@@ -94,6 +100,18 @@ async def run(engine, prompts, names, steps, tag, proposer=None, spec_on=True):
     return outs, wall, list(engine.testing.step_log)
 
 
+def agreement(outs: list[list[int]], ref: list[list[int]], exact: bool) -> str:
+    """Tokens equal to the plain run before each row's first difference, as "n / total";
+    ``exact``: every token must be equal (float32)."""
+    if exact:
+        assert outs == ref, "speculative output differs from the reference (greedy)"
+    same = 0
+    for o, r in zip(outs, ref, strict=True):
+        pairs = zip(o, r, strict=False)  # a stop may end one side early
+        same += next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(o), len(r)))
+    return f"{same} / {sum(len(r) for r in ref)}"
+
+
 def p50(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -126,6 +144,7 @@ async def bench(args, model_dir: Path, adapters: list[Path]) -> list[str]:
     )  # fmt: skip
     lines = []
     vocab = args.cfg["vocab_size"]
+    exact = args.dtype == "float32"
     g = random.Random(1)
     async with AsyncEngine(cfg, model=model) as engine:
         names = []
@@ -136,8 +155,8 @@ async def bench(args, model_dir: Path, adapters: list[Path]) -> list[str]:
         # warm-up: every adapter resident, eager verify shapes seen once
         await run(engine, prompts[:8], names, 8, "warm", spec_on=False)
         lines.append("\n(a) verify step (K = 4, all kept) against a decode step, p50 ms\n")
-        lines.append("| batch | decode ms | verify ms | verify / decode |")
-        lines.append("|---:|---:|---:|---:|")
+        lines.append("| batch | decode ms | verify ms | verify / decode | greedy = plain |")
+        lines.append("|---:|---:|---:|---:|---:|")
         ratios = {}
         for batch in args.batches:
             ps = prompts[:batch]
@@ -146,33 +165,35 @@ async def bench(args, model_dir: Path, adapters: list[Path]) -> list[str]:
             reference = {f"v{batch}-{i}": t for i, t in enumerate(ref)}
             prop = FixedRateProposer(reference, 1.0, vocab)
             outs, _, log = await run(engine, ps, names, args.steps, f"v{batch}", prop)
-            assert outs == ref, "speculative output differs from the reference (greedy)"
+            same = agreement(outs, ref, exact)
             verify = [e.seconds for e in log if e.rows == batch and e.tokens == batch * (K + 1)]
             ratios[batch] = p50(verify) / p50(decode)
             lines.append(
                 f"| {batch} | {p50(decode) * 1e3:.2f} | {p50(verify) * 1e3:.2f} | "
-                f"{ratios[batch]:.2f} |"
+                f"{ratios[batch]:.2f} | {same} |"
             )
             print(lines[-1], flush=True)
         lines.append("\n(b) batch 1, end to end tokens/s against the per-token acceptance alpha\n")
-        lines.append("| proposer | alpha | tokens/s | x no speculation | accepted / proposed |")
-        lines.append("|---|---:|---:|---:|---:|")
+        lines.append(
+            "| proposer | alpha | tokens/s | x no speculation | accepted / proposed | greedy = plain |"
+        )
+        lines.append("|---|---:|---:|---:|---:|---:|")
         ps = prompts[:1]
         ref, base_wall, _ = await run(engine, ps, names, args.long, "b-ref", spec_on=False)
         base = args.long / base_wall
-        lines.append(f"| none | - | {base:.1f} | 1.00 | - |")
+        lines.append(f"| none | - | {base:.1f} | 1.00 | - | - |")
         for alpha in args.alphas:
             stats0 = engine.stats()["speculative"]
             prop = FixedRateProposer({f"b{alpha}-0": ref[0]}, alpha, vocab)
             outs, wall, _ = await run(engine, ps, names, args.long, f"b{alpha}", prop)
-            assert outs == ref
+            same = agreement(outs, ref, exact)
             s = engine.stats()["speculative"]
             rate = (s["accepted_tokens"] - stats0["accepted_tokens"]) / max(
                 s["proposed_tokens"] - stats0["proposed_tokens"], 1
             )
             tps = args.long / wall
             lines.append(
-                f"| fixed rate | {alpha:.2f} | {tps:.1f} | {tps / base:.2f} | {rate:.2f} |"
+                f"| fixed rate | {alpha:.2f} | {tps:.1f} | {tps / base:.2f} | {rate:.2f} | {same} |"
             )
             print(lines[-1], flush=True)
         quote = [prompts[2][: args.ctx // 8] * 8]
@@ -180,13 +201,13 @@ async def bench(args, model_dir: Path, adapters: list[Path]) -> list[str]:
         stats0 = engine.stats()["speculative"]
         qout, wall, _ = await run(engine, quote, names[:1], args.long, "q")
         s = engine.stats()["speculative"]
-        assert qout == qref
+        same = agreement(qout, qref, exact)
         rate = (s["accepted_tokens"] - stats0["accepted_tokens"]) / max(
             s["proposed_tokens"] - stats0["proposed_tokens"], 1
         )
         lines.append(
             f"| ngram, repeating prompt | - | {args.long / wall:.1f} | {qwall / wall:.2f} | "
-            f"{rate:.2f} |"
+            f"{rate:.2f} | {same} |"
         )
         r1 = ratios.get(1, float("nan"))
         lines.append(

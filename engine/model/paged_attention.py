@@ -264,7 +264,7 @@ def _launch(
         if block_m is None:
             block_m = min(row.block_m, triton.next_power_of_2(max_query_len * g_pad))
         block_m = max(block_m, g_pad, 16)
-    block_d = triton.next_power_of_2(d)
+    block_d = max(16, triton.next_power_of_2(d))  # tl.dot's K (q @ k) and N (p @ v) are >= 16
     part = ml = out  # unused when parts == 1
     if parts > 1:
         part = torch.empty(t, hq, parts, block_d, dtype=torch.float32, device=q.device)

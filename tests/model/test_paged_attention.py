@@ -129,6 +129,22 @@ def test_decode_default_config_odd_head_dim() -> None:
     _check(out, c.reference(), torch.float16)
 
 
+@pytest.mark.parametrize("decode", [True, False])
+def test_head_dim_below_16(decode: bool) -> None:
+    """A head dimension of 8 (tiny draft models): the tile's head dimension is padded to 16,
+    since a compiled tl.dot needs K and N >= 16 (the interpreter does not; this fails only on a
+    GPU without the padding)."""
+    ns = [1] * 4 if decode else [5, 1, 0, 9]
+    c = Case([8, 70, 0, 40], ns, 2, 2, 8, 16, torch.float32, seed=5)
+    if decode:
+        out = pa.paged_decode_attention(c.q, c.k, c.v, c.meta.block_tables, c.ctx_t, c.scale)
+    else:
+        out = pa.paged_prefill_attention(
+            c.q, c.k, c.v, c.meta.block_tables, c.qsl_t, c.ctx_t, max(ns), c.scale
+        )
+    _check(out, c.reference(), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("bs", [4, 16])
