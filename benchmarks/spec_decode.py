@@ -155,8 +155,10 @@ async def bench(args, model_dir: Path, adapters: list[Path]) -> list[str]:
         # warm-up: every adapter resident, eager verify shapes seen once
         await run(engine, prompts[:8], names, 8, "warm", spec_on=False)
         lines.append("\n(a) verify step (K = 4, all kept) against a decode step, p50 ms\n")
-        lines.append("| batch | decode ms | verify ms | verify / decode | greedy = plain |")
-        lines.append("|---:|---:|---:|---:|---:|")
+        lines.append(
+            "| batch | decode ms | verify ms | verify / decode | graph replays | greedy = plain |"
+        )
+        lines.append("|---:|---:|---:|---:|---:|---:|")
         ratios = {}
         for batch in args.batches:
             ps = prompts[:batch]
@@ -166,11 +168,13 @@ async def bench(args, model_dir: Path, adapters: list[Path]) -> list[str]:
             prop = FixedRateProposer(reference, 1.0, vocab)
             outs, _, log = await run(engine, ps, names, args.steps, f"v{batch}", prop)
             same = agreement(outs, ref, exact)
-            verify = [e.seconds for e in log if e.rows == batch and e.tokens == batch * (K + 1)]
+            steps = [e for e in log if e.rows == batch and e.tokens == batch * (K + 1)]
+            verify = [e.seconds for e in steps]
+            graphs = sum(e.gpu_ms is not None for e in steps)
             ratios[batch] = p50(verify) / p50(decode)
             lines.append(
                 f"| {batch} | {p50(decode) * 1e3:.2f} | {p50(verify) * 1e3:.2f} | "
-                f"{ratios[batch]:.2f} | {same} |"
+                f"{ratios[batch]:.2f} | {graphs} / {len(steps)} | {same} |"
             )
             print(lines[-1], flush=True)
         lines.append("\n(b) batch 1, end to end tokens/s against the per-token acceptance alpha\n")

@@ -52,6 +52,7 @@ class StepRecord(NamedTuple):
     pipelined: bool  # some row read the previous step's tokens on the device
     t_end: float  # perf_counter when its results reached the host
     slot_writes: int  # slot writes issued before its launch
+    verify: bool = False  # a speculative verification step (some row checks proposals)
 
 
 @dataclass(eq=False)
@@ -351,6 +352,7 @@ class StepExecutor:
                 pipelined,
                 t_end,
                 len(step.plan.slot_jobs),
+                step.verify is not None,
             )
         )
         self.last_result_time = t_end

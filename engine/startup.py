@@ -172,10 +172,14 @@ def _build(
             seq_buckets=runner.graphs.buckets,
             max_tokens=min(config.mixed_graph_tokens, config.max_num_batched_tokens),
             pool=runner.graphs.pool,
+            # verification steps (speculative decoding) as graphs of their own
+            verify_k=config.num_speculative_tokens if config.speculative_method else 0,
+            verify_seqs=config.speculative_max_running,
+            max_step_tokens=config.max_num_batched_tokens,
         )
         mixed.capture_all()
         log.info("mixed_graphs_captured", buckets=len(mixed.buckets),
-                 seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
+                 verify_buckets=len(mixed.wide_buckets), seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
     if runner.fused and model.device.type == "cuda":
         # other mixed prefill + decode steps run eagerly: compile their kernel variants now
         warm_eager_steps(runner, config.max_num_batched_tokens, config.max_num_seqs, max_len)

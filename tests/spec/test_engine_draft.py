@@ -286,10 +286,10 @@ async def test_preempted_and_aborted_requests_leave_no_draft_blocks(tiny, other)
 
 @pytest.mark.gpu
 async def test_on_gpu_graphs_shared_budget_and_no_compiles_while_serving(tiny, other):
-    """On CUDA (float32, fused forward, CUDA graphs for the target and the draft): the KV
-    budget of the free memory is split between the two caches, greedy tokens are PEFT's with
-    another draft and with the target as its own draft (which accepts nearly all), and no
-    kernel compiles after start-up."""
+    """On CUDA (float32, fused forward, CUDA graphs for the target, its verification steps
+    and the draft): the KV budget of the free memory is split between the two caches, greedy
+    tokens are PEFT's with another draft and with the target as its own draft (which accepts
+    nearly all), and no kernel compiles after start-up."""
     from tests.helpers.peft_oracle import HFReference, compare
 
     model_dir, adapters = tiny
@@ -324,6 +324,9 @@ async def test_on_gpu_graphs_shared_budget_and_no_compiles_while_serving(tiny, o
             stats = engine.stats()
             assert stats["kernel_compiles_while_serving"] == before
             assert stats["speculative"]["proposed_tokens"] > 0
+            # verification steps replay the wide mixed graphs (mixed_graphs.py), not eager
+            verifies = [e for e in engine.testing.step_log if e.verify]
+            assert verifies and all(e.gpu_ms is not None for e in verifies), verifies[:3]
             if draft_model == str(model_dir):
                 assert stats["speculative"]["acceptance_rate"] >= 0.9, stats["speculative"]
             assert_idle(engine)
