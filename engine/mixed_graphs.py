@@ -87,6 +87,13 @@ class MixedGraphs:
         self.ctx = torch.zeros(m, dtype=i32, device=dev)
         self.last = torch.zeros(m, dtype=i64, device=dev)  # logits rows: need-logits items first
         self.wide_rows = torch.zeros(n, dtype=i64, device=dev)  # a wide bucket's logits rows
+        # one logits buffer for every wide graph (consumed before the next replay, as the
+        # decode graphs'); (a graph's own output: the few rows of a mixed bucket)
+        wide_t = max((t for _, t in self.wide_buckets), default=0)
+        vocab = model.lm_head.shape[0]
+        self.wide_logits = (
+            torch.empty(wide_t, vocab, dtype=torch.float32, device=dev) if wide_t else None
+        )
         self.seq_last = torch.zeros(m, dtype=i64, device=dev)  # last row per sequence, layout order
         self.tables = torch.zeros(m, max_blocks_per_seq, dtype=i32, device=dev)
         # pipelined admission: token row i's input is feed[src[i]] where src[i] >= 0 (a decode
@@ -157,7 +164,8 @@ class MixedGraphs:
         )  # fmt: skip
         last = self.wide_rows[:tb] if wide else self.last[:sb]
         rows = self.token_slots[:tb].index_select(0, last)
-        return _logits(self.model, hidden.index_select(0, last), rows)
+        out = self.wide_logits if wide else None
+        return _logits(self.model, hidden.index_select(0, last), rows, out)
 
     def capture_all(self) -> None:
         for key in [(*b, False) for b in self.buckets] + [(*b, True) for b in self.wide_buckets]:
