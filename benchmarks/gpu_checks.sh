@@ -103,6 +103,9 @@ if [[ $what == storm ]]; then
     | tee "$OUT/storm.log" | tail -30
 fi
 if [[ $what == zipf ]]; then  # issue 11: the four Zipf points, cold against warm (~6 min)
+  # (~75 s a run with the engine's start: the LRU / GDF A/B with yardsticks is 8 points x 2
+  # runs, so give it in calls of two points, e.g. --sweep max_loras=8 alpha=0.8
+  # adapter_eviction=lru,gdf)
   python3 -m loraplex.engine.bench.coldload --synthetic llama3-8b --num-adapters 1000 --rank 16 \
     --targets q_proj,k_proj,v_proj,o_proj --distinct 16 --source local --rate 12 --duration 30 \
     --prompt-len 128-512 --output-len 32-128 --base-fraction 0.1 --max-cpu-loras 128 \
@@ -110,10 +113,11 @@ if [[ $what == zipf ]]; then  # issue 11: the four Zipf points, cold against war
     --sweep max_loras=8,32 alpha=0.8,1.1 --out "$OUT/study" "$@" 2>&1 \
     | grep -v -E "\[(info|warn)|req/s\]" | tee "$OUT/zipf.log" | tail -30
 fi
-if [[ $what == load_rate ]]; then  # issue 11: the cold-load rate one engine sustains (~4 min)
-  # light requests so that loads, not the GPU, set the limit; 27 MB rank-16 q/k/v/o adapters
+if [[ $what == load_rate ]]; then  # issue 41: the cold-load rate one engine sustains (~4 min)
+  # light requests so that loads, not the GPU, set the limit; 27 MB rank-16 q/k/v/o adapters;
+  # 300 requests/s offer ~175 cold loads/s (at 80/s every build kept up: 44 loads/s, no limit)
   python3 -m loraplex.engine.bench.coldload --synthetic llama3-8b --num-adapters 1000 --rank 16 \
-    --targets q_proj,k_proj,v_proj,o_proj --distinct 16 --source local --duration 15 --rate 80 \
+    --targets q_proj,k_proj,v_proj,o_proj --distinct 16 --source local --duration 15 --rate 300 \
     --prompt-len 16-64 --output-len 8-16 --base-fraction 0.1 --max-cpu-loras 128 --kv-cache-gb 16 \
     --drain-timeout 10 --max-loras 32 --alpha 0.8 --no-plots --max-concurrent-loads 8 \
     --sweep loader_processes=2,4 --out "$OUT/load_rate" "$@" 2>&1 | grep -v -E "\[(info|warn)|req/s\]" \
