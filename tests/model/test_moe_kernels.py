@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from loraplex.engine.model.moe.grouped_gemm import grouped_gemm, moe_experts
-from loraplex.engine.model.moe.routing import max_blocks, route, sort_by_expert
+from loraplex.engine.model.moe.routing import (
+    max_blocks,
+    route,
+    route_pairs,
+    sort_by_expert,
+    sort_pairs,
+)
+from loraplex.engine.model.moe.triton_routing import MAX_SORT_PAIRS, sort_by_expert_triton
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,6 +82,59 @@ def test_sort_by_expert_blocks(t, k, e, block_m):
     assert sorted(seen) == list(range(p))
     used = blocks.experts >= 0
     assert bool((used[:-1] | ~used[1:]).all()), "unused blocks only at the end"
+
+
+@pytest.mark.parametrize(
+    ("t", "k", "e", "block_m"),
+    [(1, 2, 4, 16), (1, 8, 128, 16), (7, 3, 5, 16), (40, 2, 3, 16), (33, 4, 60, 64), (9, 2, 2, 64)],
+)
+def test_sort_kernel_matches_twin(t, k, e, block_m):
+    """The one-launch sort: the twin's blocks bit for bit (pairs, owners, padding), also with
+    skewed routings (most pairs on one expert) and experts left unused."""
+    g = torch.Generator().manual_seed(t * 7 + e)
+    uniform = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    skewed = torch.where(
+        torch.rand(t, k, generator=g) < 0.7, 0, torch.randint(0, e, (t, k), generator=g)
+    )
+    for experts in (uniform, skewed):
+        experts = experts.to(DEVICE)
+        want = sort_by_expert(experts, e, block_m)
+        got = sort_by_expert_triton(experts, e, block_m)
+        assert got.pairs.dtype == torch.int32 and got.experts.dtype == torch.int32
+        assert torch.equal(got.pairs, want.pairs) and torch.equal(got.experts, want.experts)
+        assert (got.block_m, got.num_pairs) == (want.block_m, want.num_pairs)
+
+
+def test_sort_pairs_takes_the_twin_past_one_program():
+    experts = torch.zeros(MAX_SORT_PAIRS + 1, dtype=torch.int64, device=DEVICE)
+    blocks = sort_pairs(experts, 4, 64, triton=True)
+    assert torch.equal(blocks.pairs, sort_by_expert(experts, 4, 64).pairs)
+    with pytest.raises(ValueError, match="one-program sort"):
+        sort_by_expert_triton(experts, 4, 64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("t", "e", "k"), [(1, 128, 8), (5, 6, 2), (17, 60, 4)])
+@pytest.mark.parametrize(
+    ("renormalize", "fp32_weights"), [(True, False), (False, False), (True, True)]
+)
+def test_route_kernel_matches_twin(dtype, t, e, k, renormalize, fp32_weights):
+    """The one-launch routing: float32 logits choose the twin's experts in its order with its
+    weights; 16-bit logits (ties between equal probabilities possible, torch.topk's order
+    among them unspecified) choose experts of the same probabilities, weights as the twin's."""
+    g = torch.Generator().manual_seed(t + e)
+    logits = (torch.randn(t, e, generator=g) * 2).to(DEVICE, dtype)
+    kw = dict(renormalize=renormalize, fp32_weights=fp32_weights)
+    w0, e0 = route(logits, k, **kw)
+    w1, e1 = route_pairs(logits, k, triton=True, **kw)
+    assert w1.dtype == w0.dtype and e1.dtype == e0.dtype == torch.int64
+    probs = torch.softmax(logits, -1, dtype=torch.float32)
+    assert torch.equal(probs.gather(1, e1), probs.gather(1, e0))  # the same top k values
+    assert all(len(set(r)) == k for r in e1.tolist())
+    tol = dict(rtol=1e-6, atol=1e-7) if w0.dtype == torch.float32 else _tol(w0.dtype)
+    torch.testing.assert_close(w1, w0, **tol)
+    if dtype == torch.float32:
+        assert torch.equal(e1, e0)
 
 
 def _weights(e: int, n: int, k: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:

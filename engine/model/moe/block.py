@@ -7,8 +7,9 @@ Weights as transformers 5 holds them in memory (the checkpoint stores them per e
     w_gate_up: (E, 2I, H)    rows 0 .. I: the expert's gate_proj (Mixtral w1), I .. 2I: up_proj (w3)
     w_down:    (E, H, I)     down_proj (Mixtral w2)
 
-``forward``: routing (``routing.route``), then the experts' SwiGLU over the pairs sorted by
-expert (``grouped_gemm.moe_experts``): the Triton grouped GEMM or its torch twin. The router
+``forward``: routing (``routing.route``, or its one-launch kernel), then the experts' SwiGLU
+over the pairs sorted by expert (``grouped_gemm.moe_experts``): the Triton grouped GEMM or its
+torch twin. The router
 is not a LoRA target; the experts are (``expert_lora.ExpertLoRA``: slots of per-expert A / B,
 the delta per (token, chosen expert, slot)).
 """
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from loraplex.engine.model.moe.expert_lora import ExpertLoRA
 from loraplex.engine.model.moe.grouped_gemm import moe_experts
-from loraplex.engine.model.moe.routing import route
+from loraplex.engine.model.moe.routing import route_pairs
 from loraplex.engine.model.moe.spec import MoeSpec
 
 __all__ = ["SparseMoe"]
@@ -63,9 +64,10 @@ class SparseMoe(torch.nn.Module):
         twin; ``token_slots`` (T,): each row's adapter slot (-1: base), None: no LoRA."""
         spec = self.spec
         logits = F.linear(h, self.router)  # (T, E)
-        weights, experts = route(
-            logits, spec.top_k, renormalize=spec.renormalize, fp32_weights=spec.fp32_weights
-        )
+        weights, experts = route_pairs(
+            logits, spec.top_k, renormalize=spec.renormalize, fp32_weights=spec.fp32_weights,
+            triton=triton,
+        )  # fmt: skip
         if self.routed is not None:
             self.routed.append(experts)
         return moe_experts(

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.engine.model.moe.routing import ExpertBlocks, sort_by_expert
+from loraplex.engine.model.moe.routing import ExpertBlocks, sort_pairs
 
 __all__ = ["ExpertLoRA", "expert_lora_delta", "expert_lora_delta_torch"]
 
@@ -227,5 +227,5 @@ def expert_lora_delta(
     from loraplex.engine.model.moe.triton_expert_lora import expert_lora_triton
 
     if blocks is None:
-        blocks = sort_by_expert(experts, e, 16)
+        blocks = sort_pairs(experts, e, 16, triton=True)
     expert_lora_triton(x, a, b, blocks, token_slots, ranks, out, a_div=a_div, top_k=top_k)

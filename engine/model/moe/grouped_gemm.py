@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine.model.moe.expert_lora import ExpertLoRA, expert_lora_delta
-from loraplex.engine.model.moe.routing import ExpertBlocks, sort_by_expert
+from loraplex.engine.model.moe.routing import ExpertBlocks, sort_pairs
 
 __all__ = ["grouped_gemm", "grouped_gemm_torch", "moe_experts", "block_m_for"]
 
@@ -80,7 +80,7 @@ def grouped_gemm(
     from loraplex.engine.model.moe.triton_grouped import grouped_gemm_triton
 
     if blocks is None:
-        blocks = sort_by_expert(experts, w.shape[0], block_m_for(p, w.shape[0]))
+        blocks = sort_pairs(experts, w.shape[0], block_m_for(p, w.shape[0]), triton=True)
     grouped_gemm_triton(a, w, blocks, out, a_div=a_div, scale=scale)
 
 
@@ -115,7 +115,8 @@ def moe_experts(
     flat = experts.reshape(-1)
     blocks = None
     if triton:  # one sort serves both GEMMs
-        blocks = sort_by_expert(flat, w_gate_up.shape[0], block_m_for(p, w_gate_up.shape[0]))
+        e = w_gate_up.shape[0]
+        blocks = sort_pairs(flat, e, block_m_for(p, e), triton=True)
     gu = torch.empty(p, 2 * inter, dtype=x.dtype, device=x.device)
     grouped_gemm(x, w_gate_up, flat, gu, a_div=k, blocks=blocks, triton=triton)
     if lora is not None and token_slots is not None:
