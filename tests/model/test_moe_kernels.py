@@ -11,13 +11,8 @@ import pytest
 import torch
 
 from loraplex.engine.model.moe.grouped_gemm import grouped_gemm, moe_experts
-from loraplex.engine.model.moe.routing import (
-    max_blocks,
-    route,
-    route_pairs,
-    sort_by_expert,
-    sort_pairs,
-)
+from loraplex.engine.model.moe.pairs import route_pairs, sort_pairs
+from loraplex.engine.model.moe.routing import max_blocks, route, sort_by_expert
 from loraplex.engine.model.moe.triton_routing import MAX_SORT_PAIRS, sort_by_expert_triton
 
 transformers = pytest.importorskip("transformers")

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from loraplex.engine.model.moe.expert_lora import ExpertLoRA
 from loraplex.engine.model.moe.grouped_gemm import moe_experts
-from loraplex.engine.model.moe.routing import route_pairs
+from loraplex.engine.model.moe.pairs import route_pairs
 from loraplex.engine.model.moe.spec import MoeSpec
 
 __all__ = ["SparseMoe"]

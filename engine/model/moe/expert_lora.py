@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.engine.model.moe.routing import ExpertBlocks, sort_pairs
+from loraplex.engine.model.moe.pairs import sort_pairs
+from loraplex.engine.model.moe.routing import ExpertBlocks
 
 __all__ = ["ExpertLoRA", "expert_lora_delta", "expert_lora_delta_torch"]
 

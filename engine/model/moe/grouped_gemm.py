@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine.model.moe.expert_lora import ExpertLoRA, expert_lora_delta
-from loraplex.engine.model.moe.routing import ExpertBlocks, sort_pairs
+from loraplex.engine.model.moe.pairs import sort_pairs
+from loraplex.engine.model.moe.routing import ExpertBlocks
 
 __all__ = ["grouped_gemm", "grouped_gemm_torch", "moe_experts", "block_m_for"]
 
