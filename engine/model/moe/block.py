@@ -9,9 +9,8 @@ Weights as transformers 5 holds them in memory (the checkpoint stores them per e
 
 ``forward``: routing (``routing.route``, or its one-launch kernel), then the experts' SwiGLU
 over the pairs sorted by expert (``grouped_gemm.moe_experts``): the Triton grouped GEMM or its
-torch twin. The router
-is not a LoRA target; the experts are (``expert_lora.ExpertLoRA``: slots of per-expert A / B,
-the delta per (token, chosen expert, slot)).
+torch twin. The router is not a LoRA target; the experts are (``expert_lora.ExpertLoRA``:
+slots of per-expert A / B, the delta per (token, chosen expert, slot)).
 """
 
 from __future__ import annotations
