@@ -5,6 +5,8 @@ graphs: cuda_graph.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from loraplex.engine.cuda_graph import BUCKETS, _logits, capture_graph
@@ -196,53 +198,11 @@ class MixedGraphs:
         assert key is not None
         sb, tb = key
         width = self.tables.shape[1]
-        bs = self.block_size
         self.turn ^= 1
         self.staged[self.turn].synchronize()  # this buffer's previous copy has left it
         n = 6 * tb + 4 * sb + 1 + sb * width
         host_t = self.hosts[self.turn][:n]
-        host = host_t.numpy()
-        host[:] = 0
-        # ids, pos, slot_mapping, token_slots, src, wide_rows
-        tok = host[: 6 * tb].reshape(6, tb)
-        seq = host[6 * tb : 6 * tb + 4 * sb + 1]
-        qsl, ctx = seq[: sb + 1], seq[sb + 1 : 2 * sb + 1]
-        last, seq_last = seq[2 * sb + 1 : 3 * sb + 1], seq[3 * sb + 1 :]
-        rows = host[6 * tb + 4 * sb + 1 :].reshape(sb, width)
-        tok[2, :] = tok[3, :] = tok[4, :] = -1
-        tok[5, :] = tb - 1  # (a padding row)
-        # prefill chunks first, then decode rows; each part grouped by adapter slot
-        order = sorted(
-            range(seqs), key=lambda i: (len(items[i].token_ids) == 1, items[i].lora_slot)
-        )
-        end = [0] * seqs
-        row = prefills = 0
-        for k, i in enumerate(order):
-            it = items[i]
-            m, p0, table = len(it.token_ids), it.start_pos, it.block_table
-            tok[0, row : row + m] = it.token_ids
-            tok[1, row : row + m] = range(p0, p0 + m)
-            tok[2, row : row + m] = [table[p // bs] * bs + p % bs for p in range(p0, p0 + m)]
-            tok[3, row : row + m] = it.lora_slot
-            if it.feed_row >= 0:
-                tok[4, row] = it.feed_row
-            if m > 1:
-                qsl[k] = row
-                prefills = k + 1
-            ctx[k] = p0 + m
-            rows[k, : len(table)] = table
-            row += m
-            end[i] = seq_last[k] = row - 1
-        qsl[prefills:] = qsl[prefills - 1] + len(items[order[prefills - 1]].token_ids)
-        seq_last[seqs:] = tb - 1  # a padding row (see bucket)
-        need = [i for i in range(seqs) if items[i].need_logits]
-        rest = [i for i in range(seqs) if not items[i].need_logits]
-        last[:seqs] = [end[i] for i in need + rest]
-        out = len(need)
-        if wide:  # each item's last num_logits rows, in item order
-            picked = [r for i in need for r in range(end[i] + 1 - items[i].num_logits, end[i] + 1)]
-            tok[5, : len(picked)] = picked
-            out = len(picked)
+        out = _layout(items, host_t.numpy(), sb, tb, width, self.block_size, wide)
         dev = host_t.to(self.model.device, non_blocking=True)
         self.staged[self.turn].record()
         dtok = dev[: 6 * tb].view(6, tb)
@@ -270,6 +230,53 @@ class MixedGraphs:
         events[1].record()
         self.last_events = events
         return logits[:out]
+
+
+def _layout(items: list, host: Any, sb: int, tb: int, width: int, bs: int, wide: bool) -> int:
+    """Fill ``host`` (numpy int64, ``6 * tb + 4 * sb + 1 + sb * width``) with a step's
+    per-row and per-sequence values in ``MixedGraphs``' order (``run`` copies it to the static
+    buffers); returns how many logits rows the step asks for."""
+    seqs = len(items)
+    host[:] = 0
+    # ids, pos, slot_mapping, token_slots, src, wide_rows
+    tok = host[: 6 * tb].reshape(6, tb)
+    seq = host[6 * tb : 6 * tb + 4 * sb + 1]
+    qsl, ctx = seq[: sb + 1], seq[sb + 1 : 2 * sb + 1]
+    last, seq_last = seq[2 * sb + 1 : 3 * sb + 1], seq[3 * sb + 1 :]
+    rows = host[6 * tb + 4 * sb + 1 :].reshape(sb, width)
+    tok[2, :] = tok[3, :] = tok[4, :] = -1
+    tok[5, :] = tb - 1  # (a padding row)
+    # prefill chunks first, then decode rows; each part grouped by adapter slot
+    order = sorted(range(seqs), key=lambda i: (len(items[i].token_ids) == 1, items[i].lora_slot))
+    end = [0] * seqs
+    row = prefills = 0
+    for k, i in enumerate(order):
+        it = items[i]
+        m, p0, table = len(it.token_ids), it.start_pos, it.block_table
+        tok[0, row : row + m] = it.token_ids
+        tok[1, row : row + m] = range(p0, p0 + m)
+        tok[2, row : row + m] = [table[p // bs] * bs + p % bs for p in range(p0, p0 + m)]
+        tok[3, row : row + m] = it.lora_slot
+        if it.feed_row >= 0:
+            tok[4, row] = it.feed_row
+        if m > 1:
+            qsl[k] = row
+            prefills = k + 1
+        ctx[k] = p0 + m
+        rows[k, : len(table)] = table
+        row += m
+        end[i] = seq_last[k] = row - 1
+    qsl[prefills:] = qsl[prefills - 1] + len(items[order[prefills - 1]].token_ids)
+    seq_last[seqs:] = tb - 1  # a padding row (see bucket)
+    need = [i for i in range(seqs) if items[i].need_logits]
+    rest = [i for i in range(seqs) if not items[i].need_logits]
+    last[:seqs] = [end[i] for i in need + rest]
+    out = len(need)
+    if wide:  # each item's last num_logits rows, in item order
+        picked = [r for i in need for r in range(end[i] + 1 - items[i].num_logits, end[i] + 1)]
+        tok[5, : len(picked)] = picked
+        out = len(picked)
+    return out
 
 
 def _wide_buckets(
