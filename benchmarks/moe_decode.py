@@ -64,10 +64,14 @@ RANK = 16
 
 
 @torch.no_grad()
-def random_moe(cfg: ModelConfig, max_loras: int, device: str) -> MoeForCausalLM:
+def random_moe(
+    cfg: ModelConfig, max_loras: int, device: str, max_lora_rank: int = RANK
+) -> MoeForCausalLM:
     """The model on ``device`` with random bf16 (CPU: float32) weights, std ~ 1/sqrt(fan_in)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = MoeForCausalLM(cfg, max_loras=max_loras, max_lora_rank=RANK, dtype=dtype, device=device)
+    model = MoeForCausalLM(
+        cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, device=device
+    )
     g = torch.Generator(device=device).manual_seed(0)
     for name, p in model.named_parameters():
         if name.endswith(("norm.weight", "layernorm.weight")):

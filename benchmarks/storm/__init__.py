@@ -10,6 +10,8 @@ split by load stage.
 
     python -m benchmarks.storm                      # H200: Llama-3-8B shape, 32 streams, 24 + 64
     python -m benchmarks.storm --smoke              # CPU: tiny model, a few seconds
+    python -m benchmarks.storm --shape qwen3-30b-a3b --layers 24 --storms 8
+                                                    # MoE: adapters on attention + every expert
 
 Gaps are measured where a client sees them: the time between two consecutive outputs of one
 stream, read by the stream's consumer on the event loop.

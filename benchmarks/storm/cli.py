@@ -17,6 +17,15 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few seconds")
+    ap.add_argument(
+        "--shape", default="llama3-8b", choices=["llama3-8b", "qwen3-30b-a3b", "mixtral-8x7b"],
+        help="the base model's shape (random weights); --smoke: the tiny one of its family",
+    )  # fmt: skip
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: all)")
+    ap.add_argument(
+        "--expert-lora", action=argparse.BooleanOptionalAction, default=True,
+        help="a mixture-of-experts shape: adapters on every expert too (else attention only)",
+    )  # fmt: skip
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--resident", type=int, default=4)
     ap.add_argument("--storms", type=int, nargs="+", default=[24, 64])

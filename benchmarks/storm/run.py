@@ -21,33 +21,65 @@ from benchmarks.storm.report import Window, drift_corrected, ends_in, pct, ttft_
 from benchmarks.storm.threads import GilProfile, cpu_by_thread, thread_cpu
 from benchmarks.synthetic import LLAMA3_8B, random_model, write_adapter, write_model_config
 from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
+from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.warmup import COMPILES
 
 __all__ = ["run", "write_adapters", "idle_slot_writes"]
 
 
-def write_adapters(root: Path, cfg: dict, names: list[str], rank: int, device: str) -> None:
+def write_adapters(
+    root: Path, cfg: dict, names: list[str], rank: int, device: str, experts: bool = True
+) -> None:
     """Distinct rank-``rank`` all-module bf16 PEFT adapters, one folder per name (random
-    weights drawn on ``device``: writing 88 x 84 MB from CPU randn would take minutes)."""
+    weights drawn on ``device``: writing 88 x 84 MB from CPU randn would take minutes); on a
+    mixture-of-experts shape, attention and (``experts``) every expert's gate_up and down."""
     for i, name in enumerate(names):
-        write_adapter(root / name, cfg, rank=rank, seed=1234 + i, device=device)
+        write_adapter(root / name, cfg, rank=rank, seed=1234 + i, device=device, experts=experts)
+
+
+def storm_shape(args: argparse.Namespace) -> dict:
+    """The model config.json of ``--shape`` (``--layers``: the decoder layers cut)."""
+    if args.shape == "llama3-8b":
+        cfg = dict(TINY if args.smoke else LLAMA3_8B)
+    else:
+        from benchmarks.moe_decode import SHAPES
+
+        cfg = dict(SHAPES["tiny" if args.smoke else args.shape])
+        if args.smoke:  # (the smoke's streams outlast its windows: --max-tokens 1900)
+            cfg["max_position_embeddings"] = 2048
+    if args.layers:
+        cfg["num_hidden_layers"] = args.layers
+    return cfg
+
+
+def storm_model(cfg: dict, args: argparse.Namespace, device: str) -> torch.nn.Module:
+    """The random-weight model of ``cfg`` (bf16 on a GPU, float32 on the CPU)."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    mc = ModelConfig.from_dict(cfg)
+    if mc.moe is None:
+        return random_model(
+            cfg, max_loras=args.max_loras, max_lora_rank=args.rank, device=device, dtype=dtype
+        )
+    from benchmarks.moe_decode import random_moe
+
+    return random_moe(mc, args.max_loras, device, max_lora_rank=args.rank)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    cfg = dict(TINY if args.smoke else LLAMA3_8B)
+    cfg = storm_shape(args)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="storm-"))
     model_dir = write_model_config(work / "model", cfg)
     resident = [f"r{i}" for i in range(args.resident)]
     storms = [[f"s{n}_{i}" for i in range(n)] for n in args.storms]
     t0 = time.perf_counter()
     write_adapters(work / "adapters", cfg, resident + [n for s in storms for n in s], args.rank,
-                   device)  # fmt: skip
-    print(f"adapters written in {time.perf_counter() - t0:.1f} s", flush=True)
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = random_model(
-        cfg, max_loras=args.max_loras, max_lora_rank=args.rank, device=device, dtype=dtype
-    )
+                   device, experts=args.expert_lora)  # fmt: skip
+    adapter_mb = (work / "adapters" / resident[0] / "adapter_model.safetensors").stat().st_size
+    print(f"adapters written in {time.perf_counter() - t0:.1f} s ({adapter_mb / 1e6:.0f} MB each)",
+          flush=True)  # fmt: skip
+    model = storm_model(cfg, args, device)
+    moe = model.cfg.moe is not None
     config = EngineConfig(
         model=str(model_dir),
         device=device,
@@ -114,6 +146,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         streams = [asyncio.create_task(stream(i)) for i in range(args.streams)]
         # wait until every stream decodes (prefills done), then a quiet window
         while min(len(t) for t in times) < 8:
+            for t in streams:
+                if t.done():  # a stream that failed (or ended) before the windows
+                    t.result()
+                    raise RuntimeError("a running stream ended before the storm windows")
             await asyncio.sleep(0.05)
         windows: list[Window] = []
 
@@ -188,7 +224,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         gcw.stop()
         step_log = list(engine.testing.step_log)
         all_loads = list(loads)
-        idle_writes = idle_slot_writes(engine) if device == "cuda" else {}
+        # (the q/k/v/o re-pack below is the dense shape's question)
+        idle_writes = idle_slot_writes(engine) if device == "cuda" and not moe else {}
     rows = []
     for w in windows:
         gaps = [b - a for ts in times for a, b in itertools.pairwise(ts) if ends_in(w, a, b)]
@@ -271,6 +308,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "commit": args.commit or git_commit(),
         "date": time.strftime("%Y-%m-%d"),
         "args": vars(args),
+        "shape": {"layers": cfg["num_hidden_layers"], "moe": moe, "adapter_mb": adapter_mb / 1e6},
         "startup_s": t_ready - t0,
         "compiles_during_startup": compiles_at_start,
         "compiles_while_serving": len(compiles.events) - compiles_at_start,

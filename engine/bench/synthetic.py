@@ -73,31 +73,53 @@ def random_model(
     return model
 
 
-def write_adapter(folder: Path, cfg: dict, *, rank: int, seed: int, device: str = "cpu") -> Path:
+def write_adapter(
+    folder: Path, cfg: dict, *, rank: int, seed: int, device: str = "cpu", experts: bool = True
+) -> Path:
     """A rank-``rank`` PEFT LoRA on all seven linear modules of every layer, bf16; random
-    values drawn on ``device`` (on a GPU, ~0.1 s for the 84 MB of the 8B shape)."""
+    values drawn on ``device`` (on a GPU, ~0.1 s for the 84 MB of the 8B shape).
+
+    A mixture-of-experts ``cfg`` (Qwen3-MoE, Mixtral): q / k / v / o of every layer, the dense
+    MLP modules of its dense layers and, with ``experts``, every sparse layer's experts in
+    PEFT's ``target_parameters`` form (``mlp.experts.gate_up_proj`` / ``down_proj``: one
+    rank-``rank`` pair per expert; moe/lora_names.py)."""
     mcfg = ModelConfig.from_dict(cfg)
     shapes = mcfg.lora_module_shapes()
     g = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
+
+    def pair(key: str, fan_in: int, fan_out: int, rows: int) -> None:
+        a = torch.randn(rows, fan_in, generator=g, device=device) * fan_in**-0.5
+        b = torch.randn(fan_out, rows, generator=g, device=device) * 0.01
+        tensors[f"{key}.lora_A.weight"] = a.to(torch.bfloat16).cpu()
+        tensors[f"{key}.lora_B.weight"] = b.to(torch.bfloat16).cpu()
+
+    modules = [
+        m for m in LORA_MODULES if any(mcfg.has_module(i, m) for i in range(mcfg.num_layers))
+    ]
     for i in range(mcfg.num_layers):
-        for m in LORA_MODULES:
-            fan_in, fan_out = shapes[m]
-            key = f"base_model.model.model.layers.{i}.{_MODULE_PATH[m]}"
-            a = torch.randn(rank, fan_in, generator=g, device=device) * fan_in**-0.5
-            b = torch.randn(fan_out, rank, generator=g, device=device) * 0.01
-            tensors[f"{key}.lora_A.weight"] = a.to(torch.bfloat16).cpu()
-            tensors[f"{key}.lora_B.weight"] = b.to(torch.bfloat16).cpu()
+        for m in modules:
+            if mcfg.has_module(i, m):
+                pair(f"base_model.model.model.layers.{i}.{_MODULE_PATH[m]}", *shapes[m], rank)
+        if experts and mcfg.moe is not None and mcfg.moe.is_sparse(i):
+            # PEFT nests its parameter wrappers in the model's parameter order: gate_up (the
+            # first) is the innermost, ``experts.base_layer``
+            key = f"base_model.model.model.layers.{i}.mlp.experts"
+            for name, at in (("gate_up_proj", f"{key}.base_layer"), ("down_proj", key)):
+                fan_in, fan_out, e = mcfg.expert_module_shape(f"experts.{name}")  # type: ignore[misc]
+                pair(at, fan_in, fan_out, rank * e)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     config = {
         "peft_type": "LORA",
         "r": rank,
         "lora_alpha": 2 * rank,
-        "target_modules": list(LORA_MODULES),
+        "target_modules": modules,
         "bias": "none",
         "lora_dropout": 0.0,
         "task_type": "CAUSAL_LM",
     }
+    if experts and mcfg.moe is not None:
+        config["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     (folder / "adapter_config.json").write_text(json.dumps(config))
     return folder

@@ -37,3 +37,29 @@ def test_storm_smoke(tmp_path) -> None:
     assert [w[0] for w in tl["windows"]] == names and len(tl["loads"]) >= 3
     assert tl["steps"] and all(b >= a for a, b in zip(tl["steps"], tl["steps"][1:], strict=False))
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
+
+
+def test_storm_smoke_on_a_moe_shape(tmp_path) -> None:
+    """``--shape qwen3-30b-a3b`` (its tiny twin here): the adapters carry LoRA on every expert
+    (PEFT's target_parameters form) and load through the same path, none failing."""
+    result = storm.main(
+        ["--smoke", "--shape", "qwen3-30b-a3b", "--storms", "3", "--workdir", str(tmp_path / "w")]
+    )
+    assert result["shape"]["moe"] and result["shape"]["layers"] == 3
+    config = json.loads((tmp_path / "w/adapters/s3_0/adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    rows = {r["window"]: r for r in result["rows"]}
+    load_rows = [rows[w] for w in ("register 3", "requests 3") if "loads" in rows[w]]
+    assert sum(r["loads"] for r in load_rows) == 3
+    assert all(r["failed_loads"] == 0 for r in load_rows)
+    assert rows["requests 3"]["ttft_max_s"] > 0 and result["compiles_while_serving"] == 0
+    from safetensors import safe_open
+
+    from benchmarks.moe_decode import TINY
+
+    with safe_open(tmp_path / "w/adapters/s3_0/adapter_model.safetensors", "pt") as f:
+        a = f.get_slice("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight")
+        b = f.get_slice("base_model.model.model.layers.0.mlp.experts.lora_B.weight")
+        rows_e = 8 * TINY["num_experts"]  # rank 8 (the smoke's) per expert
+        assert a.get_shape() == [rows_e, TINY["hidden_size"]]  # gate_up: in H
+        assert b.get_shape() == [TINY["hidden_size"], rows_e]  # down: out H
