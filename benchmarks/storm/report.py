@@ -153,10 +153,13 @@ def table(result: dict[str, Any]) -> str:
     if stages:
         lines += ["", "Load stages of the storm requests (p50 ms): " + "; ".join(
             f"{r['window']}: fetch {r['fetch_p50_ms']:.0f}, verify {r['verify_p50_ms']:.0f}, "
-            f"preflight {r['preflight_p50_ms']:.0f}, stage {r['stage_p50_ms']:.0f}; slot "
-            f"writes of {r.get('slot_write_mb', 0):.0f} MB at {r.get('slot_write_gbps_p50', 0):.1f}"
-            f" GB/s p50 ({r.get('slot_write_gbps_min', 0):.1f} min), host->device transfer "
-            f"{r.get('h2d_copy_gbps_p50', 0):.1f} GB/s p50"
+            f"preflight {r['preflight_p50_ms']:.0f}, stage {r['stage_p50_ms']:.0f}"
+            + (
+                f"; slot writes of {r['slot_write_mb']:.0f} MB at {r['slot_write_gbps_p50']:.1f}"
+                f" GB/s p50 ({r['slot_write_gbps_min']:.1f} min), host->device transfer "
+                f"{r.get('h2d_copy_gbps_p50', 0):.1f} GB/s p50"
+                if "slot_write_mb" in r else "; no slot write in this window"
+            )
             for r in stages
         )]  # fmt: skip
     for r in rows:
