@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from loraplex.engine.adapters.checks import fold_scale_into
@@ -22,6 +23,15 @@ from loraplex.engine.adapters.preflight import PreflightReport
 from loraplex.engine.model.lora.slot_image import PackedAdapter, PackEntry, layout_of, new_buffer
 
 __all__ = ["Hasher", "Packer"]
+
+_WORDS = {2: torch.int16, 4: torch.int32}  # element size -> a numpy-viewable type of that width
+
+
+def _storage_words(t: torch.Tensor, word: torch.dtype) -> np.ndarray:
+    """The whole storage of ``t`` (from element 0: storage offsets index it) as numpy words."""
+    base = t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
+    return base.view(word).numpy()
+
 
 T = TypeVar("T")
 
@@ -49,6 +59,9 @@ class Packer:
         self.modules: dict[int, int] = {}  # layer -> its modules' count
         for e in entries.values():
             self.modules[e.layer] = self.modules.get(e.layer, 0) + 1
+        self._buf_words: np.ndarray | None = None  # put_flat's numpy views (_words)
+        self._src_key: tuple | None = None
+        self._src_words: np.ndarray | None = None
 
     @torch.no_grad()
     def put(self, key: tuple[int, str], what: str, x: torch.Tensor, scale: float) -> None:
@@ -77,17 +90,42 @@ class Packer:
         buf = self.packed.buffer
         rows, out = e.rows, e.out_features
         at = src.storage_offset() + start
+        words = self._words(src) if src.dtype == buf.dtype else None
         if is_a:
-            n = rows * e.in_features
-            buf.as_strided((n,), (1,), buf.storage_offset() + e.a_offset).copy_(
-                src.as_strided((n,), (1,), at)
-            )
+            n, lo = rows * e.in_features, buf.storage_offset() + e.a_offset
+            if words is not None:
+                words[1][lo : lo + n] = words[0][at : at + n]
+            else:
+                buf.as_strided((n,), (1,), lo).copy_(src.as_strided((n,), (1,), at))
             return
         # B (out, rows) in the file, B^T (rows, out) in the image
-        buf.as_strided((rows, out), (out, 1), buf.storage_offset() + e.b_offset).copy_(
-            src.as_strided((rows, out), (1, rows), at)
-        )
+        n, lo = rows * out, buf.storage_offset() + e.b_offset
+        if words is not None:
+            # the same bits transposed: numpy's transpose copy of a narrow (out, 16) matrix
+            # is ~2.7 x torch's strided copy (~20 against ~55 us at out 4096, CPU)
+            np.copyto(
+                words[1][lo : lo + n].reshape(rows, out),
+                words[0][at : at + n].reshape(out, rows).T,
+            )
+        else:
+            buf.as_strided((rows, out), (out, 1), lo).copy_(
+                src.as_strided((rows, out), (1, rows), at)
+            )
         self._scale_later(e, scale)
+
+    def _words(self, src: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+        """(the chunk's storage, the image's storage) as numpy words of their element width,
+        for copies of the same dtype (None: a width numpy has no word for); the chunk's view
+        kept while the pass stays on it."""
+        word = _WORDS.get(src.element_size())
+        if word is None:
+            return None
+        key = (src.untyped_storage().data_ptr(), src.dtype)
+        if self._src_key != key:
+            self._src_key, self._src_words = key, _storage_words(src, word)
+        if self._buf_words is None:
+            self._buf_words = _storage_words(self.packed.buffer, word)
+        return self._src_words, self._buf_words
 
     def _scale_later(self, e: PackEntry, scale: float) -> None:
         blocks = self.unscaled.setdefault(e.layer, [])

@@ -100,6 +100,35 @@ def test_the_pass_packs_the_parsers_image_and_the_digest(tiny, tmp_path, dtype):
     assert torch.equal(got.packed.buffer.view(torch.uint8), ref.buffer.view(torch.uint8))
 
 
+@pytest.mark.parametrize("file_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_pass_packs_half_precision_files_into_a_region_view(tiny, tmp_path, file_dtype, dtype):
+    """Adapter files in bf16 / fp16 (as PEFT saves them for a GPU engine), packed into a view
+    that starts inside a larger buffer (a host-pool region): the image is the parser's bit for
+    bit, whether its dtype is the file's (copied as words) or another (converted), and not one
+    element outside the view is written."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir, adapters = tiny
+    mc = _mc(model_dir)
+    folder = tmp_path / "half"
+    shutil.copytree(adapters["sql"], folder)
+    tensors = {k: v.to(file_dtype) for k, v in load_file(folder / W).items()}
+    save_file(tensors, folder / W)
+    ref = stage_packed(load_adapter(folder, mc, max_lora_rank=R, dtype=dtype), R, pin=False)
+    pool = torch.full((ref.buffer.numel() + 96,), 7.0, dtype=dtype)
+    out = pool[40 : 40 + ref.buffer.numel()]
+    src = PassSource.open_dir(folder)
+    try:
+        got = read_pass(src, mc, max_lora_rank=R, max_bytes=None, dtype=dtype, out=out)
+    finally:
+        src.close()
+    assert got.packed is not None and got.packed.entries == ref.entries
+    assert got.packed.buffer.data_ptr() == out.data_ptr()
+    assert torch.equal(out.view(torch.uint8), ref.buffer.view(torch.uint8))
+    assert torch.all(pool[:40] == 7.0) and torch.all(pool[40 + ref.buffer.numel() :] == 7.0)
+
+
 @pytest.mark.parametrize("procs", [0, 1])
 async def test_a_refetch_that_fails_its_digest_leaves_no_slot_and_the_next_load_works(
     tiny, tmp_path, procs
