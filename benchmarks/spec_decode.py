@@ -33,6 +33,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -112,8 +113,15 @@ def agreement(outs: list[list[int]], ref: list[list[int]], exact: bool) -> str:
     return f"{same} / {sum(len(r) for r in ref)}"
 
 
-def p50(xs: list[float]) -> float:
+def p50(xs: Iterable[float]) -> float:
+    xs = list(xs)
     return statistics.median(xs) if xs else float("nan")
+
+
+def p50_ms(xs: list[float | None]) -> str:
+    """The median of the graph replay times recorded (ms), "-" where none was (eager)."""
+    got = [x for x in xs if x is not None]
+    return f"{statistics.median(got):.2f}" if got else "-"
 
 
 def tokens_per_verify(alpha: float, k: int = K) -> float:
@@ -156,14 +164,16 @@ async def bench(args, model_dir: Path, adapters: list[Path]) -> list[str]:
         await run(engine, prompts[:8], names, 8, "warm", spec_on=False)
         lines.append("\n(a) verify step (K = 4, all kept) against a decode step, p50 ms\n")
         lines.append(
-            "| batch | decode ms | verify ms | verify / decode | graph replays | greedy = plain |"
+            "| batch | decode ms | verify ms | verify / decode | graph replays | greedy = plain "
+            "| GPU ms decode / verify | queueing ms decode / verify | verify pipelined |"
         )
-        lines.append("|---:|---:|---:|---:|---:|---:|")
+        lines.append("|---:|---:|---:|---:|---:|---:|---|---|---:|")
         ratios = {}
         for batch in args.batches:
             ps = prompts[:batch]
             ref, _, log = await run(engine, ps, names, args.steps, f"ref{batch}", spec_on=False)
-            decode = [e.seconds for e in log if e.decode and e.rows == batch][3:]
+            dsteps = [e for e in log if e.decode and e.rows == batch][3:]
+            decode = [e.seconds for e in dsteps]
             reference = {f"v{batch}-{i}": t for i, t in enumerate(ref)}
             prop = FixedRateProposer(reference, 1.0, vocab)
             outs, _, log = await run(engine, ps, names, args.steps, f"v{batch}", prop)
@@ -172,9 +182,15 @@ async def bench(args, model_dir: Path, adapters: list[Path]) -> list[str]:
             verify = [e.seconds for e in steps]
             graphs = sum(e.gpu_ms is not None for e in steps)
             ratios[batch] = p50(verify) / p50(decode)
+            # where a verify step's time goes: the graph's replay on the device, the step
+            # thread's queueing, and whether it was queued behind the step before it
             lines.append(
                 f"| {batch} | {p50(decode) * 1e3:.2f} | {p50(verify) * 1e3:.2f} | "
-                f"{ratios[batch]:.2f} | {graphs} / {len(steps)} | {same} |"
+                f"{ratios[batch]:.2f} | {graphs} / {len(steps)} | {same} | "
+                f"{p50_ms([e.gpu_ms for e in dsteps])} / {p50_ms([e.gpu_ms for e in steps])} | "
+                f"{p50(e.host_s for e in dsteps) * 1e3:.2f} / "
+                f"{p50(e.host_s for e in steps) * 1e3:.2f} | "
+                f"{sum(e.pipelined for e in steps)} / {len(steps)} |"
             )
             print(lines[-1], flush=True)
         lines.append("\n(b) batch 1, end to end tokens/s against the per-token acceptance alpha\n")
