@@ -1,11 +1,5 @@
-"""Where the engine process's CPU goes during a window: CPU seconds per thread, and optionally
-a py-spy profile of the GIL holder.
-
-A running stream's token waits whenever the step thread waits for the GIL, so "which thread
-burned CPU while the storm ran" is the first question about a slow window. Threads are read
-from ``/proc/self/task`` (Linux); Python threads get their ``threading`` name, the others
-(CUDA, Triton, OpenMP, torch intra-op) their kernel name.
-"""
+"""Where the engine process's CPU goes during a window: CPU seconds per thread (the package's
+``loraplex.engine.bench.cpu_use``), and optionally a py-spy profile of the GIL holder."""
 
 from __future__ import annotations
 
@@ -13,47 +7,11 @@ import os
 import shutil
 import signal
 import subprocess
-import threading
-from collections import defaultdict
 from pathlib import Path
 
+from loraplex.engine.bench.cpu_use import cpu_by_thread, thread_cpu
+
 __all__ = ["thread_cpu", "cpu_by_thread", "GilProfile"]
-
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def thread_cpu() -> dict[int, tuple[str, float]]:
-    """tid -> (name, user + system CPU seconds so far); empty where /proc is missing."""
-    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
-    out: dict[int, tuple[str, float]] = {}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return out
-    for entry in tids:
-        try:
-            stat = Path(f"/proc/self/task/{entry}/stat").read_text()
-        except OSError:
-            continue  # the thread ended meanwhile
-        tid = int(entry)
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        cpu = (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
-        out[tid] = (names.get(tid, comm), cpu)
-    return out
-
-
-def cpu_by_thread(before: dict, after: dict, seconds: float) -> dict[str, float]:
-    """CPU use per thread name (summed over threads of one name) as a share of one core,
-    over a window of ``seconds``; threads that used under 1 % are left out."""
-    used: dict[str, float] = defaultdict(float)
-    for tid, (name, cpu) in after.items():
-        used[name] += cpu - before.get(tid, (name, 0.0))[1]
-    return {
-        k: round(v / seconds, 3)
-        for k, v in sorted(used.items(), key=lambda kv: -kv[1])
-        if seconds > 0 and v / seconds >= 0.01
-    }
 
 
 def _allow_ptrace_by_children() -> None:

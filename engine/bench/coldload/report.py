@@ -206,6 +206,18 @@ def point_line(res: PointResult) -> str:
             + " / ".join(_ms(w["cold_ttft_p50_s"]) for w in b["windows"])
             + (" -> keeps up" if b["sustained"] else " -> does NOT keep up (queue grows)")
         )
+    cpu = s.get("cpu")
+    if cpu and (cpu["threads"] or cpu["children"]["count"]):
+        ch = cpu["children"]
+        lines.append(
+            "  CPU (cores) over the run: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in list(cpu["threads"].items())[:6])
+            + (
+                f"; {ch['count']} child processes {ch['cores']:.2f} (busiest {ch['busiest']:.2f})"
+                if ch["count"]
+                else ""
+            )
+        )
     y = s.get("yardstick")
     if y:
         lines.append(

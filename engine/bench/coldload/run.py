@@ -30,6 +30,7 @@ from loraplex.engine.bench.coldload.metrics import (
 from loraplex.engine.bench.coldload.progress import Progress
 from loraplex.engine.bench.coldload.summary import summarize
 from loraplex.engine.bench.coldload.workload import Arrival, make_arrivals
+from loraplex.engine.bench.cpu_use import children_cpu, cpu_by_thread, processes_summary, thread_cpu
 
 __all__ = ["PointResult", "run_point", "engine_config"]
 
@@ -173,6 +174,7 @@ async def run_point(
         bar = Progress(len(arrivals), label, enabled=progress)
         tasks: list[asyncio.Task] = []
         lag: list[float] = []
+        cpu0 = await asyncio.to_thread(lambda: (thread_cpu(), children_cpu()))
         t0 = time.monotonic()
         for arr in arrivals:
             delay = t0 + arr.t - time.monotonic()
@@ -188,6 +190,7 @@ async def run_point(
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         t_end = time.monotonic()
+        cpu1 = await asyncio.to_thread(lambda: (thread_cpu(), children_cpu()))
         bar.close()
         stats = {k: v - base_stats.get(k, 0) for k, v in engine.stats()["adapters"].items()}
         step_log = list(engine.testing.step_log)
@@ -215,6 +218,12 @@ async def run_point(
         t0=t0,
         span_s=max((a.t for a in arrivals), default=0.0),
     )
+    # where the CPU went over the arrivals and the drain (cores): the engine's threads, and
+    # its child processes (the loader processes, a grammar sandbox)
+    summary["cpu"] = {
+        "threads": cpu_by_thread(cpu0[0], cpu1[0], t_end - t0),
+        "children": processes_summary(cpu0[1], cpu1[1], t_end - t0),
+    }
     result = PointResult(
         label=label,
         values=dict(values or {}),
