@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one call: GPU-marked tests (kernels, PEFT oracle in bf16/fp16, CUDA graphs),
 # then benchmarks. Results land in $OUT (or ./out). Wheels missing on the GPU machine can be
-# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|rank64|base32|b_layout|ncu|fp8|fp8_gemms|storm ARGS...|zipf|load_rate|moe|expert_lora|spec]
+# placed in .whl/ beforehand. Usage: gpu_checks.sh [tests|kernels|epilogues|dora_epilogues|decode|mixed_rank|rank_epilogues|rank64|base32|b_layout|ncu|fp8|fp8_gemms|storm ARGS...|zipf|load_rate|moe|moe_configs|spec]
 # A copy of the tree without its .git (git archive) stamps results with $LORAPLEX_COMMIT:
 # export it (benchmarks/record.py). Several commits side by side in one call (A/B, bisect):
 # benchmarks/ab_snapshots.sh.
@@ -136,10 +136,11 @@ if [[ $what == moe ]]; then  # issue 42 in one call (~6 min): MoE kernels (bfloa
   python3 -m benchmarks.moe_decode --expert-lora --layers 24 --adapters 0 8 --batches 1 64 \
     --append "$OUT/moe_decode.md" "$@" 2>&1 | grep -v "\[info" | tee "$OUT/moe_decode.log" | tail -16
 fi
-if [[ $what == expert_lora ]]; then  # issue 42 (~3 min): launch configs of the expert LoRA
-  # kernels at the Qwen3-30B-A3B decode shapes, each checked against the torch twin first
-  python3 -m benchmarks.expert_lora_configs --append "$OUT/expert_lora.md" "$@" 2>&1 \
-    | tee "$OUT/expert_lora.log" | grep -E "^\||Error" | tail -8
+if [[ $what == moe_configs ]]; then  # issue 42 (~5 min): launch configs of the expert LoRA
+  # kernels and the base grouped GEMM at the Qwen3-30B-A3B decode shapes, each checked against
+  # its torch twin first
+  python3 -m benchmarks.moe_configs --append "$OUT/moe_configs.md" "$@" 2>&1 \
+    | tee "$OUT/moe_configs.log" | grep -E "^\||Error" | tail -12
 fi
 if [[ $what == spec ]]; then  # issue 45 (~6 min): the speculation tests on the device (CUDA
   # kernels under verify rows), then the step economics on the 8B shape with 8 adapters

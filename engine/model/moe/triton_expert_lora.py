@@ -68,8 +68,8 @@ def _tiles(shape: Mapping[str, int]) -> ExpertLoRAConfig:
     return ExpertLoRAConfig(block_c=min(64, max(16, triton.next_power_of_2(shape["cols"]))))
 
 
-# NOTE: not swept on a GPU yet (benchmarks/moe_decode.py with expert adapters is where an sm_90
-# entry's rows will come from). Generic rows: at most 64 KB of shared memory (float32, 64-pair
+# NOTE: not swept on a GPU yet (an sm_90 entry's rows come from benchmarks/moe_configs.py:
+# `gpu_checks.sh moe_configs`). Generic rows: at most 64 KB of shared memory (float32, 64-pair
 # blocks), any rank.
 EXPERT_LORA_CONFIGS = LaunchTable("moe_expert_lora", {GENERIC: (Rule(_tiles),)})
 

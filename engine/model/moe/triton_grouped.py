@@ -36,8 +36,8 @@ class GroupedConfig:
         return (block_m + self.block_n) * self.block_k * elem * self.num_stages
 
 
-# NOTE: not swept on a GPU yet (benchmarks/moe_decode.py is where an sm_90 entry's rows will come
-# from); the generic rows fit any supported GPU's shared memory (GENERIC_SMEM_BYTES): 16-bit
+# NOTE: not swept on a GPU yet (an sm_90 entry's rows come from benchmarks/moe_configs.py:
+# `gpu_checks.sh moe_configs`); the generic rows fit any supported GPU's shared memory (GENERIC_SMEM_BYTES): 16-bit
 # weights 72 KB for blocks of 64 pairs, 60 KB for blocks of 16; float32 at most 64 KB
 _GENERIC: tuple[Rule[GroupedConfig], ...] = (
     Rule(GroupedConfig(block_n=64, block_k=64, num_warps=4, num_stages=2), elem=(4, None)),
