@@ -136,7 +136,7 @@ if [[ $what == moe ]]; then  # issue 42 in one call (~6 min): MoE kernels (bfloa
   python3 -m benchmarks.moe_decode --expert-lora --layers 24 --adapters 0 8 --batches 1 64 \
     --append "$OUT/moe_decode.md" "$@" 2>&1 | grep -v "\[info" | tee "$OUT/moe_decode.log" | tail -16
 fi
-if [[ $what == moe_configs ]]; then  # issue 42 (~5 min): launch configs of the expert LoRA
+if [[ $what == moe_configs ]]; then  # issue 42 (~6 min): launch configs of the expert LoRA
   # kernels and the base grouped GEMM at the Qwen3-30B-A3B decode shapes, each checked against
   # its torch twin first
   python3 -m benchmarks.moe_configs --append "$OUT/moe_configs.md" "$@" 2>&1 \

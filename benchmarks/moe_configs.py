@@ -12,7 +12,7 @@ checked against the torch twin first, and prints its best against the generic ru
 the bytes the launches must read (each distinct (slot, routed expert) A and B block once; the
 routed experts' weights once).
 
-    python -m benchmarks.moe_configs              # a GPU: ~3 min (Triton compiles)
+    python -m benchmarks.moe_configs              # a GPU: ~6 min (Triton compiles)
     python -m benchmarks.moe_configs --smoke      # CPU, TRITON_INTERPRET: the script
 
 At 64 streams the 8 expert adapters added 6.7 ms to a 24-layer step whose adapter bytes take
