@@ -407,15 +407,3 @@ def test_backlog_tells_a_load_path_that_keeps_up_from_a_growing_queue() -> None:
     rows = _cold_rows(times, steady)
     rows[-1]["ttft_s"] = None
     assert backlog(rows, loads(steady), t0, 30.0)["sustained"] is False
-
-
-def test_cpu_by_thread_and_loader_process_is_reported(tmp_path: Path) -> None:
-    """Where the CPU went over the run: the engine's step thread by name, and its loader
-    process as a child process that did the loads' work (summary and text)."""
-    study = run_study(_point(loader_processes=1), tmp_path, progress=False, quiet=True)
-    cpu = study.results[0].summary["cpu"]
-    assert any(name.startswith("loraplex-step") for name in cpu["threads"]), cpu
-    assert all(0 < v < 4 for v in cpu["threads"].values())
-    children = cpu["children"]
-    assert children["count"] >= 1 and 0 < children["busiest"] <= children["cores"], children
-    assert "child processes" in (tmp_path / "summary.txt").read_text()
