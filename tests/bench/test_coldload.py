@@ -23,34 +23,15 @@ from loraplex.engine.bench.coldload.config import Lengths, PointConfig, grid, la
 from loraplex.engine.bench.coldload.metrics import PARTS
 from loraplex.engine.bench.coldload.sweep import run_study
 from loraplex.engine.bench.coldload.workload import make_arrivals, zipf_cdf
+from tests.helpers.coldload import FAST
+from tests.helpers.coldload import point as _point
 
 pytest.importorskip("matplotlib")
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 
-FAST = dict(
-    synthetic="tiny",
-    device="cpu",
-    num_adapters=12,
-    rank=4,
-    prompt_len=Lengths(4, 24),
-    output_len=Lengths(3, 10),
-    rate=25.0,
-    duration=1.2,
-    alpha=1.0,
-    base_fraction=0.1,
-    max_loras=2,
-    max_cpu_loras=4,
-    max_num_seqs=8,
-    max_num_batched_tokens=256,
-    drain_timeout=30.0,
-)
 POINT_FILES = ("result.json", "requests.csv", "loads.csv", "slot_writes.csv")
 PLOTS = ("ttft_cdf.png", "itl_timeline.png")
-
-
-def _point(**kw: Any) -> PointConfig:
-    return PointConfig(**{**FAST, **kw})
 
 
 def _check_point_dir(folder: Path) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from loraplex.engine.bench.coldload.sweep import run_study
-from tests.bench.test_coldload import _point
+from tests.helpers.coldload import point as _point
 
 pytest.importorskip("matplotlib")
 
