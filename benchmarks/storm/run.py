@@ -75,8 +75,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     write_adapters(work / "adapters", cfg, resident + [n for s in storms for n in s], args.rank,
                    device, experts=args.expert_lora)  # fmt: skip
-    adapter_mb = (work / "adapters" / resident[0] / "adapter_model.safetensors").stat().st_size
-    print(f"adapters written in {time.perf_counter() - t0:.1f} s ({adapter_mb / 1e6:.0f} MB each)",
+    adapter_bytes = (work / "adapters" / resident[0] / "adapter_model.safetensors").stat().st_size
+    print(f"adapters written in {time.perf_counter() - t0:.1f} s ({adapter_bytes / 1e6:.0f} MB each)",
           flush=True)  # fmt: skip
     model = storm_model(cfg, args, device)
     moe = model.cfg.moe is not None
@@ -308,7 +308,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "commit": args.commit or git_commit(),
         "date": time.strftime("%Y-%m-%d"),
         "args": vars(args),
-        "shape": {"layers": cfg["num_hidden_layers"], "moe": moe, "adapter_mb": adapter_mb / 1e6},
+        "shape": {
+            "layers": cfg["num_hidden_layers"],
+            "moe": moe,
+            "adapter_mb": adapter_bytes / 1e6,
+        },
         "startup_s": t_ready - t0,
         "compiles_during_startup": compiles_at_start,
         "compiles_while_serving": len(compiles.events) - compiles_at_start,
