@@ -6,9 +6,10 @@ A Qwen3-30B-A3B-shaped sparse layer (H 2048, I 768, 128 experts, top 8). ``gate_
 slots: the two launches (shrink, expand) of ``expert_lora_triton`` for a grid of
 ``ExpertLoRAConfig``s (the shrink's tiles first with the expand's default, then the expand's
 with the best shrink). ``base_gate_up`` / ``base_down``: the grouped GEMM over the routed
-experts' weights for a grid of ``GroupedConfig``s. Each case is timed with CUDA events over
-layers whose weights rotate (no layer's weights stay in L2: as in a step), every config
-checked against the torch twin first, and prints its best against the generic rule in use and
+experts' weights for a grid of ``GroupedConfig``s. Each case is timed with CUDA events around
+a CUDA graph (as a step replays its launches; eager, a decode-sized launch times the host) of
+launches over layers whose weights rotate (no layer's weights stay in L2: as in a step), every
+config checked against the torch twin first, and prints its best against the generic rule in use and
 the bytes the launches must read (each distinct (slot, routed expert) A and B block once; the
 routed experts' weights once).
 
@@ -137,21 +138,28 @@ def check_config(case: dict, cfg) -> float:
 
 
 def time_config(case: dict, cfg, reps: int, device: str) -> float:
-    """Seconds per call (median over ``reps`` rounds of one call per layer copy)."""
+    """Seconds per call on the device (median over ``reps`` replays of a CUDA graph of one
+    call per layer copy, as a step replays them: timed eagerly, a decode-sized launch would
+    measure the host's launch cost instead)."""
     for w in case["weights"]:  # compile, warm
         launch(case, w, case["out"], cfg)
     if device != "cuda":
         return float("nan")
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in case["weights"]:
+            launch(case, w, case["out"], cfg)
+    graph.replay()
     times = []
     for _ in range(reps):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
-        for w in case["weights"]:
-            launch(case, w, case["out"], cfg)
+        graph.replay()
         e1.record()
         torch.cuda.synchronize()
         times.append(e0.elapsed_time(e1) / 1e3 / len(case["weights"]))
+    del graph
     return statistics.median(times)
 
 
