@@ -9,15 +9,15 @@ with the best shrink). ``base_gate_up`` / ``base_down``: the grouped GEMM over t
 experts' weights for a grid of ``GroupedConfig``s. Each case is timed with CUDA events around
 a CUDA graph (as a step replays its launches; eager, a decode-sized launch times the host) of
 launches over layers whose weights rotate (no layer's weights stay in L2: as in a step), every
-config checked against the torch twin first, and prints its best against the generic rule in use and
-the bytes the launches must read (each distinct (slot, routed expert) A and B block once; the
-routed experts' weights once).
+config checked against the torch twin first, and prints its best against the launch table's
+pick for the device (the rule in use) and the bytes the launches must read (each distinct
+(slot, routed expert) A and B block once; the routed experts' weights once).
 
-    python -m benchmarks.moe_configs              # a GPU: ~6 min (Triton compiles)
+    python -m benchmarks.moe_configs              # a GPU: ~4 min (Triton compiles)
     python -m benchmarks.moe_configs --smoke      # CPU, TRITON_INTERPRET: the script
 
-At 64 streams the 8 expert adapters added 6.7 ms to a 24-layer step whose adapter bytes take
-0.9 ms (BENCHMARKS.md, "Mixture of experts"): this is where an sm_90 rule comes from.
+The sm_90 rows of both tables came from this script (BENCHMARKS.md, "Mixture of experts");
+the 8-32 stream batches settle where the expert LoRA's rows switch.
 """
 
 from __future__ import annotations
@@ -163,12 +163,12 @@ def time_config(case: dict, cfg, reps: int, device: str) -> float:
     return statistics.median(times)
 
 
-def candidates(case: dict, generic) -> list[list]:
+def candidates(case: dict, in_use) -> list[list]:
     """The grids to walk in order (each after the best of the one before): the base GEMM's one
     grid; the LoRA delta's shrink tiles, then its expand tiles."""
     if case["base"]:
-        return [_grid(generic, GROUPED_GRID)]
-    return [_grid(generic, SHRINK_GRID), EXPAND_GRID]
+        return [_grid(in_use, GROUPED_GRID)]
+    return [_grid(in_use, SHRINK_GRID), EXPAND_GRID]
 
 
 def run(args: argparse.Namespace) -> list[str]:
@@ -186,25 +186,26 @@ def run(args: argparse.Namespace) -> list[str]:
         f"## MoE decode launches: {name}, commit {git_commit()}, copy {bw / 1e12:.2f} TB/s, "
         f"`python -m benchmarks.moe_configs {' '.join(sys.argv[1:])}`".rstrip(),
         "",
-        "| kernel | streams | pairs | bytes MB | floor us | generic us | best us | best / floor "
+        "| kernel | streams | pairs | bytes MB | floor us | in use us | best us | best / floor "
         "| best config |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for module, batch in itertools.product(args.modules, args.batches):
         case = case_tensors(module, batch, args.slots, args.rank, shape, args.layers, device,
                             dtype)  # fmt: skip
-        block_m = case["blocks"].block_m
+        block_m, pairs = case["blocks"].block_m, case["out"].shape[0]
         if case["base"]:
             w = case["weights"][0]
-            generic = grouped_config(block_m, w.shape[1], w.shape[2], w.element_size(), None)
+            in_use = grouped_config(block_m, w.shape[1], w.shape[2], w.element_size(), device,
+                                     pairs)  # fmt: skip
         else:
-            generic = expert_lora_config(block_m, case["weights"][0][0].shape[2], None)
+            in_use = expert_lora_config(block_m, case["weights"][0][0].shape[2], device, pairs)
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-        if check_config(case, generic) > tol:
-            raise RuntimeError(f"{module}: the generic launch differs from the torch twin")
-        t_generic = time_config(case, generic, args.reps, device)
-        best, t_best, wrong = generic, t_generic, 0
-        for grid in candidates(case, generic) if not args.smoke else []:
+        if check_config(case, in_use) > tol:
+            raise RuntimeError(f"{module}: the launch in use differs from the torch twin")
+        t_in_use = time_config(case, in_use, args.reps, device)
+        best, t_best, wrong = in_use, t_in_use, 0
+        for grid in candidates(case, in_use) if not args.smoke else []:
             configs = grid if not isinstance(grid, dict) else _grid(best, grid)
             for cfg in configs:
                 if cfg.smem_bytes(block_m) > args.smem_kb * 1024:
@@ -219,7 +220,7 @@ def run(args: argparse.Namespace) -> list[str]:
         cfg_text = ", ".join(f"{k} {v}" for k, v in vars(best).items())
         lines.append(
             f"| {module} | {batch} | {case['out'].shape[0]} | {case['bytes'] / 1e6:.1f} | "
-            f"{floor * 1e6:.1f} | {t_generic * 1e6:.1f} | {t_best * 1e6:.1f} | "
+            f"{floor * 1e6:.1f} | {t_in_use * 1e6:.1f} | {t_best * 1e6:.1f} | "
             f"{t_best / floor:.2f} | {cfg_text} (block_m {block_m}) |"
             + (f" {wrong} configs differed from the twin: skipped" if wrong else "")
         )
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET)")
     ap.add_argument("--modules", nargs="+", default=list(MODULES), choices=MODULES)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32, 64])
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--layers", type=int, default=6, help="weight copies rotated over")

@@ -76,7 +76,9 @@ EXPAND_SHAPES = [{**s, "width": s.pop("k")} for s in _grid(
     tokens=(0, 1, 16, 17, 64, 512), segments=(1, 8, 32), slices=(1, 3, 4), k=(64, 576, 14336),
     sms=(132, 16),
 )]  # fmt: skip
-EXPERT_LORA_SHAPES = _grid(block_m=(16, 64), cols=(1, 8, 16, 17, 32, 64, 128, 256, 1024))
+EXPERT_LORA_SHAPES = _grid(
+    block_m=(16, 64), cols=(1, 8, 16, 17, 32, 64, 128, 256, 1024), pairs=(1, 8, 127, 128, 512)
+)
 DECODE_SHAPES = _grid(fp32=(0, 1), head_dim=(64, 80, 128, 256), half_waves=range(0, 9))
 PREFILL_SHAPES = _grid(fp32=(0, 1), head_dim=(64, 80, 128, 256))
 
@@ -238,6 +240,10 @@ def test_sm90_rows_keep_the_measured_choices(monkeypatch) -> None:
     assert triton_shrink.shrink_config(512, 32, 3, 4096, 16, dev) == shrink(64, 16, 64, 1, 8)
     assert triton_expand.expand_config(1, 8, 3, 4096, dev) == expand(16, 128, 16)
     assert triton_expand.expand_config(64, 32, 1, 14336, dev) == expand(32, 128, 16)
+    lora = triton_expert_lora.ExpertLoRAConfig
+    assert triton_expert_lora.expert_lora_config(16, 32, dev, 8) == lora(16, 256, 64, 4, 3)
+    assert triton_expert_lora.expert_lora_config(16, 16, dev, 512) == lora(32, 256, 256, 4, 3)
+    assert triton_expert_lora.expert_lora_config(64, 32, dev, 8192) == lora(32, 64, 64, 4, 2)
 
 
 def test_sgmv_tiles_shrink_to_the_generic_budget_only_past_rank_256() -> None:

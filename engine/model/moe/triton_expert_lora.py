@@ -68,18 +68,33 @@ def _tiles(shape: Mapping[str, int]) -> ExpertLoRAConfig:
     return ExpertLoRAConfig(block_c=min(64, max(16, triton.next_power_of_2(shape["cols"]))))
 
 
-# NOTE: not swept on a GPU yet (an sm_90 entry's rows come from benchmarks/moe_configs.py:
-# `gpu_checks.sh moe_configs`). Generic rows: at most 64 KB of shared memory (float32, 64-pair
-# blocks), any rank.
-EXPERT_LORA_CONFIGS = LaunchTable("moe_expert_lora", {GENERIC: (Rule(_tiles),)})
+# sm_90 rows: benchmarks/moe_configs.py on an H100 (1a49833, CUDA graph replays, Qwen3-30B-A3B
+# shapes, 8 rank-16 slots, bf16; BENCHMARKS.md "Mixture of experts"), both at blocks of 16 pairs:
+# 1 stream (8 pairs) gate_up / down 19.7 / 11.6 -> 11.8 / 9.3 us against the generic rule;
+# 64 streams (512 pairs) 155.7 / 81.7 -> 57.3 / 37.5 us. Between 8 and 512 pairs the switch at
+# 128 (16 streams, ~70 routed experts: blocks enough for half the SMs) is not yet measured.
+# Generic rows: at most 64 KB of shared memory (float32, 64-pair blocks), any rank.
+_SM90: tuple[Rule[ExpertLoRAConfig], ...] = (
+    Rule(
+        ExpertLoRAConfig(block_c=32, block_k=256, block_n=256, num_warps=4, num_stages=3),
+        block_m=16,
+        pairs=(128, None),
+    ),  # fmt: skip
+    Rule(
+        ExpertLoRAConfig(block_c=16, block_k=256, block_n=64, num_warps=4, num_stages=3), block_m=16
+    ),  # fmt: skip
+    Rule(_tiles),
+)
+EXPERT_LORA_CONFIGS = LaunchTable("moe_expert_lora", {GENERIC: (Rule(_tiles),), "sm90": _SM90})
 
 
 def expert_lora_config(
-    block_m: int, cols: int, device: torch.device | str | None = None
+    block_m: int, cols: int, device: torch.device | str | None = None, pairs: int = 0
 ) -> ExpertLoRAConfig:
     """The launch for blocks of ``block_m`` pairs and ``cols`` = S*R shrunk columns (S slices
-    at max rank R) on ``device`` (None: the generic rows); ``EXPERT_LORA_CONFIGS``."""
-    return EXPERT_LORA_CONFIGS.pick(device, block_m=block_m, cols=cols)
+    at max rank R), ``pairs`` routed (token, expert) pairs in all, on ``device`` (None: the
+    generic rows); ``EXPERT_LORA_CONFIGS``."""
+    return EXPERT_LORA_CONFIGS.pick(device, block_m=block_m, cols=cols, pairs=pairs)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -257,7 +272,7 @@ def expert_lora_triton(
     r = b.shape[2]
     slices = sr // r
     block_m = blocks.block_m
-    cfg = config or expert_lora_config(block_m, sr, x.device)
+    cfg = config or expert_lora_config(block_m, sr, x.device, p)
     h = torch.empty(p, sr, dtype=torch.float32, device=x.device)
     _shrink_kernel[(blocks.num_blocks, triton.cdiv(sr, cfg.block_c))](
         x,

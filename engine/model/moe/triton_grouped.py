@@ -36,23 +36,51 @@ class GroupedConfig:
         return (block_m + self.block_n) * self.block_k * elem * self.num_stages
 
 
-# NOTE: not swept on a GPU yet (an sm_90 entry's rows come from benchmarks/moe_configs.py:
-# `gpu_checks.sh moe_configs`); the generic rows fit any supported GPU's shared memory (GENERIC_SMEM_BYTES): 16-bit
-# weights 72 KB for blocks of 64 pairs, 60 KB for blocks of 16; float32 at most 64 KB
+# The generic rows fit any supported GPU's shared memory (GENERIC_SMEM_BYTES): 16-bit weights
+# 72 KB for blocks of 64 pairs, 60 KB for blocks of 16; float32 at most 64 KB
 _GENERIC: tuple[Rule[GroupedConfig], ...] = (
     Rule(GroupedConfig(block_n=64, block_k=64, num_warps=4, num_stages=2), elem=(4, None)),
     Rule(GroupedConfig(block_n=128, block_k=64, num_warps=8, num_stages=3), block_m=(64, None)),
     Rule(GroupedConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)),
 )
-GROUPED_CONFIGS = LaunchTable("moe_grouped_gemm", {GENERIC: _GENERIC})
+# sm_90 rows: benchmarks/moe_configs.py on an H100 (1a49833, CUDA graph replays, bf16), the
+# Qwen3-30B-A3B expert shapes at 1 stream (8 pairs): gate_up (N 1536, K 2048) 24.3 -> 20.7 us,
+# down (N 2048, K 768) 13.6 -> 12.1 us. At 64 streams the best config was within 1 % of the
+# generic rule (263.9 / 265.8, 136.7 / 137.5 us): the generic rows stay there.
+_SM90: tuple[Rule[GroupedConfig], ...] = (
+    Rule(
+        GroupedConfig(block_n=128, block_k=128, num_warps=4, num_stages=4),
+        block_m=16,
+        n=1536,
+        k=2048,
+        elem=2,
+        pairs=(None, 64),
+    ),  # fmt: skip
+    Rule(
+        GroupedConfig(block_n=32, block_k=256, num_warps=4, num_stages=2),
+        block_m=16,
+        n=2048,
+        k=768,
+        elem=2,
+        pairs=(None, 64),
+    ),  # fmt: skip
+    *_GENERIC,
+)
+GROUPED_CONFIGS = LaunchTable("moe_grouped_gemm", {GENERIC: _GENERIC, "sm90": _SM90})
 
 
 def grouped_config(
-    block_m: int, n: int, k: int, elem: int = 2, device: torch.device | str | None = None
+    block_m: int,
+    n: int,
+    k: int,
+    elem: int = 2,
+    device: torch.device | str | None = None,
+    pairs: int = 0,
 ) -> GroupedConfig:
     """The launch for blocks of ``block_m`` pairs against (N, K) expert weights of ``elem``
-    bytes an element on ``device`` (None: the generic rows); ``GROUPED_CONFIGS``."""
-    return GROUPED_CONFIGS.pick(device, block_m=block_m, n=n, k=k, elem=elem)
+    bytes an element, ``pairs`` routed pairs in all, on ``device`` (None: the generic rows);
+    ``GROUPED_CONFIGS``."""
+    return GROUPED_CONFIGS.pick(device, block_m=block_m, n=n, k=k, elem=elem, pairs=pairs)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -130,7 +158,7 @@ def grouped_gemm_triton(
     if p == 0:
         return
     k = a.shape[1]
-    cfg = config or grouped_config(blocks.block_m, n, k, w.element_size(), a.device)
+    cfg = config or grouped_config(blocks.block_m, n, k, w.element_size(), a.device, p)
     grid = (blocks.num_blocks, triton.cdiv(n, cfg.block_n))
     _grouped_kernel[grid](
         a,
