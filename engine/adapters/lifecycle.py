@@ -107,6 +107,7 @@ class AdapterLifecycle:
             on_change=wake,
             on_drop=self.fetcher.discard,
             on_unload=self.stager.release,
+            on_room=self.stager.room_changed,
             slots=self.slots,
             eviction=tier_policy(config.adapter_eviction),
         )

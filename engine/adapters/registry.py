@@ -69,7 +69,8 @@ class AdapterRegistry:
     calls ``ensure_loaded`` and ``drop_user`` (the request ended), and the slot store for
     slots. ``loader`` is the async load itself; ``on_change`` is called when a load ends
     (either way), ``on_drop`` when a version is forgotten, ``on_unload`` when its CPU-tier
-    tensors are dropped. ``slots``: the engine's slot store (default: one of ``max_loras``
+    tensors are dropped, ``on_room`` when host memory may have come free for a load waiting
+    for it (a CPU-tier version became evictable, or one was unloaded). ``slots``: the engine's slot store (default: one of ``max_loras``
     slots that cannot write, for tests of the registry alone); ``eviction``: the CPU tier's
     policy (``tier_policy``; default LRU).
     """
@@ -84,6 +85,7 @@ class AdapterRegistry:
         on_change: Callable[[], None] = lambda: None,
         on_drop: Callable[[AdapterVersion], None] = lambda v: None,
         on_unload: Callable[[AdapterVersion], None] = lambda v: None,
+        on_room: Callable[[], None] = lambda: None,
         slots: SlotStore | None = None,
         eviction: EvictionPolicy | None = None,
     ) -> None:
@@ -96,6 +98,7 @@ class AdapterRegistry:
         self._on_change = on_change
         self._on_drop = on_drop
         self._on_unload = on_unload
+        self._on_room = on_room
         self._current: dict[str, AdapterVersion] = {}
         self._versions: list[AdapterVersion] = []  # every version still alive
         self.slots = slots if slots is not None else SlotStore(max_loras, max_full)
@@ -252,6 +255,8 @@ class AdapterRegistry:
         if v.users == 0 and v.state is AdapterState.LOADING and v.load_task is not None:
             v.load_task.cancel()  # nobody waits for it any more
         self._collect()
+        if v.users == 0:
+            self._on_room()  # v may be evictable now
 
     # -- CPU tier -------------------------------------------------------------------------------
 
@@ -298,6 +303,7 @@ class AdapterRegistry:
         finally:
             v.load_task = None
             self._on_change()
+            self._on_room()
 
     def _touch(self, v: AdapterVersion, now: float) -> None:
         """A use of ``v`` (or its load's end) for the CPU tier's policy: its bytes and what its
@@ -311,6 +317,7 @@ class AdapterRegistry:
         v.adapter = None
         self.eviction.forget(v)
         self._on_unload(v)
+        self._on_room()
 
     def _evict_cpu(self, keep: AdapterVersion | None, excess: int | None = None) -> int:
         """Evict idle CPU-tier versions beyond ``max_cpu_loras`` (or ``excess`` of them), as
@@ -385,6 +392,7 @@ class AdapterRegistry:
         CPU tier next."""
         self.stats["gpu_evictions"] += 1
         self._evict_cpu(keep=new)
+        self._on_room()  # old left its slot: evictable once idle
 
     def _pinned(self, v: AdapterVersion) -> bool:
         """A pin holds for the current version of its name; a superseded version that is

@@ -159,3 +159,21 @@ def test_slot_eviction_drops_the_evicted_cpu_copy_when_over_the_tier():
     assert m.slots.assign(v) == 0
     assert old.state is AdapterState.REGISTERED and old.adapter is None
     assert v.state is AdapterState.CPU and m.stats["cpu_evictions"] == 1
+
+
+async def test_room_is_announced_when_a_version_may_be_evicted_or_was_unloaded():
+    """``on_room`` (a load waiting for host memory looks again): the last request of a loaded
+    version ends, a load ends, a version is unloaded; not while a request still holds it."""
+    loader, told = FakeLoader(), []
+    m = make_manager(max_loras=1, max_cpu_loras=1, loader=loader, on_room=lambda: told.append(1))
+    v = register_version(m, "a")
+    m.add_user(v)
+    m.add_user(v)
+    await loader.finish(v)
+    assert v.state is AdapterState.CPU and len(told) == 1  # the load ended
+    m.drop_user(v)
+    assert len(told) == 1  # one request still uses it: nothing to evict
+    m.drop_user(v)
+    assert len(told) == 2  # idle now
+    assert m.make_room() and v.state is AdapterState.REGISTERED
+    assert len(told) == 3  # unloaded: its host memory went back
