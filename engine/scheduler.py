@@ -332,17 +332,27 @@ class Scheduler:
     def _collect_slot_writes(self, out: SchedulerOutput, head: Request | None) -> None:
         """Assign slots to loaded adapters that waiting requests need (writes run in the step)."""
         order = ([head] if head else []) + [r for r in self.waiting if r is not head]
+        # slot ranges in which a non-forced assign found nothing to take: the same answer for
+        # every later version of that range in this pass (thousands of waiting requests would
+        # each scan the slots again)
+        taken_up: set[range] = set()
         for req in order:
             v = req.adapter
             if v is None or v.state is not AdapterState.CPU or self.slots.slot_of(v) is not None:
                 continue
+            force = req is head
+            usable = self.slots.usable(v)
+            if not force and usable in taken_up:
+                continue
             try:
-                slot = self.slots.assign(v, force=req is head)
+                slot = self.slots.assign(v, force=force)
             except SlotFullError as e:
                 out.failed.append((req, e))
                 continue
             if slot is not None:
                 out.slot_writes.append(v)
+            elif not force:
+                taken_up.add(usable)
         for req, _ in out.failed:
             self.waiting.remove(req)
 

@@ -254,7 +254,9 @@ class AdapterRegistry:
         v.users -= 1
         if v.users == 0 and v.state is AdapterState.LOADING and v.load_task is not None:
             v.load_task.cancel()  # nobody waits for it any more
-        self._collect()
+        if v.parts or self._current.get(v.name) is not v:
+            self._collect()  # a superseded version or a combination may go now (a current
+            # one stays: scanning every version at every request's end is a loop's cost)
         if v.users == 0:
             self._on_room()  # v may be evictable now
 

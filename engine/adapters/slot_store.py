@@ -153,7 +153,10 @@ class SlotStore:
         experts = v is not None and self.num_expert is not None and _has_experts(v)
         return full, experts
 
-    def _usable(self, v: AdapterVersion | None) -> range:
+    def usable(self, v: AdapterVersion | None) -> range:
+        """The slots ``v`` may take (full-table ones first, expert-capable ones first: both
+        ranges start at slot 0). Two versions with the same range get the same answer from a
+        non-forced ``assign`` while no slot changes hands."""
         full, experts = self._needs(v)
         limit = self.num_full if full else self.num_slots
         return range(min(limit, self.expert_slots) if experts else limit)
@@ -171,7 +174,7 @@ class SlotStore:
         if slot is not None:
             return slot
         full, experts = self._needs(v)
-        usable = self._usable(v)
+        usable = self.usable(v)
         if not usable:
             raise SlotFullError(
                 f"adapter {v.name!r} has LoRA on the experts but the engine has no "
@@ -208,7 +211,7 @@ class SlotStore:
         """Whether ``assign`` would find a slot now (no side effects); ``v``: for this version
         (an adapter with full tables takes only a full-table slot, one with experts only an
         expert-capable one)."""
-        usable = self._usable(v)
+        usable = self.usable(v)
         if any(self._slots[i].owner is None for i in usable):
             return True
         return any(self._of[o] in usable for o in self.idle_owners(force))

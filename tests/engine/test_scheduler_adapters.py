@@ -108,6 +108,24 @@ def test_no_free_slot_waits_until_a_slot_is_unreferenced():
     assert m.stats["gpu_evictions"] == 1
 
 
+def test_one_pass_asks_the_slots_once_for_waiters_with_no_slot_to_take(monkeypatch):
+    """Every slot busy and many loaded adapters waiting: the pass learns from the first
+    refused assign that the others would be refused too (one scan, not one per request)."""
+    s, blocks, m, _ = make(max_loras=1, max_cpu_loras=40)
+    old = in_slot(m, "old")
+    submit(s, "a", 3, old)
+    run_step(s, s.schedule())  # a runs: old's slot is referenced
+    waiting = [loaded(m, f"v{i}") for i in range(30)]
+    for i, v in enumerate(waiting):
+        submit(s, f"w{i}", 3, v)
+    asks = []
+    assign = s.slots.assign
+    monkeypatch.setattr(s.slots, "assign", lambda v, **kw: asks.append(v) or assign(v, **kw))
+    plan = s.schedule()
+    assert not plan.slot_writes and asks == [waiting[0]]
+    assert all(s.slots.slot_of(v) is None for v in waiting)
+
+
 def test_slot_eviction_takes_the_lru_unreferenced_slot():
     s, blocks, m, _ = make(max_loras=3, max_cpu_loras=4)
     busy = in_slot(m, "busy", last_used=0.0)
