@@ -100,7 +100,15 @@ class AdapterRegistry:
         self._on_unload = on_unload
         self._on_room = on_room
         self._current: dict[str, AdapterVersion] = {}
-        self._versions: list[AdapterVersion] = []  # every version still alive
+        # every version still alive, by id (insertion order); and indices over it, so that no
+        # path a load or a step takes scans every version (thousands may be registered):
+        # ``_others`` the alive versions that are not current (superseded, unregistered,
+        # combinations: the only ones ``_collect`` may drop), ``_cpu`` those in the CPU tier,
+        # ``_num_loading`` how many load (read by the step thread)
+        self._versions: dict[int, AdapterVersion] = {}
+        self._others: dict[int, AdapterVersion] = {}
+        self._cpu: dict[int, AdapterVersion] = {}
+        self._num_loading = 0
         self.slots = slots if slots is not None else SlotStore(max_loras, max_full)
         self.slots.pinned, self.slots.on_taken = self._pinned, self._taken
         self.slots.on_use = self._touch
@@ -137,21 +145,27 @@ class AdapterRegistry:
             return cur
         if cur is not None:
             v.pinned = v.pinned or cur.pinned  # the operator pinned the name, not a version
+        if cur is not None:
+            self._others[id(cur)] = cur
         self._current[v.name] = v
-        self._versions.append(v)
+        self._index(v)
         self._collect()
         return v
 
     def unregister(self, name: str) -> None:
         """Remove ``name``; its version lives on while requests use it."""
-        if self._current.pop(name, None) is None:
+        v = self._current.pop(name, None)
+        if v is None:
             raise AdapterNotFoundError(f"adapter {name!r} is not loaded", field="lora_name")
+        self._others[id(v)] = v
         self._collect()
 
     def forget(self, v: AdapterVersion) -> None:
         """Drop a version from the registry if it is still the current one for its name."""
         if self._current.get(v.name) is v:
             del self._current[v.name]
+            if id(v) in self._versions:
+                self._others[id(v)] = v
         self._collect()
 
     def pin(self, name: str, pinned: bool = True) -> None:
@@ -177,7 +191,8 @@ class AdapterRegistry:
             v = AdapterVersion(name, "", digest, next(self._counter), parts=key)
             v.lora_rank = sum(c.lora_rank for c, _ in key)
             self._combos[digest] = v
-            self._versions.append(v)
+            self._index(v)
+            self._others[id(v)] = v
             self._collect()
         return v
 
@@ -187,7 +202,7 @@ class AdapterRegistry:
 
     def versions(self) -> list[AdapterVersion]:
         """Every live version (current ones and superseded ones still in use)."""
-        return list(self._versions)
+        return list(self._versions.values())
 
     def _live_combos(self) -> set[int]:
         """Combinations worth keeping: every component current, within ``MAX_COMBINATIONS``
@@ -212,8 +227,11 @@ class AdapterRegistry:
 
     def _collect(self) -> None:
         """Forget superseded versions nobody uses any more (their slot becomes free)."""
-        live = set(map(id, self._current.values())) | self._live_combos()
-        for v in list(self._versions):
+        live = self._live_combos()
+        for v in list(self._others.values()):
+            if self._current.get(v.name) is v:
+                del self._others[id(v)]  # current (again): not a candidate
+                continue
             if id(v) not in live and v.users == 0 and self.slots.refs(v) == 0:
                 if v.parts:
                     self._combos.pop(v.digest, None)
@@ -221,8 +239,40 @@ class AdapterRegistry:
                     v.load_task.cancel()
                 self.slots.free(v)
                 self._unload(v)
-                self._versions.remove(v)
+                self._unindex(v)
                 self._on_drop(v)
+
+    def _index(self, v: AdapterVersion) -> None:
+        """``v`` joins the alive versions (in whatever state it is)."""
+        self._versions[id(v)] = v
+        if v.state is AdapterState.LOADING:
+            self._num_loading += 1
+        elif v.state is AdapterState.CPU:
+            self._cpu[id(v)] = v
+
+    def _unindex(self, v: AdapterVersion) -> None:
+        if self._versions.pop(id(v), None) is None:
+            return
+        self._others.pop(id(v), None)
+        self._cpu.pop(id(v), None)
+        if v.state is AdapterState.LOADING:
+            self._num_loading -= 1
+
+    def _set_state(self, v: AdapterVersion, state: AdapterState) -> None:
+        """``v.state = state``, the indices kept: every state change of a version goes
+        through here (a version not alive in the registry has none to keep)."""
+        alive = id(v) in self._versions
+        if alive and v.state is AdapterState.LOADING:
+            self._num_loading -= 1
+        v.state = state
+        if not alive:
+            return
+        if state is AdapterState.LOADING:
+            self._num_loading += 1
+        if state is AdapterState.CPU:
+            self._cpu[id(v)] = v
+        else:
+            self._cpu.pop(id(v), None)
 
     # -- references -----------------------------------------------------------------------------
 
@@ -266,7 +316,7 @@ class AdapterRegistry:
         """Start a background load unless the version is loaded or loading (single-flight)."""
         if v.state in (AdapterState.CPU, AdapterState.LOADING):
             return
-        v.state = AdapterState.LOADING
+        self._set_state(v, AdapterState.LOADING)
         v.error = None
         self.stats["loads"] += 1
         task = asyncio.get_running_loop().create_task(self._load(v))
@@ -282,7 +332,7 @@ class AdapterRegistry:
             self._on_change()
 
     def _cancelled(self, v: AdapterVersion) -> None:
-        v.state = AdapterState.REGISTERED
+        self._set_state(v, AdapterState.REGISTERED)
         self._unload(v)
         if v.dynamic and v.users == 0:  # a request that joined meanwhile keeps the name
             self.forget(v)
@@ -295,11 +345,11 @@ class AdapterRegistry:
             raise
         except Exception as e:  # noqa: BLE001 - the error is handed to the waiting requests
             self._unload(v)
-            v.state = AdapterState.FAILED
+            self._set_state(v, AdapterState.FAILED)
             v.error = e
             self.stats["load_failures"] += 1
         else:
-            v.state = AdapterState.CPU
+            self._set_state(v, AdapterState.CPU)
             self._touch(v, time.monotonic())  # (LRU: no change; the others learn the cost)
             self._evict_cpu(keep=v)
         finally:
@@ -324,7 +374,7 @@ class AdapterRegistry:
     def _evict_cpu(self, keep: AdapterVersion | None, excess: int | None = None) -> int:
         """Evict idle CPU-tier versions beyond ``max_cpu_loras`` (or ``excess`` of them), as
         the tier's policy picks them; returns how many."""
-        loaded = [v for v in self._versions if v.state is AdapterState.CPU]
+        loaded = list(self._cpu.values())
         if excess is None:
             excess = len(loaded) - self.max_cpu_loras
         if excess <= 0:
@@ -339,14 +389,13 @@ class AdapterRegistry:
             idle.remove(victims[-1])
         for v in victims:
             self._unload(v)
-            v.state = AdapterState.REGISTERED
+            self._set_state(v, AdapterState.REGISTERED)
             self.stats["cpu_evictions"] += 1
         return len(victims)
 
     def cpu_room(self) -> bool:
         """Whether the CPU tier holds fewer than ``max_cpu_loras`` versions."""
-        loaded = sum(1 for v in self._versions if v.state is AdapterState.CPU)
-        return loaded < self.max_cpu_loras
+        return len(self._cpu) < self.max_cpu_loras
 
     def admit(self, v: AdapterVersion, adapter: Any) -> bool:
         """add_adapter's pass packed ``v``'s image: ``v`` (registered, current, not loaded)
@@ -360,7 +409,8 @@ class AdapterRegistry:
         if not self.cpu_room():
             return False
         now = time.monotonic()
-        v.adapter, v.state, v.last_used = adapter, AdapterState.CPU, now
+        v.adapter, v.last_used = adapter, now
+        self._set_state(v, AdapterState.CPU)
         self._touch(v, now)
         return True
 
@@ -370,7 +420,7 @@ class AdapterRegistry:
         if v.state is not AdapterState.CPU or v.users or self.slots.slot_of(v) is not None:
             return False
         self._unload(v)
-        v.state = AdapterState.REGISTERED
+        self._set_state(v, AdapterState.REGISTERED)
         self.stats["cpu_evictions"] += 1
         return True
 
@@ -383,7 +433,7 @@ class AdapterRegistry:
         """After its waiters were failed, a failed version may be retried by later requests
         (a dynamic one is forgotten, so the next request resolves its name again)."""
         if v.state is AdapterState.FAILED:
-            v.state = AdapterState.REGISTERED
+            self._set_state(v, AdapterState.REGISTERED)
             if v.dynamic:
                 self.forget(v)
 
@@ -403,4 +453,4 @@ class AdapterRegistry:
 
     def any_loading(self) -> bool:
         """Some version's load is in flight (the step log records it)."""
-        return any(v.state is AdapterState.LOADING for v in self._versions)
+        return self._num_loading > 0

@@ -3,6 +3,9 @@ over idle versions) and GPU slot assignment, pins and eviction."""
 
 from __future__ import annotations
 
+import asyncio
+import random
+
 import pytest
 
 from loraplex.engine.adapters.registry import AdapterState, SlotFullError
@@ -177,3 +180,51 @@ async def test_room_is_announced_when_a_version_may_be_evicted_or_was_unloaded()
     assert len(told) == 2  # idle now
     assert m.make_room() and v.state is AdapterState.REGISTERED
     assert len(told) == 3  # unloaded: its host memory went back
+
+
+def _check_indices(m) -> None:
+    alive = m.versions()
+    current = {id(m.get(n)) for n in m.names()}
+    assert m._num_loading == sum(v.state is AdapterState.LOADING for v in alive)
+    assert m.any_loading() == any(v.state is AdapterState.LOADING for v in alive)
+    assert set(m._cpu) == {id(v) for v in alive if v.state is AdapterState.CPU}
+    assert m.cpu_room() == (len(m._cpu) < m.max_cpu_loras)
+    assert set(m._others) >= {id(v) for v in alive if id(v) not in current}
+
+
+async def test_the_indices_follow_every_version_through_a_scripted_trace():
+    """The registry's indices (CPU tier, loads in flight, versions not current) answer as a
+    scan of every version would, after each step of a random trace of registrations,
+    supersessions, requests, loads that end or fail, evictions and unregistrations."""
+    loader = FakeLoader()
+    m = make_manager(max_loras=2, max_cpu_loras=3, loader=loader)
+    rng = random.Random(7)
+    names = [f"a{i}" for i in range(5)]
+    users: list = []
+    for step in range(400):
+        op = rng.randrange(6)
+        name = rng.choice(names)
+        if op == 0:
+            register_version(m, name, digest=f"d{step}")  # a new version supersedes
+        elif op == 1 and name in m.names():
+            v = m.get(name)
+            m.add_user(v)
+            users.append(v)
+        elif op == 2 and users:
+            m.drop_user(users.pop(rng.randrange(len(users))))
+        elif op == 3:
+            for _ in range(3):
+                await asyncio.sleep(0)  # started loads reach the loader, cancelled ones end
+            loading = [v for v in m.versions() if id(v) in loader._gates and v.load_task]
+            if loading:
+                v = rng.choice(loading)
+                await loader.finish(v, None if rng.random() < 0.8 else RuntimeError("bad"))
+                m.reset_failed(v)
+        elif op == 4:
+            m.make_room()
+        elif op == 5 and name in m.names() and rng.random() < 0.3:
+            m.unregister(name)
+        _check_indices(m)
+    while users:
+        m.drop_user(users.pop())
+    _check_indices(m)

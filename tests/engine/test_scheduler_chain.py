@@ -92,7 +92,7 @@ def test_chain_refuses_when_a_waiting_request_would_fail():
     s, blocks, m, _, reqs, plan = steady()
     v = loaded(m, "bad")
     submit(s, "w", 3, v)
-    v.state = AdapterState.FAILED
+    m._set_state(v, AdapterState.FAILED)
     assert s.chain(plan, max_model_len=100) is None
 
 

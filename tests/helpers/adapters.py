@@ -71,7 +71,7 @@ def register_version(
 def loaded(m: AdapterRegistry, name: str, *, last_used: float = 0.0, **kw) -> AdapterVersion:
     """A registered version already in the CPU tier (as a finished load leaves it)."""
     v = register_version(m, name, **kw)
-    v.state = AdapterState.CPU
+    m._set_state(v, AdapterState.CPU)  # (the registry's indices follow its states)
     v.adapter = SimpleNamespace(rank=4, nbytes=1000, dora=None)
     v.last_used = last_used
     return v
