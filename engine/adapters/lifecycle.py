@@ -107,11 +107,11 @@ class AdapterLifecycle:
             on_change=wake,
             on_drop=self.fetcher.discard,
             on_unload=self.stager.release,
-            on_room=self.stager.room_changed,
+            on_room=self.stager.regions.room_changed,
             slots=self.slots,
             eviction=tier_policy(config.adapter_eviction),
         )
-        self.stager.make_room = self.registry.make_room
+        self.stager.regions.make_room = self.registry.make_room
         self._load_gate: asyncio.Semaphore | None = None
 
     async def close(self) -> None:

@@ -40,6 +40,7 @@ from loraplex.engine.adapters.version import (
     _combination_digest,
     combination_name,
 )
+from loraplex.engine.adapters.version_index import VersionIndex
 from loraplex.engine.errors import AdapterNotFoundError
 
 __all__ = [
@@ -100,15 +101,7 @@ class AdapterRegistry:
         self._on_unload = on_unload
         self._on_room = on_room
         self._current: dict[str, AdapterVersion] = {}
-        # every version still alive, by id (insertion order); and indices over it, so that no
-        # path a load or a step takes scans every version (thousands may be registered):
-        # ``_others`` the alive versions that are not current (superseded, unregistered,
-        # combinations: the only ones ``_collect`` may drop), ``_cpu`` those in the CPU tier,
-        # ``_num_loading`` how many load (read by the step thread)
-        self._versions: dict[int, AdapterVersion] = {}
-        self._others: dict[int, AdapterVersion] = {}
-        self._cpu: dict[int, AdapterVersion] = {}
-        self._num_loading = 0
+        self._index = VersionIndex()  # the versions still alive (version_index.py)
         self.slots = slots if slots is not None else SlotStore(max_loras, max_full)
         self.slots.pinned, self.slots.on_taken = self._pinned, self._taken
         self.slots.on_use = self._touch
@@ -146,9 +139,9 @@ class AdapterRegistry:
         if cur is not None:
             v.pinned = v.pinned or cur.pinned  # the operator pinned the name, not a version
         if cur is not None:
-            self._others[id(cur)] = cur
+            self._index.mark_stale(cur)
         self._current[v.name] = v
-        self._index(v)
+        self._index.add(v)
         self._collect()
         return v
 
@@ -157,15 +150,14 @@ class AdapterRegistry:
         v = self._current.pop(name, None)
         if v is None:
             raise AdapterNotFoundError(f"adapter {name!r} is not loaded", field="lora_name")
-        self._others[id(v)] = v
+        self._index.mark_stale(v)
         self._collect()
 
     def forget(self, v: AdapterVersion) -> None:
         """Drop a version from the registry if it is still the current one for its name."""
         if self._current.get(v.name) is v:
             del self._current[v.name]
-            if id(v) in self._versions:
-                self._others[id(v)] = v
+            self._index.mark_stale(v)
         self._collect()
 
     def pin(self, name: str, pinned: bool = True) -> None:
@@ -191,8 +183,7 @@ class AdapterRegistry:
             v = AdapterVersion(name, "", digest, next(self._counter), parts=key)
             v.lora_rank = sum(c.lora_rank for c, _ in key)
             self._combos[digest] = v
-            self._index(v)
-            self._others[id(v)] = v
+            self._index.add(v, stale=True)
             self._collect()
         return v
 
@@ -202,7 +193,7 @@ class AdapterRegistry:
 
     def versions(self) -> list[AdapterVersion]:
         """Every live version (current ones and superseded ones still in use)."""
-        return list(self._versions.values())
+        return list(self._index.alive.values())
 
     def _live_combos(self) -> set[int]:
         """Combinations worth keeping: every component current, within ``MAX_COMBINATIONS``
@@ -228,9 +219,10 @@ class AdapterRegistry:
     def _collect(self) -> None:
         """Forget superseded versions nobody uses any more (their slot becomes free)."""
         live = self._live_combos()
-        for v in list(self._others.values()):
+        stale = self._index.stale
+        for v in list(stale.values()):
             if self._current.get(v.name) is v:
-                del self._others[id(v)]  # current (again): not a candidate
+                del stale[id(v)]  # current (again): not a candidate
                 continue
             if id(v) not in live and v.users == 0 and self.slots.refs(v) == 0:
                 if v.parts:
@@ -239,40 +231,12 @@ class AdapterRegistry:
                     v.load_task.cancel()
                 self.slots.free(v)
                 self._unload(v)
-                self._unindex(v)
+                self._index.remove(v)
                 self._on_drop(v)
 
-    def _index(self, v: AdapterVersion) -> None:
-        """``v`` joins the alive versions (in whatever state it is)."""
-        self._versions[id(v)] = v
-        if v.state is AdapterState.LOADING:
-            self._num_loading += 1
-        elif v.state is AdapterState.CPU:
-            self._cpu[id(v)] = v
-
-    def _unindex(self, v: AdapterVersion) -> None:
-        if self._versions.pop(id(v), None) is None:
-            return
-        self._others.pop(id(v), None)
-        self._cpu.pop(id(v), None)
-        if v.state is AdapterState.LOADING:
-            self._num_loading -= 1
-
     def _set_state(self, v: AdapterVersion, state: AdapterState) -> None:
-        """``v.state = state``, the indices kept: every state change of a version goes
-        through here (a version not alive in the registry has none to keep)."""
-        alive = id(v) in self._versions
-        if alive and v.state is AdapterState.LOADING:
-            self._num_loading -= 1
-        v.state = state
-        if not alive:
-            return
-        if state is AdapterState.LOADING:
-            self._num_loading += 1
-        if state is AdapterState.CPU:
-            self._cpu[id(v)] = v
-        else:
-            self._cpu.pop(id(v), None)
+        """``v.state = state``; every state change goes through here (version_index.py)."""
+        self._index.set_state(v, state)
 
     # -- references -----------------------------------------------------------------------------
 
@@ -374,7 +338,7 @@ class AdapterRegistry:
     def _evict_cpu(self, keep: AdapterVersion | None, excess: int | None = None) -> int:
         """Evict idle CPU-tier versions beyond ``max_cpu_loras`` (or ``excess`` of them), as
         the tier's policy picks them; returns how many."""
-        loaded = list(self._cpu.values())
+        loaded = list(self._index.cpu.values())
         if excess is None:
             excess = len(loaded) - self.max_cpu_loras
         if excess <= 0:
@@ -395,7 +359,7 @@ class AdapterRegistry:
 
     def cpu_room(self) -> bool:
         """Whether the CPU tier holds fewer than ``max_cpu_loras`` versions."""
-        return len(self._cpu) < self.max_cpu_loras
+        return len(self._index.cpu) < self.max_cpu_loras
 
     def admit(self, v: AdapterVersion, adapter: Any) -> bool:
         """add_adapter's pass packed ``v``'s image: ``v`` (registered, current, not loaded)
@@ -453,4 +417,4 @@ class AdapterRegistry:
 
     def any_loading(self) -> bool:
         """Some version's load is in flight (the step log records it)."""
-        return self._num_loading > 0
+        return self._index.num_loading > 0

@@ -29,6 +29,7 @@ from loraplex.engine.adapters.host_pool import HostPool, Region
 from loraplex.engine.adapters.loader_procs import LoaderProcesses
 from loraplex.engine.adapters.onepass import PassResult, PassSource, read_pass
 from loraplex.engine.adapters.parse import LoRAAdapter, load_adapter, load_full_tables
+from loraplex.engine.adapters.region_wait import RegionWaiter
 from loraplex.engine.adapters.seal import Seal, sealed_read
 from loraplex.engine.adapters.thread_jobs import run_to_end
 from loraplex.engine.adapters.version import AdapterVersion
@@ -42,9 +43,6 @@ from loraplex.engine.model.lora.slot_image import (
     pack_adapter,
 )
 
-DRAIN_POLL_S = 0.005  # how often a waiting load looks for a drained region
-ROOM_POLL_S = 0.1  # how often it looks again when nothing said room came free
-
 __all__ = ["AdapterStager", "stage_packed", "stage_file", "adopt_packed", "adapter_of"]
 
 
@@ -56,13 +54,7 @@ class AdapterStager:
         self.model_config = model_config  # the adapter checks' (fetch.py)
         self.pool = pool  # regions the stage step packs into (None: a fresh buffer per load)
         self.procs: LoaderProcesses | None = None  # set once the loader started its helpers
-        self.make_room: Callable[[], bool] = lambda: False  # evict one idle CPU-tier version
-        # set when host memory may have come free (room_changed): loads waiting for a region
-        # look again then, not on a timer (16 waiters polling every 2 ms, each poll scanning
-        # every version for an eviction, took a core of the event loop at ~150 cold requests/s)
-        self._room = asyncio.Event()
-        self._room_gen = 0  # room_changed calls so far
-        self._no_victim_gen = -1  # the generation at which make_room last found no victim
+        self.regions = RegionWaiter(pool)  # loads waiting for host memory (region_wait.py)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -83,7 +75,7 @@ class AdapterStager:
             raise AdapterNotFoundError(f"adapter {v.name!r} has no staged files", field="model")
         if self.pool is None:
             return await asyncio.to_thread(self._stage_here, v, dtype, None, pin)
-        region = await self._region()
+        region = await self.regions.acquire()
         if self.procs is None:
             return await self._stage_into(v, dtype, region)
         ended: list[bool] = []  # [ok] once no helper writes into the region any more
@@ -137,7 +129,7 @@ class AdapterStager:
         free now the pass does not pack (the adapter returned is None)."""
         region = None
         if stage is not None and self.pool is not None:
-            region = await self._region() if wait else self._region_now()
+            region = await self.regions.acquire() if wait else self.regions.now()
             if region is None:
                 stage = None
         if stage is None:
@@ -171,7 +163,7 @@ class AdapterStager:
         once no helper writes into it any more. ``wait``: as ``in_thread``'s."""
         region = None
         if stage is not None and self.pool is not None:
-            region = await self._region() if wait else self._region_now()
+            region = await self.regions.acquire() if wait else self.regions.now()
         if region is None:
             return await call(None, None), None
         ended: list[bool] = []
@@ -210,7 +202,7 @@ class AdapterStager:
                 )
         if self.pool is None:
             return await asyncio.to_thread(self._stage_here, v, dtype, None, pin)
-        return await self._stage_into(v, dtype, await self._region())
+        return await self._stage_into(v, dtype, await self.regions.acquire())
 
     async def _stage_into(
         self, v: AdapterVersion, dtype: torch.dtype, region: Region
@@ -279,48 +271,6 @@ class AdapterStager:
         adapter = LoRAAdapter(name=v.name, path=path, config=r["config"], weights={})
         adopt_packed(adapter, packed)
         return adapter
-
-    def _region_now(self) -> Region | None:
-        """A free host-pool region now, else None: for work no request waits on (add_adapter's
-        pass), which neither queues for host memory nor evicts for it (the CPU tier's policy
-        decides, once the image is made, whether it stays: ``AdapterRegistry.admit``)."""
-        assert self.pool is not None
-        return self.pool.acquire()
-
-    def room_changed(self) -> None:
-        """Host memory may have come free: a region was released, or a CPU-tier version became
-        evictable (its last request ended, it left its GPU slot, a load ended)."""
-        self._room_gen += 1
-        self._room.set()
-
-    def _evict_one(self) -> bool:
-        """make_room, unless it already found no idle version since the last room_changed
-        (the waiters woken together would each scan every version for nothing)."""
-        if self._no_victim_gen == self._room_gen:
-            return False
-        if self.make_room():
-            return True
-        self._no_victim_gen = self._room_gen
-        return False
-
-    async def _region(self) -> Region:
-        """A free host-pool region; evicts idle CPU-tier versions, else waits for one. Eviction
-        is tried again only after ``room_changed``; a released region whose last copy out of
-        it is still landing is looked for every ``DRAIN_POLL_S`` (no event tells its end), and
-        without one every ``ROOM_POLL_S`` (a safety net: every change that frees room says so)."""
-        assert self.pool is not None
-        while True:
-            self._room.clear()
-            region = self.pool.acquire()
-            if region is not None:
-                return region
-            if self.pool.free_count == 0 and self._evict_one():
-                continue
-            draining = self.pool.free_count > 0  # released, a copy out still landing
-            try:
-                await asyncio.wait_for(self._room.wait(), DRAIN_POLL_S if draining else ROOM_POLL_S)
-            except TimeoutError:
-                self._room_gen += 1  # the safety net: look once more
 
 
 def stage_packed(

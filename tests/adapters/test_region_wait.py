@@ -8,40 +8,40 @@ import asyncio
 
 import pytest
 
-from loraplex.engine.adapters import staging
+from loraplex.engine.adapters import region_wait
 from loraplex.engine.adapters.host_pool import HostPool
-from loraplex.engine.adapters.staging import AdapterStager
+from loraplex.engine.adapters.region_wait import RegionWaiter
 
 pytestmark = pytest.mark.timeout(60)
 
 
 async def test_waiting_loads_look_again_only_when_told(monkeypatch):
-    monkeypatch.setattr(staging, "ROOM_POLL_S", 60.0)  # no safety-net pass within the test
+    monkeypatch.setattr(region_wait, "ROOM_POLL_S", 60.0)  # no safety-net pass within the test
     pool = HostPool(4096, 1)
-    stager = AdapterStager(None, None, pool)  # type: ignore[arg-type]
+    waiter = RegionWaiter(pool)
     scans: list[int] = []
 
     def make_room() -> bool:  # the registry's, with no idle version to evict
         scans.append(1)
         return False
 
-    stager.make_room = make_room
+    waiter.make_room = make_room
     held = pool.acquire()
     assert held is not None
-    waiters = [asyncio.create_task(stager._region()) for _ in range(3)]
+    waiters = [asyncio.create_task(waiter.acquire()) for _ in range(3)]
     for _ in range(20):
         await asyncio.sleep(0.01)
     assert len(scans) == 1  # the first waiter found no victim; the others knew it
     assert not any(t.done() for t in waiters)
 
-    stager.room_changed()  # e.g. a request ended: its adapter may be evictable now
+    waiter.room_changed()  # e.g. a request ended: its adapter may be evictable now
     for _ in range(5):
         await asyncio.sleep(0.01)
     assert len(scans) == 2  # one scan for the three waiters woken together
     assert not any(t.done() for t in waiters)
 
     pool.release(held)  # the registry unloads a version: its region goes back, and it says so
-    stager.room_changed()
+    waiter.room_changed()
     done, pending = await asyncio.wait(waiters, timeout=10, return_when=asyncio.FIRST_COMPLETED)
     assert len(done) == 1 and done.pop().result().index == held.index
     for t in pending:
@@ -52,7 +52,7 @@ async def test_waiting_loads_look_again_only_when_told(monkeypatch):
 
 async def test_a_waiting_load_takes_the_region_an_eviction_frees():
     pool = HostPool(4096, 1)
-    stager = AdapterStager(None, None, pool)  # type: ignore[arg-type]
+    waiter = RegionWaiter(pool)
     held = pool.acquire()
     assert held is not None
     victims = [held]
@@ -61,10 +61,10 @@ async def test_a_waiting_load_takes_the_region_an_eviction_frees():
         if not victims:
             return False
         pool.release(victims.pop())
-        stager.room_changed()
+        waiter.room_changed()
         return True
 
-    stager.make_room = make_room
-    region = await asyncio.wait_for(stager._region(), 10)
+    waiter.make_room = make_room
+    region = await asyncio.wait_for(waiter.acquire(), 10)
     assert region.index == held.index and not victims
     pool.close()

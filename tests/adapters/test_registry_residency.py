@@ -185,11 +185,12 @@ async def test_room_is_announced_when_a_version_may_be_evicted_or_was_unloaded()
 def _check_indices(m) -> None:
     alive = m.versions()
     current = {id(m.get(n)) for n in m.names()}
-    assert m._num_loading == sum(v.state is AdapterState.LOADING for v in alive)
+    index = m._index
+    assert index.num_loading == sum(v.state is AdapterState.LOADING for v in alive)
     assert m.any_loading() == any(v.state is AdapterState.LOADING for v in alive)
-    assert set(m._cpu) == {id(v) for v in alive if v.state is AdapterState.CPU}
-    assert m.cpu_room() == (len(m._cpu) < m.max_cpu_loras)
-    assert set(m._others) >= {id(v) for v in alive if id(v) not in current}
+    assert set(index.cpu) == {id(v) for v in alive if v.state is AdapterState.CPU}
+    assert m.cpu_room() == (len(index.cpu) < m.max_cpu_loras)
+    assert set(index.stale) >= {id(v) for v in alive if id(v) not in current}
 
 
 async def test_the_indices_follow_every_version_through_a_scripted_trace():
