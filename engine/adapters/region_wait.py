@@ -61,7 +61,7 @@ class RegionWaiter:
             draining = pool.free_count > 0  # released, a copy out still landing
             try:
                 await asyncio.wait_for(self._room.wait(), DRAIN_POLL_S if draining else ROOM_POLL_S)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # (3.10: not the builtin TimeoutError)
                 self._gen += 1  # the safety net: look once more
 
     def _evict_one(self) -> bool:
