@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
 from dataclasses import replace
 
@@ -138,29 +137,20 @@ def check_config(case: dict, cfg) -> float:
 
 
 def time_config(case: dict, cfg, reps: int, device: str) -> float:
-    """Seconds per call on the device (median over ``reps`` replays of a CUDA graph of one
-    call per layer copy, as a step replays them: timed eagerly, a decode-sized launch would
-    measure the host's launch cost instead)."""
+    """Seconds per call on the device: a CUDA graph of one call per layer copy, replayed as a
+    step replays its launches (``graph_timing.graph_us``; timed eagerly, a decode-sized launch
+    would measure the host's launch cost instead)."""
     for w in case["weights"]:  # compile, warm
         launch(case, w, case["out"], cfg)
     if device != "cuda":
         return float("nan")
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    from benchmarks.graph_timing import graph_us
+
+    def layers() -> None:
         for w in case["weights"]:
             launch(case, w, case["out"], cfg)
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        graph.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) / 1e3 / len(case["weights"]))
-    del graph
-    return statistics.median(times)
+
+    return graph_us(layers, rep=reps) * 1e-6 / len(case["weights"])
 
 
 def candidates(case: dict, in_use) -> list[list]:
@@ -237,7 +227,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--layers", type=int, default=6, help="weight copies rotated over")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=20, help="ms of graph replays per config")
     ap.add_argument("--smem-kb", type=int, default=200, help="configs above this are skipped")
     ap.add_argument("--append", default=None, help="append the table to this markdown file")
     args = ap.parse_args(argv)
