@@ -71,9 +71,9 @@ class AdapterRegistry:
     slots. ``loader`` is the async load itself; ``on_change`` is called when a load ends
     (either way), ``on_drop`` when a version is forgotten, ``on_unload`` when its CPU-tier
     tensors are dropped, ``on_room`` when host memory may have come free for a load waiting
-    for it (a CPU-tier version became evictable, or one was unloaded). ``slots``: the engine's slot store (default: one of ``max_loras``
-    slots that cannot write, for tests of the registry alone); ``eviction``: the CPU tier's
-    policy (``tier_policy``; default LRU).
+    for it (a CPU-tier version became evictable, or one was unloaded). ``slots``: the engine's
+    slot store (default: one of ``max_loras`` slots that cannot write, for tests of the
+    registry alone); ``eviction``: the CPU tier's policy (``tier_policy``; default LRU).
     """
 
     def __init__(
@@ -138,7 +138,6 @@ class AdapterRegistry:
             return cur
         if cur is not None:
             v.pinned = v.pinned or cur.pinned  # the operator pinned the name, not a version
-        if cur is not None:
             self._index.mark_stale(cur)
         self._current[v.name] = v
         self._index.add(v)

@@ -154,9 +154,9 @@ class SlotStore:
         return full, experts
 
     def usable(self, v: AdapterVersion | None) -> range:
-        """The slots ``v`` may take (full-table ones first, expert-capable ones first: both
-        ranges start at slot 0). Two versions with the same range get the same answer from a
-        non-forced ``assign`` while no slot changes hands."""
+        """The slots ``v`` may take, from slot 0 (the full-table slots and the expert-capable
+        ones are the first of the store). Two versions with the same range get the same answer
+        from a non-forced ``assign`` while no slot changes hands."""
         full, experts = self._needs(v)
         limit = self.num_full if full else self.num_slots
         return range(min(limit, self.expert_slots) if experts else limit)
