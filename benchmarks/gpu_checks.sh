@@ -114,16 +114,18 @@ if [[ $what == zipf ]]; then  # issue 11: the four Zipf points, cold against war
     | grep -v -E "\[(info|warn)|req/s\]" | tee "$OUT/zipf.log" | tail -30
 fi
 if [[ $what == load_rate ]]; then  # issue 41: the cold-load rate one engine sustains (~4 min)
-  # light requests so that loads, not the GPU, set the limit; 27 MB rank-16 q/k/v/o adapters;
-  # 300 requests/s offer ~160 cold loads/s. At d599fc0 with 8 loads at once on 2 / 4 loader
-  # processes: 21.8 / 37.0 loads/s, saturated (rate = loads at once / load time), so the
-  # sweep widens both; the "CPU (cores)" line tells the loop's, step's and helpers' shares
+  # light requests (2-4 tokens out) so that loads, not the GPU, set the limit; 27 MB rank-16
+  # q/k/v/o adapters; 400 requests/s offer ~210 cold loads/s. At 48f6904 with 8-16 tokens out
+  # (300 requests/s) the 8B step was the limit: requests queued ~2 s, loads waited for host
+  # memory held by adapters whose requests were queued (the "waiting for host memory" figure),
+  # 29 loads/s. The "CPU (cores)" line tells the loop's, step's and helpers' shares
   python3 -m loraplex.engine.bench.coldload --synthetic llama3-8b --num-adapters 1000 --rank 16 \
-    --targets q_proj,k_proj,v_proj,o_proj --distinct 16 --source local --duration 15 --rate 300 \
-    --prompt-len 16-64 --output-len 8-16 --base-fraction 0.1 --max-cpu-loras 128 --kv-cache-gb 16 \
+    --targets q_proj,k_proj,v_proj,o_proj --distinct 16 --source local --duration 15 --rate 400 \
+    --prompt-len 16-64 --output-len 2-4 --base-fraction 0.1 --max-cpu-loras 128 --kv-cache-gb 16 \
     --drain-timeout 10 --max-loras 32 --alpha 0.8 --no-plots --max-concurrent-loads 16 \
-    --sweep loader_processes=4,8,12 --out "$OUT/load_rate" "$@" 2>&1 | grep -v -E "\[(info|warn)|req/s\]" \
-    | tee "$OUT/load_rate.log" | grep -E "^\[|load path|CPU \(cores\)" | tail -12
+    --sweep loader_processes=4,8 --out "$OUT/load_rate" "$@" 2>&1 \
+    | grep --line-buffered -v -E "\[(info|warn)|req/s\]" | tee "$OUT/load_rate.log" \
+    | grep -E "^\[|^  loads|load path|CPU \(cores\)" | tail -12
 fi
 if [[ $what == moe ]]; then  # issue 42 in one call (~6 min): MoE kernels (bfloat16 too), the PEFT
   # oracle with expert adapters on CUDA (graphs), decode with 0 / 8 rank-16 attention + expert adapters

@@ -114,6 +114,7 @@ class AdapterRegistry:
             "misses": 0,
             "load_failures": 0,
             "loads": 0,
+            "load_cancels": 0,  # loads cancelled (every request waiting on them went)
             "gpu_evictions": 0,
             "cpu_evictions": 0,
         }
@@ -291,6 +292,7 @@ class AdapterRegistry:
         the version would stay LOADING with a dead task and its next requests wait forever."""
         if v.load_task is task and task.cancelled() and v.state is AdapterState.LOADING:
             v.load_task = None
+            self.stats["load_cancels"] += 1
             self._cancelled(v)
             self._on_change()
 
@@ -304,6 +306,7 @@ class AdapterRegistry:
         try:
             await self._loader(v)
         except asyncio.CancelledError:
+            self.stats["load_cancels"] += 1
             self._cancelled(v)
             raise
         except Exception as e:  # noqa: BLE001 - the error is handed to the waiting requests
@@ -323,7 +326,7 @@ class AdapterRegistry:
     def _touch(self, v: AdapterVersion, now: float) -> None:
         """A use of ``v`` (or its load's end) for the CPU tier's policy: its bytes and what its
         last load cost (its stage timings; None before any)."""
-        cost = sum(t for stage, t in v.timings.items() if stage != "h2d")
+        cost = sum(t for stage, t in v.timings.items() if stage not in ("h2d", "host_wait"))
         self.eviction.touch(v, now=now, size=v.nbytes, cost=cost if cost > 0 else None)
 
     def _unload(self, v: AdapterVersion) -> None:

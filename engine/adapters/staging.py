@@ -67,6 +67,15 @@ class AdapterStager:
             self.pool.release(v.region)
         v.region = None
 
+    async def _acquire(self, v: AdapterVersion) -> Region:
+        """A host-pool region for ``v``'s load; the wait for one is its ``host_wait`` timing
+        (with every region held by adapters whose requests are queued, loads wait here for
+        slot turnover, not for the load path)."""
+        t0 = time.perf_counter()
+        region = await self.regions.acquire()
+        v.timings["host_wait"] = time.perf_counter() - t0
+        return region
+
     async def stage(self, v: AdapterVersion, dtype: torch.dtype, *, pin: bool) -> LoRAAdapter:
         """Parse the staged files into CPU tensors: into a host-pool region (pinned, shared)
         when the engine has a pool, else a fresh buffer (pinned if ``pin``). Sets
@@ -75,7 +84,7 @@ class AdapterStager:
             raise AdapterNotFoundError(f"adapter {v.name!r} has no staged files", field="model")
         if self.pool is None:
             return await asyncio.to_thread(self._stage_here, v, dtype, None, pin)
-        region = await self.regions.acquire()
+        region = await self._acquire(v)
         if self.procs is None:
             return await self._stage_into(v, dtype, region)
         ended: list[bool] = []  # [ok] once no helper writes into the region any more
@@ -129,7 +138,7 @@ class AdapterStager:
         free now the pass does not pack (the adapter returned is None)."""
         region = None
         if stage is not None and self.pool is not None:
-            region = await self.regions.acquire() if wait else self.regions.now()
+            region = await self._acquire(v) if wait else self.regions.now()
             if region is None:
                 stage = None
         if stage is None:
@@ -163,7 +172,7 @@ class AdapterStager:
         once no helper writes into it any more. ``wait``: as ``in_thread``'s."""
         region = None
         if stage is not None and self.pool is not None:
-            region = await self.regions.acquire() if wait else self.regions.now()
+            region = await self._acquire(v) if wait else self.regions.now()
         if region is None:
             return await call(None, None), None
         ended: list[bool] = []
@@ -202,7 +211,7 @@ class AdapterStager:
                 )
         if self.pool is None:
             return await asyncio.to_thread(self._stage_here, v, dtype, None, pin)
-        return await self._stage_into(v, dtype, await self.regions.acquire())
+        return await self._stage_into(v, dtype, await self._acquire(v))
 
     async def _stage_into(
         self, v: AdapterVersion, dtype: torch.dtype, region: Region

@@ -68,3 +68,24 @@ async def test_a_waiting_load_takes_the_region_an_eviction_frees():
     region = await asyncio.wait_for(waiter.acquire(), 10)
     assert region.index == held.index and not victims
     pool.close()
+
+
+async def test_a_load_records_how_long_it_waited_for_host_memory():
+    """The wait is the load's ``host_wait`` timing: the cold-load study tells loads that wait
+    for slot turnover (every region held by adapters with queued requests) from a slow load
+    path by it."""
+    from loraplex.engine.adapters.staging import AdapterStager
+    from loraplex.engine.adapters.version import AdapterVersion
+
+    pool = HostPool(4096, 1)
+    stager = AdapterStager(None, None, pool)  # type: ignore[arg-type]  # (only its waiter)
+    held = pool.acquire()
+    v = AdapterVersion("a", "local:///a", "", 1)
+    task = asyncio.create_task(stager._acquire(v))
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    pool.release(held)
+    stager.regions.room_changed()
+    region = await asyncio.wait_for(task, 10)
+    assert region.index == held.index and v.timings["host_wait"] >= 0.04
+    pool.close()

@@ -128,6 +128,7 @@ async def test_last_user_leaving_cancels_the_load():
     assert task.cancelled()
     assert v.state is AdapterState.REGISTERED and v.adapter is None and v.load_task is None
     assert unloaded == [v] and v.users == 0 and m.get("sql") is v  # a static name stays
+    assert m.stats["loads"] == 1 and m.stats["load_cancels"] == 1  # (no load event for it)
     m.add_user(v)  # a later request loads it again
     await asyncio.sleep(0)
     assert v.state is AdapterState.LOADING and len(loader.calls) == 2
@@ -145,6 +146,7 @@ async def test_last_user_leaving_before_the_load_ran():
     await settle(task)
     assert task.cancelled() and loader.calls == []
     assert v.state is AdapterState.REGISTERED and v.load_task is None
+    assert m.stats["load_cancels"] == 1
     m.add_user(v)  # a later request loads it again
     assert v.state is AdapterState.LOADING and v.load_task is not None
     await asyncio.sleep(0)

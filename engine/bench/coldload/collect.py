@@ -15,7 +15,8 @@ from typing import Any
 __all__ = ["STAGES", "FETCH_STAGES", "LoadRecord", "WriteRecord", "Collector"]
 
 FETCH_STAGES = ("resolve", "fetch", "verify", "preflight")
-STAGES = (*FETCH_STAGES, "stage")
+# host_wait: the wait for a host-pool region before the pass (or the re-stage) can write
+STAGES = ("host_wait", *FETCH_STAGES, "stage")
 
 
 @dataclass

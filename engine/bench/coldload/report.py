@@ -186,7 +186,8 @@ def point_line(res: PointResult) -> str:
         f"-> decode-stall ratio {_num(s['decode_stall_ratio'])} "
         f"(decode steps: {_num(s['decode_steps']['ratio_p99'])})",
         f"  loads {ld['count']} ({ld['fetched']} fetched, {ld['restaged']} re-staged, {ld['failed']} failed), "
-        f"{ld['bytes_fetched'] / 1e6:.1f} MB fetched, mean {_ms(ld['total']['mean_s'])} ms; "
+        f"{ld['bytes_fetched'] / 1e6:.1f} MB fetched, mean {_ms(ld['total']['mean_s'])} ms "
+        f"(of which waiting for host memory {_ms(ld['stages']['host_wait']['mean_s'])}); "
         f"evictions gpu {s['engine']['adapters'].get('gpu_evictions')} cpu {s['engine']['adapters'].get('cpu_evictions')}",
         f"  H2D GB/s: slot writes (events) p50 {_num(h2d['event_gbps_p50'])}, write_slot copy "
         f"{_num(h2d['write_slot_gbps'])}, pinned {_num(h2d['pinned_gbps'], '.1f') if h2d['pinned_gbps'] else 'n/a'}"

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from loraplex.engine.bench.coldload.collect import STAGES, LoadRecord, WriteRecord
+from loraplex.engine.bench.coldload.collect import FETCH_STAGES, STAGES, LoadRecord, WriteRecord
 from loraplex.engine.bench.coldload.metrics import PARTS, TIERS, backlog, pct, split_stats
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def _loads(loads: list[LoadRecord], folder_bytes: int) -> dict[str, Any]:
     fresh = [ld for ld in ok if ld.fresh]
     stages = {}
     for s in STAGES:
-        xs = [ld.stages[s] for ld in (fresh if s != "stage" else ok)]
+        xs = [ld.stages[s] for ld in (fresh if s in FETCH_STAGES else ok)]
         stages[s] = {
             "mean_s": float(np.mean(xs)) if xs else None,
             "p50_s": pct(xs, 0.5),
@@ -131,6 +131,7 @@ def _consistency(
         "cold_requests": counts.get("cold", 0),
         "misses": stats.get("misses", 0),
         "loads": stats.get("loads", 0),
+        "load_cancels": stats.get("load_cancels", 0),  # (no event: the requests went)
         "load_events": len(loads),
         "distinct_cold_adapters": len(cold_names),
     }
@@ -138,7 +139,7 @@ def _consistency(
         out["gpu_requests"] == out["gpu_hits"]
         and out["cpu_requests"] == out["cpu_hits"]
         and out["cold_requests"] == out["misses"]
-        and out["loads"] == out["load_events"]
+        and out["loads"] == out["load_events"] + out["load_cancels"]
         and out["distinct_cold_adapters"] <= out["loads"] <= max(out["cold_requests"], 0)
     )
     return out
