@@ -10,11 +10,12 @@ known, and while streaming), sizes as listed, and files that appear in ``dest`` 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -42,6 +43,7 @@ __all__ = [
     "Resolver",
     "ResolverSettings",
     "copy_file",
+    "download_parts",
 ]
 
 CONFIG_FILE = "adapter_config.json"
@@ -333,3 +335,57 @@ async def copy_file(
         while chunk := await fin.read(chunk_bytes):
             await fout.write(chunk)
             report(len(chunk))
+
+
+# the parts' disk writes (pwrite at their offsets); a pool of their own so that a download can
+# wait for every write it started, also those whose awaiting task was cancelled
+_PART_WRITER = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="part-write")
+
+
+async def download_parts(
+    target: Path,
+    size: int,
+    get: Callable[[int, int], Awaitable[bytes]],
+    report: Report,
+    *,
+    part_bytes: int,
+    parallel: int,
+    first: bytes | None = None,
+) -> None:
+    """Write a ``size``-byte file as parts of ``part_bytes``, ``parallel`` of them fetched at
+    once by ``get(lo, hi)`` (the bytes ``[lo, hi)``, exactly), each written at its offset
+    (helper for resolvers whose source serves byte ranges: one stream tops out far below a
+    host's network). ``first``: the first part's bytes when the caller already has them (a
+    request that also found the file's final location). The first failure cancels the other
+    parts and is raised once no write into ``target`` is in flight any more."""
+    parts = [(lo, min(lo + part_bytes, size)) for lo in range(0, size, part_bytes)]
+    gate = asyncio.Semaphore(parallel)
+    fd = await asyncio.to_thread(os.open, target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    writes: list[concurrent.futures.Future[int]] = []
+
+    async def part(lo: int, hi: int) -> None:
+        async with gate:
+            data = first if first is not None and lo == 0 else await get(lo, hi)
+            if len(data) != hi - lo:
+                raise AdapterSourceError(
+                    f"{target.name}: bytes {lo}-{hi - 1} arrived as {len(data)} bytes",
+                    field=target.name.removeprefix(".").removesuffix(".part"),
+                )
+            w = _PART_WRITER.submit(os.pwrite, fd, data, lo)
+            writes.append(w)
+            await asyncio.wrap_future(w)
+            report(len(data))  # may raise (quota): the other parts are cancelled
+
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        await asyncio.to_thread(os.ftruncate, fd, size)
+        tasks = [asyncio.ensure_future(part(lo, hi)) for lo, hi in parts]
+        await asyncio.gather(*tasks)  # the first part's error propagates
+    finally:
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        # a cancelled wait leaves its write running: none may land after the close
+        await asyncio.to_thread(concurrent.futures.wait, writes)
+        os.close(fd)

@@ -16,7 +16,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from huggingface_hub import HfApi, hf_hub_download
+import aiofiles
+import aiohttp
+from huggingface_hub import HfApi, hf_hub_download, hf_hub_url, try_to_load_from_cache
 from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
 from loraplex.engine.errors import AdapterNotFoundError, AdapterSourceError
@@ -27,6 +29,7 @@ from loraplex.resolvers.base import (
     Resolver,
     ResolverSettings,
     copy_file,
+    download_parts,
 )
 
 __all__ = ["HfUri", "HuggingFaceResolver", "parse_hf_uri", "loraplex_resolvers"]
@@ -34,6 +37,9 @@ __all__ = ["HfUri", "HuggingFaceResolver", "parse_hf_uri", "loraplex_resolvers"]
 DEFAULT_ENDPOINT = "https://huggingface.co"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _SHA = re.compile(r"[0-9a-f]{40}")
+HF_PART_BYTES = 8 << 20  # a ranged GET's size; files up to it: hf_hub_download (the cache)
+HF_PARALLEL_PARTS = 8  # ranged GETs in flight per file
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
 @dataclass(frozen=True)
@@ -67,14 +73,28 @@ def _env(explicit: str | None, *names: str) -> str | None:
     return next((os.environ[n] for n in names if os.environ.get(n)), None)
 
 
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
 class _HfSource(AdapterSource):
     def __init__(
         self, uri: HfUri, sha: str, files: dict[str, int | None], opts: dict, chunk: int
     ) -> None:
         self.pinned_uri, self.files = uri.with_revision(sha), files
         self._uri, self._sha, self._opts, self._chunk = uri, sha, opts, chunk
+        self._session: aiohttp.ClientSession | None = None
+
+    def _filename(self, name: str) -> str:
+        return f"{self._uri.subdir}/{name}" if self._uri.subdir else name
 
     async def download(self, name: str, target: Path, report: Report) -> None:
+        size = self.files.get(name)
+        if size is not None and size > HF_PART_BYTES and not _offline():
+            cached = await asyncio.to_thread(self._in_cache, name)
+            if cached is None:
+                await self._ranged(name, size, target, report)
+                return
         try:
             cached = await asyncio.to_thread(self._to_cache, name)
         except RepositoryNotFoundError as e:  # includes gated repos
@@ -91,6 +111,81 @@ class _HfSource(AdapterSource):
             **self._opts,
         )
         return str(path)
+
+    def _in_cache(self, name: str) -> str | None:
+        got = try_to_load_from_cache(
+            self._uri.repo_id, self._filename(name), cache_dir=self._opts["cache_dir"],
+            revision=self._sha,
+        )  # fmt: skip
+        return got if isinstance(got, str) else None
+
+    async def _ranged(self, name: str, size: int, target: Path, report: Report) -> None:
+        """The file as parallel ranged GETs, each part written at its offset (module doc)."""
+        url = hf_hub_url(
+            self._uri.repo_id, self._filename(name), revision=self._sha,
+            endpoint=self._opts["endpoint"],
+        )  # fmt: skip
+        if self._session is None:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120)
+            self._session = aiohttp.ClientSession(timeout=timeout, trust_env=True)
+        session = self._session
+        base = {"Accept-Encoding": "identity", "User-Agent": "loraplex"}
+        auth = {"Authorization": f"Bearer {self._opts['token']}"} if self._opts["token"] else {}
+        first_hi = min(HF_PART_BYTES, size)
+        # the first range follows the redirect (aiohttp drops the token on another origin)
+        async with session.get(
+            url, headers={**base, **auth, "Range": f"bytes=0-{first_hi - 1}"}
+        ) as resp:
+            if resp.status in (401, 403, 404):
+                raise AdapterNotFoundError(
+                    f"{self.pinned_uri!r}: {name}: the Hub answered {resp.status}"
+                )
+            resp.raise_for_status()
+            where = resp.url
+            asked = resp.history[0].url if resp.history else resp.url
+            if resp.status == 200:  # the server ignores ranges: the whole file in one stream
+                async with aiofiles.open(target, "wb") as out:
+                    async for chunk in resp.content.iter_chunked(self._chunk):
+                        await out.write(chunk)
+                        report(len(chunk))
+                return
+            self._check_range(resp, name, 0, first_hi, size)
+            first = await resp.read()
+        headers = {**base, **(auth if where.origin() == asked.origin() else {})}
+
+        async def get(lo: int, hi: int) -> bytes:
+            async with session.get(
+                where, headers={**headers, "Range": f"bytes={lo}-{hi - 1}"}, allow_redirects=False
+            ) as r:
+                r.raise_for_status()
+                self._check_range(r, name, lo, hi, size)
+                return await r.read()
+
+        await download_parts(
+            target, size, get, report, part_bytes=HF_PART_BYTES, parallel=HF_PARALLEL_PARTS,
+            first=first,
+        )  # fmt: skip
+
+    def _check_range(
+        self, resp: aiohttp.ClientResponse, name: str, lo: int, hi: int, size: int
+    ) -> None:
+        m = _CONTENT_RANGE.fullmatch(resp.headers.get("Content-Range", "").strip())
+        if (
+            resp.status != 206
+            or m is None
+            or (int(m[1]), int(m[2]) + 1) != (lo, hi)
+            or m[3] not in ("*", str(size))
+        ):
+            raise AdapterSourceError(
+                f"{self.pinned_uri!r}: {name}: asked for bytes {lo}-{hi - 1} of {size}, got "
+                f"status {resp.status}, Content-Range {resp.headers.get('Content-Range')!r}",
+                field=name,
+            )
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
 
 class HuggingFaceResolver(Resolver):

@@ -17,8 +17,6 @@ listing's ETag as ``If-Match``, so an object replaced mid-download fails the fet
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import os
 import re
 from pathlib import Path
@@ -28,7 +26,13 @@ import aiofiles
 
 from loraplex.engine.errors import AdapterNotFoundError, AdapterSourceError
 from loraplex.plugins import hookimpl
-from loraplex.resolvers.base import AdapterSource, Report, Resolver, ResolverSettings
+from loraplex.resolvers.base import (
+    AdapterSource,
+    Report,
+    Resolver,
+    ResolverSettings,
+    download_parts,
+)
 
 if TYPE_CHECKING:
     from s3fs import S3FileSystem
@@ -38,9 +42,6 @@ __all__ = ["S3Resolver", "parse_s3_uri", "loraplex_resolvers"]
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 S3_PART_BYTES = 8 << 20  # a ranged GET's size; smaller files are one plain GET
 S3_PARALLEL_PARTS = 8  # ranged GETs in flight per file
-# the parts' disk writes (pwrite at their offsets); its own pool so that the fetch can wait for
-# every write it started, also those whose awaiting task was cancelled
-_WRITER = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="s3-part")
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
@@ -110,33 +111,13 @@ class _S3Source(AdapterSource):
         """Parallel ranged GETs pinned to the listed ETag, each part written at its offset."""
         bucket, _, key = f"{self.base}/{name}".partition("/")
         etag = self.etags[name]
-        parts = [(lo, min(lo + self.part_bytes, size)) for lo in range(0, size, self.part_bytes)]
-        gate = asyncio.Semaphore(self.parallel)
-        fd = await asyncio.to_thread(os.open, target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
 
-        writes: list[concurrent.futures.Future[int]] = []
+        async def get(lo: int, hi: int) -> bytes:
+            return await self._get_range(bucket, key, etag, lo, hi, name)
 
-        async def part(lo: int, hi: int) -> None:
-            async with gate:
-                data = await self._get_range(bucket, key, etag, lo, hi, name)
-                w = _WRITER.submit(os.pwrite, fd, data, lo)
-                writes.append(w)
-                await asyncio.wrap_future(w)
-                report(len(data))  # may raise (quota): the other parts are cancelled
-
-        tasks: list[asyncio.Task[None]] = []
-        try:
-            await asyncio.to_thread(os.ftruncate, fd, size)
-            tasks = [asyncio.ensure_future(part(lo, hi)) for lo, hi in parts]
-            await asyncio.gather(*tasks)  # the first part's error propagates
-        finally:
-            for t in tasks:
-                t.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
-            # a cancelled wait leaves its write running: none may land after the close
-            await asyncio.to_thread(concurrent.futures.wait, writes)
-            os.close(fd)
+        await download_parts(
+            target, size, get, report, part_bytes=self.part_bytes, parallel=self.parallel
+        )
 
     async def _get_range(
         self, bucket: str, key: str, etag: str, lo: int, hi: int, name: str

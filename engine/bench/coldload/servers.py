@@ -2,7 +2,8 @@
 
 - ``S3Server``: moto's S3 server (objects live in this process's memory).
 - ``HubServer``: the two Hugging Face Hub endpoints the resolver uses (``model_info`` with
-  files metadata, and ``resolve`` for HEAD/GET of a file), serving repos from local folders.
+  files metadata, and ``resolve`` for HEAD/GET of a file or of one byte range), serving repos
+  from local folders.
   It runs its own event loop in its own thread, so serving bytes never runs on the loop of
   the engine under study.
 """
@@ -144,10 +145,19 @@ class HubServer:
         if "/" in name or not path.is_file():
             raise web.HTTPNotFound(headers={"X-Error-Code": "EntryNotFound", "X-Repo-Commit": sha})
         headers = {"X-Repo-Commit": sha, "ETag": f'"{self._etag(path)}"'}
-        body = b"" if request.method == "HEAD" else path.read_bytes()
+        size = path.stat().st_size
         if request.method == "HEAD":
-            headers["Content-Length"] = str(path.stat().st_size)
-        return web.Response(body=body, headers=headers)
+            headers["Content-Length"] = str(size)
+            return web.Response(body=b"", headers=headers)
+        rng = request.headers.get("Range", "")
+        if rng.startswith("bytes=") and "," not in rng:  # one byte range (the ranged fetch)
+            lo, _, hi = rng.removeprefix("bytes=").partition("-")
+            a, b = int(lo), min(int(hi) if hi else size - 1, size - 1)
+            with open(path, "rb") as f:
+                body = os.pread(f.fileno(), b - a + 1, a)
+            headers["Content-Range"] = f"bytes {a}-{b}/{size}"
+            return web.Response(status=206, body=body, headers=headers)
+        return web.Response(body=path.read_bytes(), headers=headers)
 
     def _serve(self) -> None:
         from aiohttp import web
