@@ -36,7 +36,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import replace
 from pathlib import Path
@@ -301,14 +301,20 @@ class AdapterFetcher:
 
         return report
 
-    async def trim_staging(self, versions: list[AdapterVersion], keep: AdapterVersion) -> None:
+    async def trim_staging(
+        self, versions: Callable[[], Iterable[AdapterVersion]], keep: AdapterVersion
+    ) -> None:
         """Keep the staging directory under ``adapter_cache_bytes``: drop the staged files of
-        the least recently used versions that no request uses and no load reads."""
+        the least recently used versions that no request uses and no load reads.
+        ``versions``: the registry's (asked only when there is a quota: every load ends here,
+        and listing thousands of versions per load is the event loop's time)."""
         quota = self.config.adapter_cache_bytes
         if quota is None:
             return
         staged = [
-            x for x in versions if x.local_dir is not None and self.cache_dir in x.local_dir.parents
+            x
+            for x in versions()
+            if x.local_dir is not None and self.cache_dir in x.local_dir.parents
         ]
         total = sum(x.nbytes for x in staged)
         idle = [

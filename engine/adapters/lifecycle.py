@@ -168,7 +168,7 @@ class AdapterLifecycle:
                 )  # fmt: skip
             else:  # an equal version was current (this one went, files too), or no room
                 self.stager.release(v)
-        await self.fetcher.trim_staging(self.registry.versions(), keep=cur)
+        await self.fetcher.trim_staging(self.registry.versions, keep=cur)
         return cur
 
     def remove(self, name: str) -> None:
@@ -390,7 +390,7 @@ class AdapterLifecycle:
                 self._drop_staged(v, e)
         if v.local_dir is None:
             adapter = await self.fetcher.fetch_verify(v, trusted=v.trusted, stage=stage)
-            await self.fetcher.trim_staging(self.registry.versions(), keep=v)
+            await self.fetcher.trim_staging(self.registry.versions, keep=v)
             return adapter
         return None
 
