@@ -33,7 +33,13 @@ from loraplex.engine.request import Request
 from loraplex.engine.sampler import PendingSample, Sampler, SamplerOutput, min_tokens_banned_ids
 from loraplex.engine.scheduler import ScheduledChunk, SchedulerOutput
 from loraplex.engine.spec.masks import spec_masks
-from loraplex.engine.spec.verify import PendingVerify, VerifyOutput, VerifyRow, verify
+from loraplex.engine.spec.verify import (
+    PendingGreedy,
+    PendingVerify,
+    VerifyOutput,
+    VerifyRow,
+    verify,
+)
 from loraplex.engine.structured.bitmask import fill_masks
 
 __all__ = ["InFlightStep", "StepExecutor", "StepRecord"]
@@ -71,7 +77,7 @@ class InFlightStep:
     collected: bool = False  # ``collect`` ran (``result`` holds its tokens)
     result: SamplerOutput | VerifyOutput | None = None
     # a step with speculative proposals: its verification (instead of ``sample``)
-    verify: PendingVerify | None = None
+    verify: PendingVerify | PendingGreedy | None = None
     # sampling not queued yet: its masks are being filled (``StepExecutor.finish`` queues it)
     deferred: Callable[[], PendingSample] | None = None
 
@@ -215,7 +221,9 @@ class StepExecutor:
             self.last_step_event = torch.cuda.Event()
             self.last_step_event.record()
 
-    def _verify(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> PendingVerify:
+    def _verify(
+        self, logits: torch.Tensor, chunks: list[ScheduledChunk]
+    ) -> PendingVerify | PendingGreedy:
         """Step thread: queue the verification of a step with proposals (spec/verify.py):
         per position ``min_tokens`` bans and structured-output masks (``spec_masks``)."""
         vrows = []

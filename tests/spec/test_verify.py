@@ -142,3 +142,34 @@ def test_a_narrower_proposal_distribution_reads_zero_past_its_ids():
     too_wide = [VerifyRow(params, None, [0], torch.softmax(torch.randn(1, V + 4), -1))]
     with pytest.raises(ValueError, match="logits"):
         verify(Sampler(), base, too_wide)
+
+
+def test_plain_greedy_rows_take_the_argmax_path_with_the_general_paths_tokens():
+    """Greedy rows without logprobs, bans or masks are verified from the argmax alone
+    (``PendingGreedy``): the same tokens and kept counts as the general path, which a row
+    asking for logprobs takes; a ban or a mask sends the step back to the general path."""
+    from loraplex.engine.spec.verify import PendingGreedy, PendingVerify
+
+    g = torch.Generator().manual_seed(4)
+    plain, with_lp = SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=0)
+    for trial in range(200):
+        ks = [int(torch.randint(0, 5, (1,), generator=g)) for _ in range(3)]
+        logits = torch.randn(sum(k + 1 for k in ks), V, generator=g)
+        am = logits.argmax(-1).tolist()
+        drafts, pos = [], 0
+        for k in ks:  # a random prefix of each draft agrees with the argmax
+            keep = int(torch.randint(0, k + 1, (1,), generator=g))
+            d = [
+                am[pos + j] if j < keep else int(torch.randint(0, V, (1,), generator=g))
+                for j in range(k)
+            ]
+            drafts.append(d)
+            pos += k + 1
+        fast = verify(Sampler(), logits, [VerifyRow(plain, None, d) for d in drafts])
+        slow = verify(Sampler(), logits, [VerifyRow(with_lp, None, d) for d in drafts])
+        assert isinstance(fast, PendingGreedy) and isinstance(slow, PendingVerify)
+        a, b = fast.fetch(), slow.fetch()
+        assert (a.tokens, a.accepted) == (b.tokens, b.accepted), trial
+        assert all(x is None for lp in a.logprobs for x in lp)
+    banned = VerifyRow(plain, None, [1], banned=[[7], []])
+    assert isinstance(verify(Sampler(), torch.randn(2, V), [banned]), PendingVerify)
