@@ -37,7 +37,7 @@ def one(sampler: Sampler, logits: torch.Tensor, rows: list, general: bool) -> fl
         vmod._plain_greedy = keep
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--vocab", type=int, default=128256)
@@ -48,7 +48,7 @@ def main() -> None:
     )
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--repeats", type=int, default=200)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     sampler = Sampler(seed=0)

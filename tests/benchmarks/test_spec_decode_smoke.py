@@ -31,3 +31,13 @@ def test_break_even_arithmetic() -> None:
     assert abs(a - 0.5) < 1e-9
     assert break_even(0.9) == 0.0
     assert break_even(6.0) != break_even(6.0)  # nan: no acceptance pays for it
+
+
+def test_verify_host_benchmark_runs(capsys) -> None:
+    """``benchmarks.verify_host`` (the verify op by path) on a tiny vocabulary."""
+    from benchmarks.verify_host import main
+
+    main(["--device", "cpu", "--vocab", "64", "--rows", "1", "2", "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert "| rows | general path us | argmax path us | saved |" in out
+    assert out.count("\n| 1 |") == 1 and out.count("\n| 2 |") == 1
