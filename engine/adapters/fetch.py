@@ -212,10 +212,6 @@ class AdapterFetcher:
 
             r, adapter = await self.stager.in_helper(v, call, stage, wait=not background)
             v.local_dir, v.digest, v.seal = Path(r["local_dir"]), r["digest"], r["seal"]
-            v.copy = r.get("copy")  # written by the helper after its pass: lifecycle waits
-            if v.copy is not None:
-                self._copies.add(v.copy)
-                v.copy.add_done_callback(self._copies.discard)
             v.pinned_uri, v.nbytes = r["pinned_uri"], r["nbytes"]
             v.lora_rank, v.dora, v.full = r["rank"], r["dora"], r["full"]
             v.vocab_rows = r["vocab_rows"]

@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -127,18 +127,9 @@ class _Helper:
         except BaseException as e:  # noqa: BLE001 - every error goes back to the engine
             self._send(("error", jid, describe_error(e)))
         else:
-            copy = result.pop("_copy", None)
             self._send(("done", jid, result))
-            if copy is not None:  # (after "done": the engine waits for the copy from there)
-                copy.add_done_callback(lambda f: self._copied(jid, f))
         finally:
             self.tasks.pop(jid, None)
-
-    def _copied(self, jid: int, f: Future) -> None:
-        """A prepare job's staging copy, written after its pass (onepass.py's defer_copy),
-        is sealed or failed: the engine hears which (``copied``: the Seal)."""
-        e = f.exception()
-        self._send(("copy_failed", jid, describe_error(e)) if e else ("copied", jid, f.result()))
 
     async def _prepare(self, p: dict) -> dict:
         from loraplex.engine.adapters.fetch import fetch_and_check
@@ -166,7 +157,7 @@ class _Helper:
             max_lora_rank=p["max_lora_rank"], max_bytes=p["max_bytes"],
             full_modules=p["full_modules"], extra_files=tuple(p.get("extra_files", ())),
             cpu_gate=self.cpu_gate.hold(urgent=p.get("urgent", out is not None)), dtype=dtype,
-            out=out, defer_copy=True,
+            out=out,
         )  # fmt: skip
         report = got.checked.report
         reply = {
@@ -180,9 +171,6 @@ class _Helper:
             "full": bool(report.full),
             "vocab_rows": report.vocab_rows,
             "timings": {"resolve": t1 - t0, **got.stages},
-            # the staging copy still being written: "seal" None, the Seal follows (``_run``)
-            "copy_pending": got.checked.copy is not None,
-            "_copy": got.checked.copy,
         }
         packed = got.checked.packed
         if packed is not None:

@@ -35,7 +35,6 @@ import socket
 import subprocess
 import sys
 import threading
-from concurrent import futures
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -89,16 +88,6 @@ def _rebuild(desc: tuple[str, str, str, str | None]) -> LoRAError:
     return LoaderProcessError(f"the adapter loader failed: {name}: {message}", field=fld)
 
 
-def _fail_copies(proc: _Proc, why: str) -> None:
-    """The staging copies ``proc`` was still writing will never be sealed: each is dropped by
-    whoever waits on it (lifecycle.py: the adapter is fetched and verified again)."""
-    copies = list(proc.copies.values())
-    proc.copies.clear()
-    for copy in copies:
-        if not copy.done():
-            copy.set_exception(LoaderProcessError(why))
-
-
 def resolve_shared(cache: dict[str, Any], payload: dict) -> dict:
     """The helper's side of ``shared``: the payload with its shared fields filled in, from the
     message (kept in ``cache``) or, where the engine sent none, from ``cache``. Messages must
@@ -136,8 +125,6 @@ class _Proc:
     jobs: dict[int, _Job] = field(default_factory=dict)
     dead: bool = False
     sent: dict[str, Any] = field(default_factory=dict)  # shared field -> the value it last got
-    # staging copies its prepare jobs still write after their pass: job id -> its Seal's future
-    copies: dict[int, futures.Future] = field(default_factory=dict)
 
 
 class LoaderProcesses:
@@ -261,14 +248,6 @@ class LoaderProcesses:
 
     def _on_reply(self, proc: _Proc, msg: tuple) -> None:
         kind, jid, data = msg
-        if kind in ("copied", "copy_failed"):  # a staging copy written after its job's reply
-            copy = proc.copies.pop(jid, None)
-            if copy is not None:
-                if kind == "copied":
-                    copy.set_result(data)
-                else:
-                    copy.set_exception(_rebuild(data))
-            return
         job = proc.jobs.pop(jid, None)
         if job is None:
             return
@@ -276,8 +255,6 @@ class LoaderProcesses:
         if job.future.done():
             return
         if kind == "done":
-            if data.get("copy_pending"):  # its Seal comes as "copied" (or "copy_failed")
-                data["copy"] = proc.copies[jid] = futures.Future()
             job.future.set_result(data)
         elif kind == "error":
             job.future.set_exception(_rebuild(data))
@@ -294,7 +271,6 @@ class LoaderProcesses:
         if proc.dead:
             return
         proc.dead = True
-        _fail_copies(proc, "the adapter loader process died while writing the staging copy")
         jobs = list(proc.jobs.values())
         proc.jobs.clear()
         if self._closed:
@@ -342,7 +318,6 @@ class LoaderProcesses:
         for proc in self.procs:
             with contextlib.suppress(OSError, ValueError):
                 proc.conn.close()
-            _fail_copies(proc, "the adapter loader is closed")
         for proc in self.procs:
             try:
                 proc.process.wait(timeout=2.0)

@@ -299,39 +299,3 @@ async def test_a_job_missing_a_shared_field_fails_instead_of_hanging(tiny, lib, 
         info = await engine.add_adapter("sql", str(lib["sql"]))
         assert len(info["digest"]) == 64 and procs.pids == [proc.process.pid]
         assert_idle(engine)
-
-
-async def test_a_helper_writes_the_staging_copy_after_its_reply_and_a_death_drops_it(
-    tiny, lib, tmp_path, monkeypatch
-):
-    """A helper's pass replies before the staging copy is written (onepass.py's defer_copy);
-    the copy's Seal follows. A re-stage waits for it; a helper that dies before sealing it
-    fails the copy, and the adapter is then fetched and verified again from its source (never
-    read from the unsealed copy), with PEFT's tokens."""
-    model_dir, _ = tiny
-    monkeypatch.setattr(loader_process, "helper_command", slow_loader.command(copy_hold=60.0))
-    async with AsyncEngine(proc_config(model_dir, tmp_path)) as engine:
-        a = engine.testing.adapters
-        await engine.add_adapter("poem", str(lib["poem"]))
-        v = a.registry.get("poem")
-        assert v.seal is None and v.copy is not None and not v.copy.done()  # being written
-        first, _, _ = await collect(engine, PROMPT, GREEDY, adapter="poem")  # (the image)
-        # the helper that replaces it seals its copies without delay
-        monkeypatch.setattr(loader_process, "helper_command", slow_loader.command())
-        os.kill(a.fetcher.procs.pids[0], signal.SIGKILL)
-        await wait_until(lambda: v.copy is None or v.copy.done(), "the copy failed")
-        await a.copy_written(v)
-        assert v.seal is None and v.local_dir is None  # the unsealed copy is not used
-        await wait_until(lambda: a.slots.refs(v) == 0, "the request let its slot go")
-        a.slots.free(v)
-        evict_cpu(engine, "poem")
-        again, _, _ = await asyncio.wait_for(collect(engine, PROMPT, GREEDY, adapter="poem"), 60)
-        assert "fetch" in v.timings  # fetched and verified again
-        await asyncio.wait_for(a.copy_written(v), 30)
-        assert v.seal is not None and v.seal.digest == v.digest
-        assert_idle(engine)
-        pool_idle(engine)
-    hf = HFReference(model_dir, {"poem": lib["poem"]})
-    ref = hf.greedy(PROMPT, "poem", GREEDY.max_tokens)
-    for out in (first, again):
-        compare(out, *ref)

@@ -1,9 +1,7 @@
 """A loader process with test delays: ``python -m tests.helpers.slow_loader [--delay S]
-[--stage-hold S] [--copy-hold S] --conn-fd N [--pool-fd M]`` runs the engine's loader helper
-with every job sleeping ``--delay`` seconds first (to kill a helper mid-load), every stage
-holding its host-pool region ``--stage-hold`` seconds, writing, before it packs (not
-stoppable), and every staging copy written after its pass waiting ``--copy-hold`` seconds
-before it is sealed (to kill a helper between its reply and the copy's seal).
+[--stage-hold S] --conn-fd N [--pool-fd M]`` runs the engine's loader helper with every job
+sleeping ``--delay`` seconds first (to kill a helper mid-load) and every stage holding its
+host-pool region ``--stage-hold`` seconds, writing, before it packs (not stoppable).
 
 Tests point the engine at it with ``monkeypatch.setattr(loader_process, "helper_command",
 command(delay=...))``; the helper imports the test tree from the engine's ``sys.path``.
@@ -20,14 +18,11 @@ from collections.abc import Callable
 __all__ = ["command"]
 
 
-def command(
-    *, delay: float = 0.0, stage_hold: float = 0.0, copy_hold: float = 0.0
-) -> Callable[[], list[str]]:
+def command(*, delay: float = 0.0, stage_hold: float = 0.0) -> Callable[[], list[str]]:
     """A stand-in for ``loader_process.helper_command`` that starts this module."""
 
     def helper_command() -> list[str]:
         args = ["--delay", str(delay), "--stage-hold", str(stage_hold)]
-        args += ["--copy-hold", str(copy_hold)]
         return [sys.executable, "-m", "tests.helpers.slow_loader", *args]
 
     return helper_command
@@ -35,12 +30,10 @@ def command(
 
 def main() -> None:
     from loraplex.engine.adapters import loader_proc_main as loader_helper
-    from loraplex.engine.adapters import onepass
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--delay", type=float, default=0.0)
     ap.add_argument("--stage-hold", type=float, default=0.0)
-    ap.add_argument("--copy-hold", type=float, default=0.0)
     args, rest = ap.parse_known_args()
     helper = loader_helper._Helper
     prepare, stage, stage_sync = helper._prepare, helper._stage, helper._stage_sync
@@ -58,13 +51,6 @@ def main() -> None:
         return stage_sync(self, p, stop)
 
     helper._prepare, helper._stage, helper._stage_sync = slow_prepare, slow_stage, held_stage_sync  # type: ignore[method-assign]
-    seal = onepass._seal
-
-    def held_seal(copy_to, digest):  # (the copy's thread, once every byte is written)
-        time.sleep(args.copy_hold)
-        return seal(copy_to, digest)
-
-    onepass._seal = held_seal
     loader_helper.main(rest)
 
 
