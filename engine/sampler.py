@@ -11,6 +11,7 @@ from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.structured.bitmask import apply_bitmask
 
 __all__ = [
+    "HostCopy",
     "PendingSample",
     "Sampler",
     "SamplerOutput",
@@ -52,6 +53,28 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
 
+class HostCopy:
+    """A device tensor's values on their way to the host: the copy (into pinned memory) and
+    an event are queued now, so that ``values`` waits for this copy only, not for work queued
+    on the stream after it. A CPU tensor is taken as it is."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._event = None
+        if t.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            t = host
+        self._t = t
+
+    def values(self) -> list:
+        """The values as Python numbers (blocks until the copy is done)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._t.tolist()
+
+
 class PendingSample:
     """A sampled batch whose results are still on the device.
 
@@ -70,20 +93,11 @@ class PendingSample:
     ) -> None:
         self.token_ids = token_ids
         self._params, self._want, self._n_top = params, want, n_top
-        self._event = None
-        if rows.device.type == "cuda":
-            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            host.copy_(rows, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-            rows = host
-        self._rows = rows
+        self._rows = HostCopy(rows)
 
     def fetch(self) -> SamplerOutput:
         """Host results (blocks until this step's sampling is done)."""
-        if self._event is not None:
-            self._event.synchronize()
-        rows = self._rows.tolist()
+        rows = self._rows.values()
         batch = len(self._params)
         if self._want is None:
             return SamplerOutput(rows, [None] * batch, [None] * batch)

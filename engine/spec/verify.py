@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loraplex.engine.sampler import Sampler
+from loraplex.engine.sampler import HostCopy, Sampler
 from loraplex.engine.sampling_params import SamplingParams
 
 __all__ = ["PendingGreedy", "PendingVerify", "VerifyOutput", "VerifyRow", "verify"]
@@ -68,19 +68,10 @@ class PendingVerify:
     def __init__(self, rows: Sequence[VerifyRow], flat: torch.Tensor, n_top: int) -> None:
         self.rows = rows
         self.n_top = n_top
-        self._event = None
-        if flat.device.type == "cuda":
-            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            host.copy_(flat, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-            flat = host
-        self._flat = flat
+        self._flat = HostCopy(flat)
 
     def fetch(self) -> VerifyOutput:
-        if self._event is not None:
-            self._event.synchronize()
-        vals = self._flat.tolist()
+        vals = self._flat.values()
         rows = self.rows
         d = sum(len(r.draft) for r in rows)
         b = len(rows)
@@ -138,19 +129,10 @@ class PendingGreedy:
 
     def __init__(self, rows: Sequence[VerifyRow], argmax: torch.Tensor) -> None:
         self.rows = rows
-        self._event = None
-        if argmax.device.type == "cuda":
-            host = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True)
-            host.copy_(argmax, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-            argmax = host
-        self._argmax = argmax
+        self._argmax = HostCopy(argmax)
 
     def fetch(self) -> VerifyOutput:
-        if self._event is not None:
-            self._event.synchronize()
-        am = self._argmax.tolist()
+        am = self._argmax.values()
         out = VerifyOutput([], [], [], [])
         pos = 0
         for r in self.rows:
