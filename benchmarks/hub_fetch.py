@@ -29,7 +29,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.load_passes import SIZES, base_tensors, sha256_floor, write_adapter
+from benchmarks.load_passes import (
+    SIZES,
+    adapter_args,
+    base_tensors,
+    sha256_floor,
+    write_adapter,
+)
 from loraplex.engine.bench.coldload.servers import HubServer, hf_cache_env
 from loraplex.engine.bench.synthetic import LLAMA3_8B
 from loraplex.engine.model.config import ModelConfig
@@ -102,16 +108,7 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    import logging
-
-    import structlog
-
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--rank", type=int, default=16)
-    asyncio.run(run(ap.parse_args()))
+    asyncio.run(run(adapter_args(__doc__).parse_args()))
 
 
 if __name__ == "__main__":

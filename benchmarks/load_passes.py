@@ -167,16 +167,23 @@ async def run(args: argparse.Namespace) -> None:
         print(f"| {r['size']} ({r['mb']:.1f} MB) | {r['floor_ms']:.1f} | {vals} |")
 
 
-def main() -> None:
+def adapter_args(doc: str) -> argparse.ArgumentParser:
+    """The command line of a benchmark over these adapters (``--sizes``, ``--repeats``,
+    ``--rank``), with the engine's logs quieted to warnings."""
     import logging
 
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rank", type=int, default=16)
+    return ap
+
+
+def main() -> None:
+    ap = adapter_args(__doc__)
     ap.add_argument("--helpers", type=int, default=0, help="loader processes (0: threads)")
     ap.add_argument(
         "--dynamic",
