@@ -77,7 +77,9 @@ EXPAND_SHAPES = [{**s, "width": s.pop("k")} for s in _grid(
     sms=(132, 16),
 )]  # fmt: skip
 EXPERT_LORA_SHAPES = _grid(
-    block_m=(16, 64), cols=(1, 8, 16, 17, 32, 64, 128, 256, 1024), pairs=(1, 8, 127, 128, 512)
+    block_m=(16, 64),
+    cols=(1, 8, 16, 17, 32, 64, 128, 256, 1024),
+    pairs=(1, 8, 32, 64, 127, 128, 512),
 )
 DECODE_SHAPES = _grid(fp32=(0, 1), head_dim=(64, 80, 128, 256), half_waves=range(0, 9))
 PREFILL_SHAPES = _grid(fp32=(0, 1), head_dim=(64, 80, 128, 256))
@@ -243,6 +245,9 @@ def test_sm90_rows_keep_the_measured_choices(monkeypatch) -> None:
     lora = triton_expert_lora.ExpertLoRAConfig
     assert triton_expert_lora.expert_lora_config(16, 32, dev, 8) == lora(16, 256, 64, 4, 3)
     assert triton_expert_lora.expert_lora_config(16, 16, dev, 512) == lora(32, 256, 256, 4, 3)
+    assert triton_expert_lora.expert_lora_config(16, 32, dev, 64) == lora(16, 256, 128, 4, 3)
+    assert triton_expert_lora.expert_lora_config(16, 16, dev, 64) == lora(16, 256, 256, 4, 3)
+    assert triton_expert_lora.expert_lora_config(16, 64, dev, 64) == lora(16, 256, 64, 4, 3)
     assert triton_expert_lora.expert_lora_config(64, 32, dev, 8192) == lora(32, 64, 64, 4, 2)
 
 

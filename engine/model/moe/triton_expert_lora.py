@@ -71,14 +71,29 @@ def _tiles(shape: Mapping[str, int]) -> ExpertLoRAConfig:
 # sm_90 rows: benchmarks/moe_configs.py on an H100 (1a49833, CUDA graph replays, Qwen3-30B-A3B
 # shapes, 8 rank-16 slots, bf16; BENCHMARKS.md "Mixture of experts"), both at blocks of 16 pairs:
 # 1 stream (8 pairs) gate_up / down 19.7 / 11.6 -> 11.8 / 9.3 us against the generic rule;
-# 64 streams (512 pairs) 155.7 / 81.7 -> 57.3 / 37.5 us. Between 8 and 512 pairs the switch at
-# 128 (16 streams, ~70 routed experts: blocks enough for half the SMs) is not yet measured.
+# 64 streams (512 pairs) 155.7 / 81.7 -> 57.3 / 37.5 us. The switch at 128 pairs (16 streams):
+# at 16 / 32 streams the 512-pair tiles are within 1-4 % of the best (518afca, same card); at 8
+# streams (64 pairs) wider n tiles than the 1-stream row's: gate_up (S*R = 32 columns) 32.0 ->
+# 29.6 us with block_n 128, down (16 columns) 22.4 -> 19.2 us with block_n 256 (rank 16
+# measured; those rows hold from 32 pairs, 4 streams, to 127).
 # Generic rows: at most 64 KB of shared memory (float32, 64-pair blocks), any rank.
 _SM90: tuple[Rule[ExpertLoRAConfig], ...] = (
     Rule(
         ExpertLoRAConfig(block_c=32, block_k=256, block_n=256, num_warps=4, num_stages=3),
         block_m=16,
         pairs=(128, None),
+    ),  # fmt: skip
+    Rule(
+        ExpertLoRAConfig(block_c=16, block_k=256, block_n=128, num_warps=4, num_stages=3),
+        block_m=16,
+        pairs=(32, 127),
+        cols=32,
+    ),  # fmt: skip
+    Rule(
+        ExpertLoRAConfig(block_c=16, block_k=256, block_n=256, num_warps=4, num_stages=3),
+        block_m=16,
+        pairs=(32, 127),
+        cols=16,
     ),  # fmt: skip
     Rule(
         ExpertLoRAConfig(block_c=16, block_k=256, block_n=64, num_warps=4, num_stages=3), block_m=16
