@@ -204,10 +204,21 @@ def table(result: dict[str, Any]) -> str:
             continue
         lines.append(f"slowest steps in {r['window']}: " + "; ".join(
             f"{e['seconds'] * 1e3:.1f} ms (rows {e['rows']}, tokens {e['tokens']}, "
-            f"host {e['host_s'] * 1e3:.1f} ms, writes {e['slot_writes']})"
+            f"host {e['host_s'] * 1e3:.1f} ms, GPU {e['gpu_ms'] or 0:.1f} ms, writes "
+            f"{e['slot_writes']}, in flight {_in_flight(e.get('writes_in_flight', []))})"
             for e in r["slowest_steps"][:4]
         ))  # fmt: skip
     return "\n".join(lines)
+
+
+def _in_flight(writes: list[dict]) -> str:
+    """Slot writes in flight during a step: "none", or each one's span from issue to landing
+    relative to the step's start and its GPU ms, e.g. "[-3.1..+9.8 ms, GPU 2.6]"."""
+    if not writes:
+        return "none"
+    return " ".join(
+        f"[{w['from_ms']:+.1f}..{w['to_ms']:+.1f} ms, GPU {w['gpu_ms']:.1f}]" for w in writes
+    )
 
 
 def plot_timeline(result: dict[str, Any], path: str) -> None:

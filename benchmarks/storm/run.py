@@ -257,7 +257,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         row["delivery_p99_ms"] = pct(late, 99) * 1e3
         row["delivery_max_ms"] = max(late, default=float("nan")) * 1e3
         row["slowest_steps"] = [
-            {k: (round(v, 5) if isinstance(v, float) else v) for k, v in e._asdict().items()}
+            {
+                **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in e._asdict().items()},
+                "writes_in_flight": writes_during(writes, e.t_end - e.seconds, e.t_end),
+            }
             for e in sorted(steps, key=lambda e: -e.seconds)[:6]
         ]
         for k in ("ttft_p50_s", "ttft_max_s", "seconds", "thread_cpu"):
@@ -332,6 +335,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "writes": [t - windows[0].t0 for t, _ in writes if t >= windows[0].t0],
         },
     }
+
+
+def writes_during(writes: list[tuple[float, dict]], t0: float, t1: float) -> list[dict]:
+    """The slot writes whose interval from issue to landing (host clock: the ``slot_write``
+    event's time less its ``h2d_s``) overlaps a step's (t0, t1): each one's start and end
+    relative to the step's start, and its GPU time (transfer + scatter), in ms. A slow step
+    with a write in flight on the side stream is told apart from one without."""
+    out = []
+    for t, d in writes:
+        a = t - (d.get("h2d_s") or 0.0)
+        if a < t1 and t > t0:
+            out.append({
+                "from_ms": round((a - t0) * 1e3, 2), "to_ms": round((t - t0) * 1e3, 2),
+                "gpu_ms": round((d.get("h2d_gpu_s") or 0.0) * 1e3, 2),  # (None on the CPU)
+            })  # fmt: skip
+    return out
 
 
 def idle_slot_writes(engine: AsyncEngine) -> dict[str, float]:

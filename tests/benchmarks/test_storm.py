@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from benchmarks import storm
+from benchmarks.storm.run import writes_during
 
 
 def test_storm_smoke(tmp_path) -> None:
@@ -33,6 +34,9 @@ def test_storm_smoke(tmp_path) -> None:
     assert result["compiles_while_serving"] == 0
     assert json.loads(out.read_text())["rows"][0]["window"] == "quiet"
     assert "| requests 3 |" in storm.table(result)
+    slow = rows["requests 3"]["slowest_steps"]
+    assert slow and all(isinstance(e["writes_in_flight"], list) for e in slow)
+    assert "in flight" in storm.table(result)
     tl = result["timeline"]
     assert [w[0] for w in tl["windows"]] == names and len(tl["loads"]) >= 3
     assert tl["steps"] and all(b >= a for a, b in zip(tl["steps"], tl["steps"][1:], strict=False))
@@ -63,3 +67,12 @@ def test_storm_smoke_on_a_moe_shape(tmp_path) -> None:
         rows_e = 8 * TINY["num_experts"]  # rank 8 (the smoke's) per expert
         assert a.get_shape() == [rows_e, TINY["hidden_size"]]  # gate_up: in H
         assert b.get_shape() == [TINY["hidden_size"], rows_e]  # down: out H
+
+
+def test_writes_during_names_the_slot_writes_that_overlap_a_step() -> None:
+    """A write spans (its event's time - h2d_s, its event's time), relative to the step."""
+    writes = [(10.0, {"h2d_s": 0.005, "h2d_gpu_s": 0.002}), (20.0, {"h2d_s": 0.001})]
+    assert writes_during(writes, 9.998, 10.010) == [{"from_ms": -3.0, "to_ms": 2.0, "gpu_ms": 2.0}]
+    assert writes_during(writes, 10.001, 10.002) == []  # landed before the step began
+    assert writes_during(writes, 19.9, 19.998) == []  # issued after it ended
+    assert writes_during(writes, 19.9, 20.1)[0]["gpu_ms"] == 0.0
