@@ -12,6 +12,9 @@ split by load stage.
     python -m benchmarks.storm --smoke              # CPU: tiny model, a few seconds
     python -m benchmarks.storm --shape qwen3-30b-a3b --layers 24 --storms 8
                                                     # MoE: adapters on attention + every expert
+    python -m benchmarks.storm --storms --sustained 150 4 --max-cpu-loras 128
+                                                    # 150 registrations/s for 4 s, no requests
+                                                    # (sustained.py: the loads' own ceiling)
 
 Gaps are measured where a client sees them: the time between two consecutive outputs of one
 stream, read by the stream's consumer on the event loop.

@@ -10,6 +10,7 @@ from typing import Any
 
 from benchmarks.storm.report import plot_timeline, table
 from benchmarks.storm.run import run
+from benchmarks.storm.sustained import add_flags
 
 __all__ = ["main"]
 
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--resident", type=int, default=4)
-    ap.add_argument("--storms", type=int, nargs="+", default=[24, 64])
+    ap.add_argument("--storms", type=int, nargs="*", default=[24, 64], help="none: no storm")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--max-loras", type=int, default=8)
     ap.add_argument("--max-cpu-loras", type=int, default=16)
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-tokens", type=int, default=6000)
     ap.add_argument("--storm-prompt-len", type=int, default=16)
     ap.add_argument("--storm-tokens", type=int, default=8)
+    add_flags(ap)
     ap.add_argument("--quiet-s", type=float, default=2.0)
     ap.add_argument("--settle-s", type=float, default=1.5)
     ap.add_argument("--workdir", default=None)

@@ -88,7 +88,7 @@ def drift_corrected(rows: list[dict], times: list[list[float]], windows: list[Wi
     by_name = {r["window"]: r for r in rows}
     order = [w.name for w in windows]
     for i, w in enumerate(windows):
-        if not w.name.startswith(("register", "requests")):
+        if not w.name.startswith(("register", "requests", "sustained")):
             continue
         before, after = windows[i - 1], windows[i + 1] if i + 1 < len(windows) else None
         qb = by_name[before.name]
@@ -173,6 +173,7 @@ def table(result: dict[str, Any]) -> str:
                 for e in gap["steps"]
             )
             lines.append(f"gap {gap['gap_ms']:.1f} ms in {r['window']}: {steps}")
+    lines += [sustained_line(r) for r in rows if "sustained" in r]
     for r in rows:
         b = r.get("ttft_breakdown")
         if b and b["free_slot"]:
@@ -200,7 +201,9 @@ def table(result: dict[str, Any]) -> str:
                      if g["over_0.5ms_by_thread"] else "")
             )  # fmt: skip
     for r in rows:
-        if not r["window"].startswith(("register", "requests")) or not r.get("slowest_steps"):
+        if not r["window"].startswith(("register", "requests", "sustained")):
+            continue
+        if not r.get("slowest_steps"):
             continue
         lines.append(f"slowest steps in {r['window']}: " + "; ".join(
             f"{e['seconds'] * 1e3:.1f} ms (rows {e['rows']}, tokens {e['tokens']}, "
@@ -218,6 +221,20 @@ def _in_flight(writes: list[dict]) -> str:
         return "none"
     return " ".join(
         f"[{w['from_ms']:+.1f}..{w['to_ms']:+.1f} ms, GPU {w['gpu_ms']:.1f}]" for w in writes
+    )
+
+
+def sustained_line(row: dict[str, Any]) -> str:
+    """One line for the report: registrations sent, loads ended, their rate and GB/s."""
+    s = row["sustained"]
+    loads = row.get("loads", 0)
+    per_s = loads / s["seconds"] if s["seconds"] > 0 else float("nan")
+    return (
+        f"{row['window']}: {s['sent']} registrations of {s['mb_each']:.2f} MB sent at "
+        f"{s['offered_per_s']:.0f}/s, {loads} images packed ({s['failed']} failed) in "
+        f"{s['seconds']:.2f} s: {per_s:.1f} loads/s ({per_s * s['mb_each'] / 1e3:.2f} GB/s); "
+        f"stages p50 ms: fetch {row.get('fetch_p50_ms') or 0:.0f}, verify "
+        f"{row.get('verify_p50_ms') or 0:.0f}, stage {row.get('stage_p50_ms') or 0:.0f}"
     )
 
 

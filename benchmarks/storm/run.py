@@ -14,55 +14,17 @@ from typing import Any
 
 import torch
 
-from benchmarks.coldload.adapters import TINY
 from benchmarks.record import git_commit
 from benchmarks.storm.gcwatch import GcWatch
+from benchmarks.storm.model import storm_model, storm_shape, write_adapters
 from benchmarks.storm.report import Window, drift_corrected, ends_in, pct, ttft_breakdown
+from benchmarks.storm.sustained import prepare, register_at_rate
 from benchmarks.storm.threads import GilProfile, cpu_by_thread, thread_cpu
-from benchmarks.synthetic import LLAMA3_8B, random_model, write_adapter, write_model_config
+from benchmarks.synthetic import write_model_config
 from loraplex.engine import AsyncEngine, EngineConfig, SamplingParams
-from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.warmup import COMPILES
 
-__all__ = ["run", "write_adapters", "idle_slot_writes"]
-
-
-def write_adapters(
-    root: Path, cfg: dict, names: list[str], rank: int, device: str, experts: bool = True
-) -> None:
-    """Distinct rank-``rank`` all-module bf16 PEFT adapters, one folder per name (random
-    weights drawn on ``device``: writing 88 x 84 MB from CPU randn would take minutes); on a
-    mixture-of-experts shape, attention and (``experts``) every expert's gate_up and down."""
-    for i, name in enumerate(names):
-        write_adapter(root / name, cfg, rank=rank, seed=1234 + i, device=device, experts=experts)
-
-
-def storm_shape(args: argparse.Namespace) -> dict:
-    """The model config.json of ``--shape`` (``--layers``: the decoder layers cut)."""
-    if args.shape == "llama3-8b":
-        cfg = dict(TINY if args.smoke else LLAMA3_8B)
-    else:
-        from benchmarks.moe_decode import SHAPES
-
-        cfg = dict(SHAPES["tiny" if args.smoke else args.shape])
-        if args.smoke:  # (the smoke's streams outlast its windows: --max-tokens 1900)
-            cfg["max_position_embeddings"] = 2048
-    if args.layers:
-        cfg["num_hidden_layers"] = args.layers
-    return cfg
-
-
-def storm_model(cfg: dict, args: argparse.Namespace, device: str) -> torch.nn.Module:
-    """The random-weight model of ``cfg`` (bf16 on a GPU, float32 on the CPU)."""
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    mc = ModelConfig.from_dict(cfg)
-    if mc.moe is None:
-        return random_model(
-            cfg, max_loras=args.max_loras, max_lora_rank=args.rank, device=device, dtype=dtype
-        )
-    from benchmarks.moe_decode import random_moe
-
-    return random_moe(mc, args.max_loras, device, max_lora_rank=args.rank)
+__all__ = ["run", "idle_slot_writes", "writes_during"]
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -76,6 +38,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     write_adapters(work / "adapters", cfg, resident + [n for s in storms for n in s], args.rank,
                    device, experts=args.expert_lora)  # fmt: skip
     adapter_bytes = (work / "adapters" / resident[0] / "adapter_model.safetensors").stat().st_size
+    steady = prepare(args, cfg, work)
     print(f"adapters written in {time.perf_counter() - t0:.1f} s ({adapter_bytes / 1e6:.0f} MB each)",
           flush=True)  # fmt: skip
     model = storm_model(cfg, args, device)
@@ -91,7 +54,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.prompt_len + args.max_tokens + 64,
         kv_cache_bytes=args.kv_cache_gb << 30 if args.kv_cache_gb else None,
-        local_roots=(str(work / "adapters"),),
+        local_roots=(str(work / "adapters"), str(work / "sustained")),
         adapter_cache_dir=str(work / "staging"),
         **({"loader_processes": args.loader_processes} if args.loader_processes is not None
            else {}),
@@ -216,6 +179,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             w = await window(f"requests {n}", requests(names))
             w.info["loads"] = loads[nloads:]
             await window(f"after {n}", seconds=args.settle_s)
+        if steady is not None:  # the CPU tier emptied of the storms' adapters first
+            for name in (n for names in storms for n in names):
+                await engine.remove_adapter(name)
+            await window("before sustained", seconds=args.settle_s)
+            nloads = len(loads)
+            keep = max(1, args.max_cpu_loras // 2)
+            w = await window(
+                f"sustained {args.sustained[0]:g}/s",
+                register_at_rate(engine, steady, args.sustained[0], keep),
+            )
+            w.info["loads"] = loads[nloads:]
         stop.set()
         for t in streams:
             t.cancel()
@@ -263,7 +237,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             }
             for e in sorted(steps, key=lambda e: -e.seconds)[:6]
         ]
-        for k in ("ttft_p50_s", "ttft_max_s", "seconds", "thread_cpu"):
+        for k in ("ttft_p50_s", "ttft_max_s", "seconds", "thread_cpu", "sustained"):
             if k in w.info:
                 row[k] = w.info[k]
         if "sent_first" in w.info and steps:

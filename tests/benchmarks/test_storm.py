@@ -14,11 +14,14 @@ def test_storm_smoke(tmp_path) -> None:
     result = storm.main(
         [
             "--smoke", "--storms", "3", "--workdir", str(tmp_path / "work"), "--out", str(out),
-            "--plot", str(tmp_path / "timeline.png"),
+            "--plot", str(tmp_path / "timeline.png"), "--sustained", "20", "0.5",
         ]
     )  # fmt: skip
     names = [r["window"] for r in result["rows"]]
-    assert names == ["quiet", "register 3", "settle 3", "requests 3", "after 3"]
+    assert names == [
+        "quiet", "register 3", "settle 3", "requests 3", "after 3", "before sustained",
+        "sustained 20/s",
+    ]  # fmt: skip
     rows = {r["window"]: r for r in result["rows"]}
     assert rows["quiet"]["gaps"] > 10 and rows["requests 3"]["gaps"] > 0
     for name in ("register 3", "requests 3"):
@@ -31,6 +34,13 @@ def test_storm_smoke(tmp_path) -> None:
     assert sum(r["loads"] for r in load_rows) == 3
     assert all(r["failed_loads"] == 0 and r["stage_p50_ms"] > 0 for r in load_rows)
     assert rows["requests 3"]["ttft_max_s"] >= rows["requests 3"]["ttft_p50_s"] > 0
+    # registrations at a fixed rate with no requests: each its own load, ratios against the
+    # window before (the storms' adapters removed first, so each finds room for its image)
+    steady = rows["sustained 20/s"]
+    assert steady["reference"] == "before sustained" and steady["p99_vs_quiet"] > 0
+    assert steady["sustained"]["sent"] == 10 and steady["sustained"]["failed"] == 0
+    assert steady["loads"] == 10 and steady["failed_loads"] == 0
+    assert "10 images packed" in storm.table(result)
     assert result["compiles_while_serving"] == 0
     assert json.loads(out.read_text())["rows"][0]["window"] == "quiet"
     assert "| requests 3 |" in storm.table(result)
