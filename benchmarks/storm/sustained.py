@@ -34,7 +34,7 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
         help="after the storms: register RATE new adapters a second for SECONDS (no requests)",
     )  # fmt: skip
     ap.add_argument("--sustained-targets", default="q_proj,k_proj,v_proj,o_proj")
-    ap.add_argument("--sustained-distinct", type=int, default=16, help="distinct weight files")
+    ap.add_argument("--sustained-distinct", type=int, default=8, help="distinct weight files")
 
 
 def prepare(args: argparse.Namespace, cfg: dict, work: Path) -> AdapterSet | None:
