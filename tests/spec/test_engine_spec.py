@@ -99,6 +99,8 @@ async def run(
 
 
 def summary(results):
+    """Per request: tokens, text, finish and stop reason, and per logprob entry (token id,
+    logprob, top ids). Compare two with ``same``: logprobs within float32 noise."""
     return [
         (
             tokens,
@@ -106,13 +108,29 @@ def summary(results):
             outs[-1].finish_reason,
             outs[-1].stop_reason,
             [
-                (lp.token_id, round(lp.logprob, 4), [t for t, _ in lp.top])
+                (lp.token_id, lp.logprob, [t for t, _ in lp.top])
                 for o in outs
                 for lp in o.logprobs or []
             ],
         )  # fmt: skip
         for tokens, text, outs in results
     ]
+
+
+def same(got, want, tol: float = 1e-4) -> bool:
+    """``summary`` entries (or lists of them) equal, logprob values within ``tol``: a row
+    computed among other rows (or as a verify row) rounds differently in the last float32
+    bits, and a value at a rounding boundary once read -0.3561 against -0.3562 at 4 decimals."""
+    if isinstance(got, list):
+        return len(got) == len(want) and all(
+            same(g, w, tol) for g, w in zip(got, want, strict=True)
+        )
+    if got[:4] != want[:4] or len(got[4]) != len(want[4]):
+        return False
+    return all(
+        a[0] == b[0] and a[2] == b[2] and abs(a[1] - b[1]) <= tol
+        for a, b in zip(got[4], want[4], strict=True)
+    )
 
 
 async def test_greedy_identical_on_a_mixed_batch_with_stops(tiny):
@@ -132,7 +150,7 @@ async def test_greedy_identical_on_a_mixed_batch_with_stops(tiny):
     spec, stats, cached_spec, oracle = await run(
         model_dir, adapters, reqs, method="ngram", reference=reference, extra=extra
     )
-    assert summary(spec) == summary(plain)
+    assert same(summary(spec), summary(plain))
     assert any(o[2] == "stop" for o in summary(plain))
     # several tokens were kept in one step, and rows were rejected partway
     assert max(oracle.committed) >= 2 and min(oracle.committed) == 0
@@ -152,7 +170,7 @@ async def test_ngram_on_a_repeating_prompt_is_identical_and_accepts(tiny):
             ignore_eos=True)) for i in range(3)]  # fmt: skip
     plain, _, _, _ = await run(model_dir, adapters, reqs)
     spec, stats, _, _ = await run(model_dir, adapters, reqs, method="ngram")
-    assert summary(spec) == summary(plain)
+    assert same(summary(spec), summary(plain))
     assert stats["speculative"]["proposed_tokens"] > 0
 
 
@@ -169,7 +187,7 @@ async def test_structured_row_greedy_identical(tiny):
     spec, stats, _, oracle = await run(
         model_dir, adapters, reqs, method="ngram", reference=reference
     )
-    assert summary(spec) == summary(plain)
+    assert same(summary(spec), summary(plain))
     assert stats["speculative"]["accepted_tokens"] > 0
 
 
@@ -207,7 +225,7 @@ async def test_opt_out_and_large_batch_switch_off(tiny):
     spec, stats, _, _ = await run(
         model_dir, adapters, reqs, method="ngram", speculative_max_running=1, wrap=Recording
     )
-    assert summary(spec) == summary(plain)
+    assert same(summary(spec), summary(plain))
     assert seen and max(seen) == 1
     assert stats["speculative"]["proposed_tokens"] > 0
 
@@ -226,7 +244,7 @@ async def test_seeded_sampled_rows_keep_their_own_generator(tiny):
     alone, stats, _, _ = await run(model_dir, adapters, [me], method="ngram")
     assert stats["speculative"]["proposed_tokens"] > 0
     mixed, stats, _, _ = await run(model_dir, adapters, [me, *others], method="ngram")
-    assert summary(mixed)[0] == summary(alone)[0]
+    assert same(summary(mixed)[0], summary(alone)[0])
     assert all(len(t) == 20 for t, _, _ in mixed)
 
 
@@ -275,7 +293,7 @@ async def test_backoff_keeps_greedy_identical_and_stops_junk_per_adapter(tiny):
         return split
 
     spec, stats, _, _ = await run(model_dir, adapters, reqs, method="ngram", wrap=wrap)
-    assert summary(spec) == summary(plain)
+    assert same(summary(spec), summary(plain))
     per = stats["speculative"]["per_adapter"]
     # the quoting request: every proposal kept, never backed off, ~K + 1 tokens per step
     assert per["sql"]["backoff_rows"] == 0 and per["sql"]["accepted_tokens"] >= 30
@@ -290,5 +308,5 @@ async def test_backoff_keeps_greedy_identical_and_stops_junk_per_adapter(tiny):
     off, stats, _, _ = await run(
         model_dir, adapters, reqs, method="ngram", wrap=wrap, speculative_min_acceptance=0.0
     )
-    assert summary(off) == summary(plain)
+    assert same(summary(off), summary(plain))
     assert split.asked["j0"] == 39 and stats["speculative"]["per_adapter"][""]["backoff_rows"] == 0
