@@ -37,7 +37,7 @@ from loraplex.engine.model.kernels.launch_table import GENERIC, LaunchTable, Rul
 __all__ = [
     "DECODE_TILES", "PREFILL_TILES", "PagedInputs", "Tiles", "decode_partitions", "decode_tiles",
     "device_sms", "device_tensors", "paged_attention", "paged_decode_attention",
-    "paged_prefill_attention",
+    "paged_prefill_attention", "prefill_partitions",
 ]  # fmt: skip
 
 _LOG2E = 1.4426950408889634
@@ -205,6 +205,22 @@ def decode_partitions(batch: int, num_kv_heads: int, max_ctx: int, block_n: int,
     return parts
 
 
+SPLIT_QMAX = 64  # longest rows whose key range a prefill launch splits (verify rows, short chunks)
+
+
+def prefill_partitions(
+    num_seqs: int, num_kv_heads: int, max_query_len: int, max_ctx: int, block_n: int, sms: int
+) -> int:
+    """Split-K factor of a prefill launch: short rows (speculative verification's 1 + K
+    tokens, the mixed graphs' chunks of <= ``SPLIT_QMAX``) over long contexts leave most SMs
+    idle at one partition, one program per (sequence, KV head) walking every key tile in turn,
+    so they split as decode does (``decode_partitions``, counting a program per sequence and KV
+    head: the query tiles past a short row's end return at once). Longer rows: one partition."""
+    if max_query_len > SPLIT_QMAX:
+        return 1
+    return decode_partitions(num_seqs, num_kv_heads, max_ctx, block_n, sms)
+
+
 def decode_tiles(
     batch: int,
     num_kv_heads: int,
@@ -258,12 +274,14 @@ def _launch(
             parts = row.parts or decode_partitions(num_seqs, hkv, max_ctx, block_n, sms)
         block_m = max(16, g_pad)
     else:
-        parts = 1
         row = PREFILL_TILES.pick(q.device, fp32=int(fp32), head_dim=d)
         block_n = block_n or row.block_n
         if block_m is None:
             block_m = min(row.block_m, triton.next_power_of_2(max_query_len * g_pad))
         block_m = max(block_m, g_pad, 16)
+        if parts is None:
+            sms = device_sms(q.device)
+            parts = prefill_partitions(num_seqs, hkv, max_query_len, max_ctx, block_n, sms)
     block_d = max(16, triton.next_power_of_2(d))  # tl.dot's K (q @ k) and N (p @ v) are >= 16
     part = ml = out  # unused when parts == 1
     if parts > 1:
@@ -330,15 +348,17 @@ def paged_prefill_attention(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_partitions: int | None = None,
     fp32_precision: str = "ieee",
 ) -> torch.Tensor:
     """Causal attention of the flat batch q (T, Hq, D): sequence ``i`` owns rows
     ``query_start_loc[i]:query_start_loc[i+1]`` (int32, device), its last ``n_i`` context tokens.
 
     ``max_query_len`` (host int, >= every n_i) sizes the grid; ``block_m`` counts rows, i.e.
-    queries x padded query heads per KV head.
+    queries x padded query heads per KV head. ``num_partitions`` splits every key range as
+    decode does (None: ``prefill_partitions``).
     """
-    tiles = (block_m, block_n, 1)
+    tiles = (block_m, block_n, num_partitions)
     return _launch(q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
                    max_query_len, scale, sliding_window, tiles, fp32_precision)  # fmt: skip
 

@@ -152,12 +152,36 @@ def test_prefill(dtype: torch.dtype, groups: int, bs: int) -> None:
     ctxs, ns = zip(*PREFILL, strict=True)
     c = Case(list(ctxs), list(ns), 4 // groups, groups, 32, bs, dtype, seed=groups)
     ref = c.reference()
-    for block_m, block_n in ((16, 16), (None, None)):
+    for block_m, block_n, parts in ((16, 16, 1), (None, None, None), (16, 8, 3)):
         out = pa.paged_prefill_attention(
             c.q, c.k, c.v, c.meta.block_tables, c.qsl_t, c.ctx_t, max(ns), c.scale,
-            block_m=block_m, block_n=block_n,
+            block_m=block_m, block_n=block_n, num_partitions=parts,
         )  # fmt: skip
         _check(out, ref, dtype)
+
+
+@pytest.mark.parametrize("parts", [2, 5])
+def test_prefill_split_keys_verify_rows(parts: int) -> None:
+    """Rows of 1 + K tokens over long contexts (speculative verification) with the key range
+    split: partitions that hold no key a row may see (causal, or past the context) add
+    nothing; a grid sized for longer rows (the mixed graphs' fixed ``max_query_len``)."""
+    ctxs, ns = [70, 5, 33, 1, 100], [5, 5, 1, 1, 3]
+    c = Case(ctxs, ns, 2, 4, 32, 4, torch.float32, seed=parts)
+    for window in (None, 9):
+        out = pa.paged_prefill_attention(
+            c.q, c.k, c.v, c.meta.block_tables, c.qsl_t, c.ctx_t, 16, c.scale, window,
+            block_n=8, num_partitions=parts,
+        )  # fmt: skip
+        _check(out, c.reference(window), torch.float32)
+
+
+def test_prefill_partitions_heuristic() -> None:
+    # short rows split as decode does; long rows keep one partition
+    assert pa.prefill_partitions(1, 8, 64, 4096, 64, 132) == pa.decode_partitions(1, 8, 4096, 64, 132)
+    assert pa.prefill_partitions(1, 8, 5, 4096, 64, 132) == 16
+    assert pa.prefill_partitions(1, 8, 65, 4096, 64, 132) == 1
+    assert pa.prefill_partitions(64, 8, 5, 4096, 64, 132) == 1  # the grid is full already
+    assert pa.prefill_partitions(1, 8, 5, 256, 64, 132) == 1  # four key tiles: kept whole
 
 
 @pytest.mark.parametrize("window", [1, 8, 20])
@@ -298,6 +322,20 @@ def test_prefill_llama3_shapes_gpu(window: int | None) -> None:
     c = Case([s[0] for s in seqs], [s[1] for s in seqs], 8, 4, 128, 16, torch.bfloat16)
     out = pa.paged_attention(c.q, c.k, c.v, c.meta, c.scale, window)
     assert not out.isnan().any() and _rel_err(out, c.reference(window)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_prefill_verify_rows_llama3_shapes_gpu() -> None:
+    """Verification rows (1 + 4 tokens) at long contexts in a grid sized for 64-token rows, as
+    the mixed graphs launch it: split by ``prefill_partitions``, and unsplit."""
+    seqs = [(700, 5), (2048, 5), (33, 1), (4000, 5), (517, 5)]
+    c = Case([s[0] for s in seqs], [s[1] for s in seqs], 8, 4, 128, 16, torch.bfloat16)
+    ref = c.reference()
+    for parts in (None, 1):
+        out = pa.paged_prefill_attention(
+            c.q, c.k, c.v, c.meta.block_tables, c.qsl_t, c.ctx_t, 64, c.scale, num_partitions=parts
+        )
+        assert not out.isnan().any() and _rel_err(out, ref) < 1e-2
 
 
 @pytest.mark.parametrize("ns", [[1, 1, 1], [3, 1, 7]])
