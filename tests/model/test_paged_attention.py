@@ -177,7 +177,9 @@ def test_prefill_split_keys_verify_rows(parts: int) -> None:
 
 def test_prefill_partitions_heuristic() -> None:
     # short rows split as decode does; long rows keep one partition
-    assert pa.prefill_partitions(1, 8, 64, 4096, 64, 132) == pa.decode_partitions(1, 8, 4096, 64, 132)
+    assert pa.prefill_partitions(1, 8, 64, 4096, 64, 132) == pa.decode_partitions(
+        1, 8, 4096, 64, 132
+    )
     assert pa.prefill_partitions(1, 8, 5, 4096, 64, 132) == 16
     assert pa.prefill_partitions(1, 8, 65, 4096, 64, 132) == 1
     assert pa.prefill_partitions(64, 8, 5, 4096, 64, 132) == 1  # the grid is full already
