@@ -1,8 +1,9 @@
 """Attention of a speculative verification step, as its CUDA graph runs it (Llama-3-8B heads,
-bf16, block 16): the prefill kernel over every row of 1 + K tokens in a grid sized for the
-mixed graphs' 64-token rows, then the decode kernel over each sequence's last row
-(``mixed_graphs.py``), against a decode step's attention at the same streams. The prefill
-launch is timed at each key-range split (``--parts``; "auto": ``prefill_partitions``).
+bf16, block 16), against a decode step's attention at the same streams: the prefill kernel
+over every row of 1 + K tokens in a grid sized for the mixed graphs' 64-token rows
+(``mixed_graphs.py``), alone (one launch, as the wide graphs run it now) at each key-range split
+(``--parts``; "auto": ``prefill_partitions``), and as the graphs ran it before: unsplit, then
+the decode kernel over each sequence's last row ("2 launches, 1 part").
 
     python -m benchmarks.verify_attention                    # streams 1 2 4 8, K 4, ctx 512
     python -m benchmarks.verify_attention --cold-l2 --ctx 512 2048
@@ -55,7 +56,7 @@ def build(streams: int, k: int, ctx: int, max_model_len: int, seed: int = 0) -> 
     }  # fmt: skip
 
 
-def verify_fn(c: dict, parts: int | None, out: torch.Tensor):
+def verify_fn(c: dict, parts: int | None, out: torch.Tensor, two: bool = False):
     scale = D**-0.5
 
     def run() -> torch.Tensor:
@@ -63,6 +64,8 @@ def verify_fn(c: dict, parts: int | None, out: torch.Tensor):
             c["q"], c["k"], c["v"], c["tables"], c["qsl"], c["ctx"], MIXED_QMAX, scale,
             out=out, num_partitions=parts,
         )  # fmt: skip
+        if not two:
+            return o
         last = paged_decode_attention(
             c["q"].index_select(0, c["last"]), c["k"], c["v"], c["tables"], c["ctx"], scale
         )
@@ -93,17 +96,21 @@ def main() -> None:
     sms = device_sms(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}, K = {args.k}, tables {args.max_model_len} wide, "
           f"{'cold' if args.cold_l2 else 'warm'} L2, µs per layer")  # fmt: skip
-    head = " | ".join(f"verify parts {p}" for p in args.parts)
-    print(f"\n| ctx | streams | decode | {head} | auto picks | gap x32 ms: parts 1 / auto |")
-    print("|---:|---:|---:|" + "---:|" * len(args.parts) + "---:|---|")
+    head = " | ".join(f"1 launch, parts {p}" for p in args.parts)
+    print(f"\n| ctx | streams | decode | 2 launches, 1 part | {head} | auto picks "
+          "| verify - decode x32 ms: before / auto |")  # fmt: skip
+    print("|---:|---:|---:|---:|" + "---:|" * len(args.parts) + "---:|---|")
     for ctx in args.ctx:
         for s in args.streams:
             c = build(s, args.k, ctx, args.max_model_len)
             ref = reference(c)
             out = torch.empty_like(c["q"])
             times = {}
-            for p in args.parts:
-                fn = verify_fn(c, None if p == "auto" else int(p), out)
+            for p in ["before", *args.parts]:
+                if p == "before":
+                    fn = verify_fn(c, 1, out, two=True)
+                else:
+                    fn = verify_fn(c, None if p == "auto" else int(p), out)
                 got = fn().float()
                 err = float((got - ref).norm() / ref.norm())
                 if not err < 1e-2:
@@ -117,8 +124,8 @@ def main() -> None:
             dec()
             t_dec = graph_us(dec, cold_l2=args.cold_l2, rep=50)
             auto = prefill_partitions(s, HKV, MIXED_QMAX, args.max_model_len, 64, sms)
-            gaps = [(times[p] - t_dec) * 32 / 1e3 for p in ("1", "auto") if p in times]
-            cells = " | ".join(f"{times[p]:.1f}" for p in args.parts)
+            gaps = [(times[p] - t_dec) * 32 / 1e3 for p in ("before", "auto") if p in times]
+            cells = " | ".join(f"{times[p]:.1f}" for p in ["before", *args.parts])
             print(f"| {ctx} | {s} | {t_dec:.1f} | {cells} | {auto} | "
                   + " / ".join(f"{g:.2f}" for g in gaps) + " |", flush=True)  # fmt: skip
 

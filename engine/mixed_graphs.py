@@ -44,7 +44,10 @@ class MixedGraphs:
     a row that wants logits at several positions (``num_logits`` > 1: 1 + its proposals) runs
     a *wide* bucket (S_b, T_b) whose graph computes the LM head over every token row and
     returns the rows asked for, each item's last ``num_logits`` in item order (the eager
-    runner's layout). Wide buckets exist for S_b up to the bucket of ``verify_seqs`` rows and
+    runner's layout). Its attention is the prefill launch alone, over every row (the decode
+    rows as one-token rows): verify rows are short, so the launch splits their key ranges as
+    decode does (``prefill_partitions``), and a second launch for the last rows would only
+    repeat them. Wide buckets exist for S_b up to the bucket of ``verify_seqs`` rows and
     T_b up to the first that holds S_b x (K + 1) tokens: a verify step of up to
     ``speculative_max_running`` rows then replays a graph instead of ~20-30 ms of eager
     launches (8B shape).
@@ -152,6 +155,8 @@ class MixedGraphs:
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc_t,
                 meta.context_lens_t, MIXED_QMAX, scale, window,
             )  # fmt: skip
+            if wide:  # one launch: its rows include the decode rows (``_layout``)
+                return out
             last = paged_decode_attention(
                 q.index_select(0, seq_last), k_cache, v_cache, meta.block_tables,
                 meta.context_lens_t, scale, window,
@@ -259,7 +264,7 @@ def _layout(items: list, host: Any, sb: int, tb: int, width: int, bs: int, wide:
         tok[3, row : row + m] = it.lora_slot
         if it.feed_row >= 0:
             tok[4, row] = it.feed_row
-        if m > 1:
+        if m > 1 or wide:
             qsl[k] = row
             prefills = k + 1
         ctx[k] = p0 + m

@@ -101,3 +101,20 @@ def test_layout_hands_each_item_its_logits_rows(seed: int) -> None:
                 (r,) = np.nonzero(ids[:tokens] == t)[0]
                 assert pos[r] == it.start_pos + j and slots[r] == it.lora_slot
         assert (slots[tokens:] == -1).all()
+        # the attention launches' sequences: the prefill launch's rows [qsl[k], qsl[k + 1]) are
+        # a whole item (wide: every item, decode rows too, one launch), or none (a decode row,
+        # whose last row, as every item's, the decode launch computes); padding sequences none
+        seq = host[6 * tb : 6 * tb + 4 * sb + 1]
+        qsl, ctx, seq_last = seq[: sb + 1], seq[sb + 1 : 2 * sb + 1], seq[3 * sb + 1 :]
+        seen = []
+        for k in range(len(items)):
+            rows_k = ids[qsl[k] : qsl[k + 1]].tolist()
+            (it,) = [it for it in items if it.token_ids[-1] == ids[seq_last[k]]]
+            assert ctx[k] == it.start_pos + len(it.token_ids)
+            if wide or len(it.token_ids) > 1:
+                assert rows_k == it.token_ids
+            else:
+                assert rows_k == []
+            seen.append(it)
+        assert len({id(it) for it in seen}) == len(items)
+        assert (qsl[len(items) :] == qsl[len(items)]).all() and (ctx[len(items) :] == 0).all()
