@@ -213,12 +213,22 @@ def prefill_partitions(
 ) -> int:
     """Split-K factor of a prefill launch: short rows (speculative verification's 1 + K
     tokens, the mixed graphs' chunks of <= ``SPLIT_QMAX``) over long contexts leave most SMs
-    idle at one partition, one program per (sequence, KV head) walking every key tile in turn,
-    so they split as decode does (``decode_partitions``, counting a program per sequence and KV
-    head: the query tiles past a short row's end return at once). Longer rows: one partition."""
+    idle at one partition, one program per (sequence, KV head) walking every key tile in turn.
+    They split while the live programs (one per sequence, KV head and partition: the query
+    tiles past a short row's end return at once) stay within one wave of the SMs, each
+    partition of a full-width context keeping at least four key tiles; longer rows: one.
+
+    Measured on sm_90 (``benchmarks/verify_attention.py``, 8 KV heads, rows of 5, ctx 512 and
+    2048): 16 / 8 / 4 / 2 partitions were the fastest at 1 / 2 / 4 / 8 sequences, i.e. about
+    128 programs on 132 SMs; decode's three waves (``decode_partitions``) were 1.6-1.8 x
+    slower at 4-8 sequences."""
     if max_query_len > SPLIT_QMAX:
         return 1
-    return decode_partitions(num_seqs, num_kv_heads, max_ctx, block_n, sms)
+    tiles = triton.cdiv(max(max_ctx, 1), block_n)
+    parts = 1
+    while 2 * num_seqs * num_kv_heads * parts <= sms and parts * 8 <= tiles and parts < 64:
+        parts *= 2
+    return parts
 
 
 def decode_tiles(

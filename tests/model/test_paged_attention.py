@@ -176,14 +176,14 @@ def test_prefill_split_keys_verify_rows(parts: int) -> None:
 
 
 def test_prefill_partitions_heuristic() -> None:
-    # short rows split as decode does; long rows keep one partition
-    assert pa.prefill_partitions(1, 8, 64, 4096, 64, 132) == pa.decode_partitions(
-        1, 8, 4096, 64, 132
-    )
-    assert pa.prefill_partitions(1, 8, 5, 4096, 64, 132) == 16
+    # short rows split until about one program per SM (the fastest on sm_90); long rows do not
+    assert [pa.prefill_partitions(s, 8, 5, 4096, 64, 132) for s in (1, 2, 4, 8, 16)] == [
+        16, 8, 4, 2, 1,
+    ]  # fmt: skip
+    assert pa.prefill_partitions(1, 8, 64, 4096, 64, 132) == 16
     assert pa.prefill_partitions(1, 8, 65, 4096, 64, 132) == 1
-    assert pa.prefill_partitions(64, 8, 5, 4096, 64, 132) == 1  # the grid is full already
     assert pa.prefill_partitions(1, 8, 5, 256, 64, 132) == 1  # four key tiles: kept whole
+    assert pa.prefill_partitions(1, 8, 5, 1024, 64, 132) == 4  # 16 tiles: 4 a partition
 
 
 @pytest.mark.parametrize("window", [1, 8, 20])
