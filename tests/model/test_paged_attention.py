@@ -152,7 +152,10 @@ def test_prefill(dtype: torch.dtype, groups: int, bs: int) -> None:
     ctxs, ns = zip(*PREFILL, strict=True)
     c = Case(list(ctxs), list(ns), 4 // groups, groups, 32, bs, dtype, seed=groups)
     ref = c.reference()
-    for block_m, block_n, parts in ((16, 16, 1), (None, None, None), (16, 8, 3)):
+    tiles = [(16, 16, 1), (None, None, None)]
+    if dtype == torch.float32:  # key ranges split across causal rows (the interpreter is slow)
+        tiles.append((16, 8, 3))
+    for block_m, block_n, parts in tiles:
         out = pa.paged_prefill_attention(
             c.q, c.k, c.v, c.meta.block_tables, c.qsl_t, c.ctx_t, max(ns), c.scale,
             block_m=block_m, block_n=block_n, num_partitions=parts,
