@@ -93,6 +93,10 @@ class Tokens(Sequence[int]):
     def __iter__(self) -> Iterator[int]:
         return itertools.chain(self._prompt, self._output)
 
+    def parts(self) -> tuple[list[int], list[int]]:
+        """The prompt and output lists themselves (read only)."""
+        return self._prompt, self._output
+
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (Tokens, list, tuple)):
             return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))

@@ -19,16 +19,23 @@ match 3.0. But where an answer starts quoting, right after its first quoted toke
 1-token match exists, and it is right: with ``min_n`` 2 the quoting answers kept 3.4 tokens
 per verify step instead of 3.75. The per-request backoff (backoff.py) already stops proposing
 for a request whose matches keep failing, so 1 stays the default; 2 trades the start of each
-quote for fewer junk proposals. Cost: one backward scan
-of the context per row and step in Python (O(context)), only while speculation is on (small
-batches, ``spec/control.py``).
+quote for fewer junk proposals.
+
+Cost, per row and step while speculation is on (small batches, ``spec/control.py``): the
+proposer keeps, per running request, where each token occurs (extended by the tokens since
+its last step, as a request's tokens only grow), so a step compares only the earlier
+occurrences of the last token, latest first. ``lookup``, the same search as one backward scan
+of the whole context in Python (its reference twin), took ~25 us a row at a 600-token context
+and ~170 us at 4 000 (2-core VM): ~1.4 ms of host time between two verify steps of 8 such rows.
 """
 
 from __future__ import annotations
 
+import bisect
+import weakref
 from collections.abc import Sequence
 
-from loraplex.engine.request import Request
+from loraplex.engine.request import Request, Tokens
 from loraplex.engine.spec.proposer import Proposal
 
 __all__ = ["NgramProposer", "lookup"]
@@ -60,19 +67,88 @@ def lookup(tokens: Sequence[int], k: int, max_n: int = 4, min_n: int = 1) -> lis
 
 
 class NgramProposer:
-    """``Proposer`` by prompt lookup (``lookup``): deterministic, ``probs`` None (a point mass)."""
+    """``Proposer`` by prompt lookup (``lookup``'s matches): deterministic, ``probs`` None (a
+    point mass). Keeps a ``_Positions`` index per request (dropped by ``release``, or with the
+    request)."""
 
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n = max_n
         self.min_n = min_n
+        self._index: weakref.WeakKeyDictionary[Request, _Positions] = weakref.WeakKeyDictionary()
 
     def propose(self, reqs: Sequence[Request], k: int) -> list[Proposal]:
-        return [Proposal(lookup(r.tokens, k, self.max_n, self.min_n)) for r in reqs]
+        out = []
+        for r in reqs:
+            idx = self._index.get(r)
+            if idx is None:
+                idx = self._index[r] = _Positions()
+            out.append(Proposal(idx.lookup(r.tokens, k, self.max_n, self.min_n)))
+        return out
 
     def commit(self, req: Request, num_accepted: int) -> None:
-        """Nothing to roll back: the proposer keeps no state."""
+        """Nothing to roll back: only accepted tokens join a request's tokens (and its index)."""
 
     def release(self, req: Request) -> None:
-        """Nothing kept per request."""
+        self._index.pop(req, None)
+
+
+_TAIL = 4  # indexed tokens re-read each step: a history that changed under them re-indexes
+
+
+class _Positions:
+    """Where each token of one request's tokens occurs (ascending), up to ``size``."""
+
+    __slots__ = ("at", "size", "tail", "lists")
+
+    def __init__(self) -> None:
+        self.at: dict[int, list[int]] = {}
+        self.size = 0
+        self.tail: list[int] = []  # the last indexed tokens, to notice a changed history
+        self.lists: tuple[int, ...] = ()  # ids of the prompt and output lists indexed
+
+    def update(self, tokens: Sequence[int]) -> None:
+        size = len(tokens)
+        keep = len(self.tail)
+        lists = tuple(map(id, tokens.parts())) if isinstance(tokens, Tokens) else ()
+        if (
+            size < self.size
+            or lists != self.lists
+            or (keep and tokens[self.size - keep : self.size] != self.tail)
+        ):  # not an extension of what was indexed: start again
+            self.at, self.size, self.lists = {}, 0, lists
+        if size == self.size:
+            return
+        new = tokens[self.size : size]
+        at = self.at
+        for i, t in enumerate(new, self.size):
+            hit = at.get(t)
+            if hit is None:
+                at[t] = [i]
+            else:
+                hit.append(i)
+        self.size = size
+        self.tail = list(tokens[max(size - _TAIL, 0) : size])
+
+    def lookup(self, tokens: Sequence[int], k: int, max_n: int, min_n: int) -> list[int]:
+        """``lookup(tokens, k, max_n, min_n)``, comparing only where the last token occurs."""
+        self.update(tokens)
+        size = len(tokens)
+        if k <= 0 or size < 2:
+            return []
+        last = tokens[size - 1]
+        ends = self.at[last]
+        best_len, best_end = 0, -1
+        for c in range(bisect.bisect_left(ends, size - 1) - 1, -1, -1):
+            j = ends[c]
+            m = 1
+            while m < max_n and j - m >= 0 and tokens[j - m] == tokens[size - 1 - m]:
+                m += 1
+            if m > best_len:
+                best_len, best_end = m, j
+                if m == max_n:
+                    break
+        if best_len < min_n:
+            return []
+        return list(tokens[best_end + 1 : best_end + 1 + k])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from loraplex.engine.request import Request
@@ -65,3 +67,30 @@ def test_proposer_min_n():
     assert NgramProposer().propose([req], 3)[0].tokens == [9, 5, 6]
     req.output_ids += [9]  # [4, 9] did
     assert NgramProposer(min_n=2).propose([req], 3)[0].tokens == [5, 6, 7]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_proposer_index_matches_lookup_as_a_request_grows(seed: int):
+    """The proposer's per-request index of token positions proposes what ``lookup`` (one scan
+    of the whole context) does, step after step as accepted tokens join; a request whose
+    tokens are not an extension of what was indexed is indexed again; release drops it."""
+    g = random.Random(seed)
+    vocab = g.choice([3, 12, 200])
+    prop = NgramProposer(max_n=g.choice([1, 2, 4]), min_n=1)
+    reqs = [
+        Request(f"r{i}", [g.randrange(vocab) for _ in range(g.randint(1, 40))], SamplingParams())
+        for i in range(3)
+    ]
+    for _ in range(60):
+        k = g.randint(0, 5)
+        got = prop.propose(reqs, k)
+        for r, p in zip(reqs, got, strict=True):
+            assert p.tokens == lookup(r.tokens, k, prop.max_n, prop.min_n)
+            r.output_ids += [g.randrange(vocab) for _ in range(g.randint(0, 3))]
+        if g.random() < 0.1:  # a history that changed (not only grew)
+            r = g.choice(reqs)
+            r.prompt_ids = [g.randrange(vocab) for _ in range(len(r.prompt_ids))]
+    assert len(prop._index) == 3
+    for r in reqs:
+        prop.release(r)
+    assert len(prop._index) == 0
