@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from loraplex.engine.request import Request, Tokens
 from loraplex.engine.spec.proposer import Proposal
@@ -49,13 +49,21 @@ def lookup(tokens: Sequence[int], k: int, max_n: int = 4, min_n: int = 1) -> lis
     if k <= 0 or size < 2:
         return []
     last = seq[-1]
-    best_len, best_end = 0, -1
     # j: where an earlier occurrence of the suffix ends (strictly before the last position)
-    for j in range(size - 2, -1, -1):
-        if seq[j] != last:
-            continue
+    ends = (j for j in range(size - 2, -1, -1) if seq[j] == last)
+    return _follow(seq, ends, k, max_n, min_n)
+
+
+def _follow(
+    tokens: Sequence[int], ends: Iterable[int], k: int, max_n: int, min_n: int
+) -> list[int]:
+    """The ``k`` tokens after the longest match of ``tokens``' suffix that ends at one of
+    ``ends`` (positions holding the last token, latest first: the first longest wins)."""
+    size = len(tokens)
+    best_len, best_end = 0, -1
+    for j in ends:
         m = 1
-        while m < max_n and j - m >= 0 and seq[j - m] == seq[size - 1 - m]:
+        while m < max_n and j - m >= 0 and tokens[j - m] == tokens[size - 1 - m]:
             m += 1
         if m > best_len:
             best_len, best_end = m, j
@@ -63,7 +71,7 @@ def lookup(tokens: Sequence[int], k: int, max_n: int = 4, min_n: int = 1) -> lis
                 break  # the longest possible; scanning backwards, the most recent of them
     if best_len < min_n:
         return []
-    return seq[best_end + 1 : best_end + 1 + k]
+    return list(tokens[best_end + 1 : best_end + 1 + k])
 
 
 class NgramProposer:
@@ -137,18 +145,6 @@ class _Positions:
         size = len(tokens)
         if k <= 0 or size < 2:
             return []
-        last = tokens[size - 1]
-        ends = self.at[last]
-        best_len, best_end = 0, -1
-        for c in range(bisect.bisect_left(ends, size - 1) - 1, -1, -1):
-            j = ends[c]
-            m = 1
-            while m < max_n and j - m >= 0 and tokens[j - m] == tokens[size - 1 - m]:
-                m += 1
-            if m > best_len:
-                best_len, best_end = m, j
-                if m == max_n:
-                    break
-        if best_len < min_n:
-            return []
-        return list(tokens[best_end + 1 : best_end + 1 + k])
+        ends = self.at[tokens[size - 1]]
+        cut = bisect.bisect_left(ends, size - 1)  # occurrences before the last position
+        return _follow(tokens, (ends[c] for c in range(cut - 1, -1, -1)), k, max_n, min_n)
