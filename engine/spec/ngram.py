@@ -106,12 +106,14 @@ _TAIL = 4  # indexed tokens re-read each step: a history that changed under them
 
 
 class _Positions:
-    """Where each token of one request's tokens occurs (ascending), up to ``size``."""
+    """Where each token and each pair of adjacent tokens of one request's tokens occur
+    (ascending positions of the token, of the pair's second), up to ``size``."""
 
-    __slots__ = ("at", "size", "tail", "lists")
+    __slots__ = ("one", "two", "size", "tail", "lists")
 
     def __init__(self) -> None:
-        self.at: dict[int, list[int]] = {}
+        self.one: dict[int, list[int]] = {}
+        self.two: dict[tuple[int, int], list[int]] = {}
         self.size = 0
         self.tail: list[int] = []  # the last indexed tokens, to notice a changed history
         self.lists: tuple[int, ...] = ()  # ids of the prompt and output lists indexed
@@ -125,26 +127,36 @@ class _Positions:
             or lists != self.lists
             or (keep and tokens[self.size - keep : self.size] != self.tail)
         ):  # not an extension of what was indexed: start again
-            self.at, self.size, self.lists = {}, 0, lists
+            self.one, self.two, self.size, self.lists = {}, {}, 0, lists
         if size == self.size:
             return
-        new = tokens[self.size : size]
-        at = self.at
-        for i, t in enumerate(new, self.size):
-            hit = at.get(t)
-            if hit is None:
-                at[t] = [i]
-            else:
-                hit.append(i)
+        lo = self.size
+        new = tokens[max(lo - 1, 0) : size]  # with the token before, for the first pair
+        one, two = self.one, self.two
+        prev = new[0] if lo else None
+        for i, t in enumerate(new[1:] if lo else new, lo):
+            one.setdefault(t, []).append(i)
+            if prev is not None:
+                two.setdefault((prev, t), []).append(i)
+            prev = t
         self.size = size
         self.tail = list(tokens[max(size - _TAIL, 0) : size])
 
     def lookup(self, tokens: Sequence[int], k: int, max_n: int, min_n: int) -> list[int]:
-        """``lookup(tokens, k, max_n, min_n)``, comparing only where the last token occurs."""
+        """``lookup(tokens, k, max_n, min_n)``: where the last two tokens occur earlier, the
+        longest match is among those; otherwise the last token's latest earlier occurrence."""
         self.update(tokens)
         size = len(tokens)
         if k <= 0 or size < 2:
             return []
-        ends = self.at[tokens[size - 1]]
-        cut = bisect.bisect_left(ends, size - 1)  # occurrences before the last position
-        return _follow(tokens, (ends[c] for c in range(cut - 1, -1, -1)), k, max_n, min_n)
+        if max_n >= 2:
+            ends = self.two.get((tokens[size - 2], tokens[size - 1]), [])
+            cut = bisect.bisect_left(ends, size - 1)  # before the last position
+            if cut:
+                latest_first = (ends[c] for c in range(cut - 1, -1, -1))
+                return _follow(tokens, latest_first, k, max_n, min_n)
+        ends = self.one[tokens[size - 1]]
+        cut = bisect.bisect_left(ends, size - 1)
+        if not cut or min_n > 1:
+            return []
+        return list(tokens[ends[cut - 1] + 1 : ends[cut - 1] + 1 + k])

@@ -69,14 +69,15 @@ def test_proposer_min_n():
     assert NgramProposer(min_n=2).propose([req], 3)[0].tokens == [5, 6, 7]
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(16))
 def test_proposer_index_matches_lookup_as_a_request_grows(seed: int):
     """The proposer's per-request index of token positions proposes what ``lookup`` (one scan
     of the whole context) does, step after step as accepted tokens join; a request whose
     tokens are not an extension of what was indexed is indexed again; release drops it."""
     g = random.Random(seed)
     vocab = g.choice([3, 12, 200])
-    prop = NgramProposer(max_n=g.choice([1, 2, 4]), min_n=1)
+    max_n = g.choice([1, 2, 3, 4])
+    prop = NgramProposer(max_n=max_n, min_n=g.randint(1, max_n))
     reqs = [
         Request(f"r{i}", [g.randrange(vocab) for _ in range(g.randint(1, 40))], SamplingParams())
         for i in range(3)
